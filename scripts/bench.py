@@ -1,0 +1,461 @@
+#!/usr/bin/env python
+"""Benchmark treespec against Hugging Face generate on Spec-Bench prompts (greedy, batch 1).
+
+    python scripts/bench.py --num-prompts 16 --max-new-tokens 128 --dtype bfloat16
+
+Methods (all run in the same process on the same prompt token ids):
+    hf                HF `model.generate(do_sample=False)`                 (the reference)
+    hf_prompt_lookup  the same with `prompt_lookup_num_tokens=10`
+    baseline          `treespec.generate_baseline`: 1 token per step on treespec's cache and attention
+    treespec          `treespec.generate` with Medusa heads and a candidate tree
+
+Prompts: the first turn of each Spec-Bench question, through the chat template. `--num-prompts N`
+takes a stratified subset: round-robin over the categories in file order (first question of each
+category, then the second of each, ...), so any N >= the number of categories (13 in Spec-Bench)
+covers every category. This data is for evaluation only: tune nothing on it.
+
+Timing: wall clock around each whole call (prefill included), the same for every method; tokens/s
+= new tokens / seconds. Each method is warmed up once on a short prompt first. Methods are
+interleaved per prompt and their order rotates from one prompt to the next (prompt i starts with
+method i mod k), so machine noise and cache effects fall on every method alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm import tqdm
+
+try:
+    import treespec
+except ModuleNotFoundError:  # a checkout without `pip install -e .`: import it from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import treespec
+from treespec.generate import encode_prompt
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DATA = REPO_ROOT.parent / "shared" / "data" / "spec_bench_question.jsonl"
+DEFAULT_HEADS = REPO_ROOT / "heads" / "smollm2-135m-instruct"
+METHODS = ("hf", "hf_prompt_lookup", "baseline", "treespec")
+REFERENCE = "hf"
+WARMUP_PROMPT = "Say hello in one short sentence."
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--model", default=None, help="HF model id or folder (default: embedded SmolLM2-135M-Instruct)"
+    )
+    p.add_argument(
+        "--heads", default=None, help=f"trained heads folder (default: {DEFAULT_HEADS} if present)"
+    )
+    p.add_argument("--tree", default=None, help="tree JSON file (overrides --tree-size and heads/tree.json)")
+    p.add_argument(
+        "--tree-size",
+        type=int,
+        choices=treespec.DEFAULT_TREE_SIZES,
+        default=None,
+        help="default tree size (default 32, or the heads folder's tree.json)",
+    )
+    p.add_argument("--num-heads", type=int, default=4, help="number of untrained heads (default 4)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--device", default=None, help="torch device (default cpu)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=16, help="stratified subset size (0 = all)")
+    p.add_argument("--categories", default=None, help="comma list of categories to keep")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma list from {','.join(METHODS)}")
+    p.add_argument("--data", default=None, help=f"Spec-Bench questions JSONL (default {DEFAULT_DATA})")
+    p.add_argument("--out", default=None, help="results JSON (default bench_results/bench-<timestamp>.json)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave)")
+    args = p.parse_args(argv)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown or not args.methods:
+        p.error(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+    if args.max_new_tokens < 1:
+        p.error("--max-new-tokens must be >= 1")
+    return args
+
+
+# --------------------------------------------------------------------------------------------------
+# Prompts
+# --------------------------------------------------------------------------------------------------
+
+
+def load_questions(path: Path) -> list[dict]:
+    """Spec-Bench questions, one JSON object per line (question_id, category, turns)."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def select_prompts(
+    questions: list[dict], num_prompts: int, categories: list[str] | None = None
+) -> list[dict]:
+    """Round-robin over categories in file order; N >= number of categories covers each one."""
+    by_category: dict[str, list[dict]] = {}
+    for q in questions:
+        by_category.setdefault(q["category"], []).append(q)
+    if categories:
+        missing = [c for c in categories if c not in by_category]
+        if missing:
+            raise SystemExit(f"unknown categories {missing}; the file has {list(by_category)}")
+        by_category = {c: qs for c, qs in by_category.items() if c in categories}
+    limit = num_prompts if num_prompts > 0 else sum(len(qs) for qs in by_category.values())
+    picked: list[dict] = []
+    for i in range(max((len(qs) for qs in by_category.values()), default=0)):
+        for qs in by_category.values():
+            if i < len(qs) and len(picked) < limit:
+                picked.append(qs[i])
+    return picked
+
+
+# --------------------------------------------------------------------------------------------------
+# Model, heads, tree
+# --------------------------------------------------------------------------------------------------
+
+
+def load_heads_and_tree(args, model) -> tuple[treespec.MedusaHeads, treespec.Tree, str, str]:
+    """Trained heads when available (else untrained identity heads), and the tree to use."""
+    folder = Path(args.heads) if args.heads else None
+    if folder is None and args.model is None and DEFAULT_HEADS.is_dir():
+        folder = DEFAULT_HEADS
+    if folder is not None:
+        heads = treespec.MedusaHeads.from_pretrained(folder, model=model)
+        heads_desc = f"{folder} ({heads.num_heads} heads)"
+    else:
+        print("WARNING: untrained heads: expect accepted length ~1", file=sys.stderr)
+        heads = treespec.MedusaHeads.for_model(model, num_heads=args.num_heads)
+        heads_desc = f"untrained identity heads ({heads.num_heads})"
+
+    if args.tree:
+        tree, source = treespec.Tree.load(args.tree, max_depth=heads.num_heads), args.tree
+    elif args.tree_size is None and folder is not None and (folder / "tree.json").is_file():
+        tree, source = (
+            treespec.Tree.load(folder / "tree.json", max_depth=heads.num_heads),
+            str(folder / "tree.json"),
+        )
+    else:
+        size = args.tree_size or 32
+        tree, source = (
+            treespec.default_tree(size, heads.num_heads),
+            f"default_tree({size}, {heads.num_heads})",
+        )
+    tree_desc = f"{source}: {tree.num_nodes} nodes, depth {tree.max_depth}"
+    return heads, tree, heads_desc, tree_desc
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    """End-of-sequence ids as HF generate sees them (generation config, else the tokenizer)."""
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+
+def make_runners(model, tokenizer, heads, tree, methods: list[str]) -> dict:
+    """name -> run(ids, max_new_tokens) -> dict(token_ids, steps, accepted, library_seconds)."""
+    eos = eos_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
+    device = next(model.parameters()).device
+
+    def hf(ids, max_new_tokens, **extra):
+        input_ids = torch.tensor([ids], device=device)
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+            **extra,
+        )
+        tokens = out[0, len(ids) :].tolist()
+        for i, t in enumerate(tokens):  # up to and including the first eos
+            if t in eos:
+                tokens = tokens[: i + 1]
+                break
+        return {"token_ids": tokens}
+
+    def from_result(res):
+        s = res.stats
+        return {
+            "token_ids": list(res.token_ids),
+            "steps": s.steps,
+            "accepted": sum(s.accept_lengths),
+            "library_seconds": s.time_total,
+        }
+
+    runners = {
+        "hf": hf,
+        "hf_prompt_lookup": lambda ids, m: hf(ids, m, prompt_lookup_num_tokens=10),
+        "baseline": lambda ids, m: from_result(
+            treespec.generate_baseline(model, ids, tokenizer=tokenizer, max_new_tokens=m)
+        ),
+        "treespec": lambda ids, m: from_result(
+            treespec.generate(
+                model, heads, ids, tokenizer=tokenizer, tree=tree, max_new_tokens=m, temperature=0.0
+            )
+        ),
+    }
+    return {name: runners[name] for name in methods}
+
+
+def timed(run, ids, max_new_tokens, device) -> tuple[dict, float]:
+    """One call, wall clock around the whole of it (CUDA synchronised at both ends)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    out = run(ids, max_new_tokens)
+    sync()
+    return out, time.perf_counter() - t0
+
+
+def run_benchmark(prompts, runners, methods, tokenizer, max_new_tokens, device) -> list[dict]:
+    """Warm every method up once, then run all methods on each prompt (order rotating per prompt)."""
+    records = []
+    with torch.inference_mode():
+        warm_ids = encode_prompt(WARMUP_PROMPT, tokenizer)
+        for run in runners.values():
+            run(warm_ids, min(16, max_new_tokens))
+
+        bar = tqdm(prompts, unit="prompt")
+        for i, q in enumerate(bar):
+            bar.set_description(q["category"])
+            ids = encode_prompt(q["turns"][0], tokenizer)
+            k = i % len(methods)
+            results = {}
+            for m in methods[k:] + methods[:k]:
+                out, seconds = timed(runners[m], ids, max_new_tokens, device)
+                results[m] = out | {"seconds": seconds}
+            records.append(make_record(q, ids, results, methods))
+        bar.close()
+    return records
+
+
+def make_record(q: dict, ids: list[int], results: dict, methods: list[str]) -> dict:
+    """Per-prompt record: each method's tokens, time, acceptance, and agreement with hf."""
+    ref = results.get(REFERENCE)
+    per_method = {}
+    for m in methods:
+        r = results[m]
+        tokens = r["token_ids"]
+        entry = {
+            "new_tokens": len(tokens),
+            "seconds": r["seconds"],
+            "tokens_per_second": len(tokens) / r["seconds"] if r["seconds"] else 0.0,
+            "steps": r.get("steps"),
+            "accepted": r.get("accepted"),
+            "accept_length": r["accepted"] / r["steps"] if r.get("steps") else None,
+            "library_seconds": r.get("library_seconds"),
+            "identical_to_hf": None,
+            "first_diff": None,
+        }
+        if ref is not None and m != REFERENCE:
+            entry["identical_to_hf"] = tokens == ref["token_ids"]
+            if not entry["identical_to_hf"]:
+                entry["first_diff"] = next(
+                    (j for j, (a, b) in enumerate(zip(tokens, ref["token_ids"], strict=False)) if a != b),
+                    min(len(tokens), len(ref["token_ids"])),
+                )
+        entry["token_ids"] = tokens
+        per_method[m] = entry
+    return {
+        "question_id": q["question_id"],
+        "category": q["category"],
+        "prompt_tokens": len(ids),
+        "methods": per_method,
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Summary and table
+# --------------------------------------------------------------------------------------------------
+
+
+def summarize(records: list[dict], methods: list[str], reference: str = REFERENCE) -> list[dict]:
+    """One row per category (first-seen order) plus "overall"; every ratio is over summed totals."""
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        groups.setdefault(r["category"], []).append(r)
+    groups["overall"] = records
+    rows = []
+    for name, recs in groups.items():
+        row = {"category": name, "prompts": len(recs), "methods": {}}
+        for m in methods:
+            runs = [r["methods"][m] for r in recs]
+            tokens = sum(x["new_tokens"] for x in runs)
+            seconds = sum(x["seconds"] for x in runs)
+            entry = {
+                "new_tokens": tokens,
+                "seconds": seconds,
+                "tokens_per_second": tokens / seconds if seconds else 0.0,
+            }
+            steps = [x for x in runs if x.get("steps") is not None]
+            if steps:
+                total_steps = sum(x["steps"] for x in steps)
+                entry["steps"] = total_steps
+                entry["accept_length"] = (
+                    sum(x["accepted"] for x in steps) / total_steps if total_steps else None
+                )
+            if reference in methods and m != reference:
+                entry["identical_to_hf"] = sum(bool(x["identical_to_hf"]) for x in runs)
+            row["methods"][m] = entry
+        if reference in methods:
+            ref_tps = row["methods"][reference]["tokens_per_second"]
+            for entry in row["methods"].values():
+                entry["speedup"] = entry["tokens_per_second"] / ref_tps if ref_tps else None
+        rows.append(row)
+    return rows
+
+
+HEADER_KEYS = (
+    "command",
+    "model",
+    "dtype",
+    "device",
+    "heads",
+    "tree",
+    "threads",
+    "max_new_tokens",
+    "num_prompts",
+)
+
+
+def format_header(config: dict, wall: float) -> str:
+    """The run's settings, printed above the tables."""
+    lines = [f"{k:>14}: {config[k]}" for k in HEADER_KEYS]
+    lines.append(f"{'versions':>14}: " + ", ".join(f"{k} {v}" for k, v in config["versions"].items()))
+    lines.append(f"{'method order':>14}: {config['method_order']}")
+    lines.append(f"{'wall time':>14}: {wall:.1f} s (warm-up included, model loading excluded)")
+    return "\n".join(lines)
+
+
+def _grid(headers: list[str], rows: list[list[str]]) -> str:
+    """Plain text table: first column left-aligned, the others right-aligned."""
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows, strict=True)]
+
+    def line(cells):
+        return "  ".join(
+            str(c).ljust(w) if i == 0 else str(c).rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
+
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def format_tables(summary: list[dict], methods: list[str], reference: str = REFERENCE) -> str:
+    """Throughput table (tokens/s and speedup over hf) and a fidelity table (acceptance, exact match)."""
+    has_ref = reference in methods
+    rows = []
+    for row in summary:
+        cells = [row["category"], str(row["prompts"])]
+        for m in methods:
+            e = row["methods"][m]
+            speed = f" ({e['speedup']:.2f}x)" if has_ref and e.get("speedup") is not None else ""
+            cells.append(f"{e['tokens_per_second']:.1f}{speed}")
+        rows.append(cells)
+    title = "tokens/s" + (f" (speedup over {reference})" if has_ref else "")
+    parts = [title, _grid(["category", "n", *methods], rows)]
+
+    accept = [m for m in methods if m == "treespec"]
+    same = [m for m in methods if has_ref and m != reference]
+    if accept or same:
+        rows = []
+        for row in summary:
+            cells = [row["category"], str(row["prompts"])]
+            for m in accept:
+                a = row["methods"][m].get("accept_length")
+                cells.append("-" if a is None else f"{a:.2f}")
+            for m in same:
+                cells.append(f"{row['methods'][m]['identical_to_hf']}/{row['prompts']}")
+            rows.append(cells)
+        headers = ["category", "n", *[f"accept({m})" for m in accept], *[f"same({m})" for m in same]]
+        note = f"accept: tokens committed per verify step; same(X): prompts with X's tokens == {reference}'s"
+        parts += ["", note, _grid(headers, rows)]
+    return "\n".join(parts)
+
+
+# --------------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark, print the tables, write the JSON; returns what was written."""
+    args = parse_args(argv)
+    command = "python scripts/bench.py " + shlex.join(
+        sys.argv[1:] if argv is None else [str(a) for a in argv]
+    )
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    data = Path(args.data) if args.data else DEFAULT_DATA
+    categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
+    prompts = select_prompts(load_questions(data), args.num_prompts, categories)
+    if not prompts:
+        raise SystemExit(f"no prompts selected from {data}")
+
+    model, tokenizer = treespec.load_model(args.model, dtype=args.dtype, device=args.device)
+    device = next(model.parameters()).device
+    heads, tree, heads_desc, tree_desc = None, None, "-", "-"
+    if "treespec" in args.methods:
+        heads, tree, heads_desc, tree_desc = load_heads_and_tree(args, model)
+    runners = make_runners(model, tokenizer, heads, tree, args.methods)
+
+    config = {
+        "command": command,
+        "model": args.model or model.config.name_or_path,
+        "dtype": args.dtype,
+        "device": str(device),
+        "heads": heads_desc,
+        "tree": tree_desc,
+        "tree_choices": [list(c) for c in tree.choices] if tree is not None else None,
+        "threads": torch.get_num_threads(),
+        "max_new_tokens": args.max_new_tokens,
+        "num_prompts": len(prompts),
+        "categories": categories,
+        "methods": args.methods,
+        "method_order": "rotating per prompt (prompt i starts with method i mod k)",
+        "timing": "wall clock per whole call incl. prefill, after one warm-up call per method",
+        "data": str(data),
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "treespec": treespec.__version__,
+            "python": platform.python_version(),
+        },
+        "platform": platform.platform(),
+        "started": datetime.now().isoformat(timespec="seconds"),
+    }
+
+    t_start = time.perf_counter()
+    records = run_benchmark(prompts, runners, args.methods, tokenizer, args.max_new_tokens, device)
+    wall = time.perf_counter() - t_start
+
+    summary = summarize(records, args.methods)
+    print(format_header(config, wall) + "\n")
+    print(format_tables(summary, args.methods))
+
+    result = {"config": config, "wall_seconds": wall, "prompts": records, "summary": summary}
+    out = (
+        Path(args.out)
+        if args.out
+        else REPO_ROOT / "bench_results" / f"bench-{datetime.now():%Y%m%d-%H%M%S}.json"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    print(f"\nwrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

