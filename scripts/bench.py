@@ -193,6 +193,12 @@ def make_runners(model, tokenizer, heads, tree, methods: list[str]) -> dict:
             "steps": s.steps,
             "accepted": sum(s.accept_lengths),
             "library_seconds": s.time_total,
+            "phase_seconds": {
+                "prefill": s.time_prefill,
+                "draft": s.time_draft,
+                "verify": s.time_verify,
+                "commit": s.time_commit,
+            },
         }
 
     runners = {
@@ -257,6 +263,7 @@ def make_record(q: dict, ids: list[int], results: dict, methods: list[str]) -> d
             "accepted": r.get("accepted"),
             "accept_length": r["accepted"] / r["steps"] if r.get("steps") else None,
             "library_seconds": r.get("library_seconds"),
+            "phase_seconds": r.get("phase_seconds"),
             "identical_to_hf": None,
             "first_diff": None,
         }
