@@ -167,3 +167,20 @@ def test_bad_arguments_are_refused():
         treespec.generate(model, None, [1], acceptance="yes")
     with pytest.raises(ValueError, match="needs tokenizer"):
         treespec.generate(model, None, "hello")
+
+
+def test_trace_records_each_step():
+    model = tiny_model("llama")
+    heads = random_heads(model)
+    tree = treespec.default_tree(16, 4)
+    res = treespec.generate(
+        model, heads, [1, 2, 3], tree=tree, max_new_tokens=30, eos_token_id=[], trace=True
+    )
+    assert len(res.trace) == res.stats.steps
+    emitted = [res.token_ids[0]]
+    for step in res.trace:
+        assert len(step["tokens"]) == len(step["draft_probs"]) == tree.num_nodes
+        assert step["tokens"][0] == emitted[-1]  # the root is the previous step's bonus token
+        assert step["path"] == tree.path_to(step["path"][-1])
+        emitted += [step["tokens"][i] for i in step["path"][1:]] + [step["bonus"]]
+    assert emitted[: len(res.token_ids)] == res.token_ids

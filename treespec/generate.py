@@ -87,7 +87,6 @@ class _Timer:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.start = 0.0
 
     def now(self) -> float:
         if self.cuda:
@@ -240,12 +239,11 @@ def generate(
             new = [token_list[i] for i in path[1:]] + [root]
             stats.record_step(len(path), t1 - t0, t2 - t1, t3 - t2)
             if trace:
+                probs = getattr(drafter, "last_probs", None)
                 steps_trace.append(
                     {
                         "tokens": token_list,
-                        "draft_probs": getattr(drafter, "last_probs", None).tolist()
-                        if getattr(drafter, "last_probs", None) is not None
-                        else None,
+                        "draft_probs": None if probs is None else probs.tolist(),
                         "path": path,
                         "bonus": root,
                     }
