@@ -37,7 +37,10 @@ class GenerationResult:
     text: str | None
     prompt_ids: list[int]
     stats: GenerationStats
-    trace: list[dict] = field(default_factory=list)
+    tree: Tree | None = None  # the candidate tree used (root-only for plain decoding)
+    trace: list[dict] = field(
+        default_factory=list
+    )  # with trace=True: per step tokens, draft_probs, path, bonus
 
 
 def encode_prompt(prompt, tokenizer=None, chat: bool | None = None) -> list[int]:
@@ -269,7 +272,9 @@ def generate(
         for s in stops:
             if s in text:
                 text = text[: text.index(s)]
-    return GenerationResult(token_ids=out, text=text, prompt_ids=prompt_ids, stats=stats, trace=steps_trace)
+    return GenerationResult(
+        token_ids=out, text=text, prompt_ids=prompt_ids, stats=stats, tree=tree, trace=steps_trace
+    )
 
 
 def _hits_stop(out: list[int], stops: list[str], tokenizer) -> bool:
