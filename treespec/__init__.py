@@ -7,6 +7,7 @@ from .generate import GenerationResult, encode_prompt, generate, generate_baseli
 from .heads import HeadsLoadError, MedusaHeads
 from .models import load_model
 from .stats import GenerationStats
+from .trace import Trace
 from .tree import DEFAULT_TREE_SIZES, Tree, default_tree
 from .verify import SamplingConfig
 
@@ -22,6 +23,7 @@ __all__ = [
     "MedusaHeads",
     "RootOnlyDrafter",
     "SamplingConfig",
+    "Trace",
     "Tree",
     "TreeKVCache",
     "default_tree",

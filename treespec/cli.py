@@ -1,0 +1,347 @@
+"""The ``treespec`` command: generate text, draw trees and traces, run the repository's scripts.
+
+    treespec generate "Why is the sky blue?" --stream --show-tree --trace run.json
+    treespec viz tree.json -o tree.png [--acceptance table.json]
+    treespec viz --trace run.json -o run.html          (or -o step.png --step 3)
+    treespec bench ...  /  treespec train ...          scripts/bench.py / scripts/train_heads.py
+
+Errors a user can cause (a bad or missing file, a malformed option) print one line naming the
+problem and exit with status 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import treespec
+
+from .models import MissingDefaultModelError
+from .trace import Trace
+from .tree import Tree
+
+REPO_ROOT = Path(treespec.__file__).resolve().parents[1]
+SCRIPTS_DIR = REPO_ROOT / "scripts"
+DEFAULT_HEADS = REPO_ROOT / "heads" / "smollm2-135m-instruct"
+SCRIPTS = {  # subcommand -> (script file, one-line help)
+    "bench": ("bench.py", "benchmark against HF generate on Spec-Bench (runs scripts/bench.py)"),
+    "train": ("train_heads.py", "train Medusa heads (runs scripts/train_heads.py)"),
+}
+PICTURES = (".png", ".svg")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv else ""
+    try:
+        if command in SCRIPTS:  # everything after the name belongs to the script's own parser
+            return run_script(command, argv[1:])
+        args = build_parser().parse_args(argv)
+        return args.run(args)
+    except (ValueError, OSError, MissingDefaultModelError) as e:
+        print(f"treespec {command}: error: {_message(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _message(error: Exception) -> str:
+    if isinstance(error, OSError) and error.filename is not None:
+        return f"{error.filename}: {error.strerror or error}"
+    return str(error)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="treespec",
+        description="Tree-speculative (Medusa-style) decoding: generate, visualise, benchmark, train.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_generate(commands)
+    _add_viz(commands)
+    for name, (_, help_text) in SCRIPTS.items():
+        commands.add_parser(name, help=help_text, description=f"{help_text}; options: treespec {name} --help")
+    return parser
+
+
+# ----- treespec generate -----
+
+
+def _add_generate(commands) -> None:
+    p = commands.add_parser(
+        "generate",
+        help="generate text with tree speculation",
+        description="Generate text with tree speculation and print it, then a statistics summary.",
+    )
+    p.add_argument("prompt", help="the prompt (goes through the chat template when the model has one)")
+    p.add_argument("--model", default=None, help="HF model id or folder (default: embedded SmolLM2-135M)")
+    p.add_argument(
+        "--heads",
+        default=None,
+        help=f"trained heads folder (default: {DEFAULT_HEADS} when present, else untrained heads)",
+    )
+    p.add_argument(
+        "--tree",
+        default=None,
+        help="tree JSON file, a folder with tree.json, or a default tree size (8, 16, 32, 64); "
+        "default: the heads folder's tree.json, else the 32-node default tree",
+    )
+    p.add_argument("--num-heads", type=int, default=4, help="number of untrained heads (default 4)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=None, help="torch device (default cpu)")
+    p.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    p.add_argument("--show-tree", action="store_true", help="print each step's tree, path highlighted")
+    p.add_argument("--trace", metavar="OUT.json", default=None, help="save the step-by-step trace here")
+    p.set_defaults(run=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    from transformers import TextStreamer
+
+    folder = heads_folder(args.heads, default_ok=args.model is None)
+    tree = load_tree(args.tree, folder)  # a bad tree file fails before the model loads
+    model, tokenizer = treespec.load_model(args.model, dtype=args.dtype, device=args.device)
+    heads = load_heads(folder, model, args.num_heads)
+    if isinstance(tree, int):
+        tree = treespec.default_tree(tree, heads.num_heads)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if args.stream else None
+    want_trace = args.show_tree or args.trace is not None
+    result = treespec.generate(
+        model,
+        heads,
+        args.prompt,
+        tokenizer=tokenizer,
+        tree=tree,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        streamer=streamer,
+        trace=want_trace,
+    )
+    if streamer is None:
+        print(result.text)
+    if want_trace:
+        trace = Trace.from_result(result, tokenizer, model=args.model or model.config.name_or_path)
+        if args.show_tree:
+            print_trace_trees(trace)
+        if args.trace is not None:
+            trace.save(args.trace)
+            print(f"trace written to {args.trace}", file=sys.stderr)
+    print(result.stats.summary())
+    return 0
+
+
+def heads_folder(folder: str | None, default_ok: bool) -> Path | None:
+    """The heads folder to load: the one given, else the repository's default heads if present."""
+    if folder:
+        path = Path(folder)
+        if not path.is_dir():
+            raise ValueError(f"{path}: not a heads folder (expected a directory saved by MedusaHeads)")
+        return path
+    return DEFAULT_HEADS if default_ok and DEFAULT_HEADS.is_dir() else None
+
+
+def load_heads(folder: Path | None, model, num_heads: int = 4) -> treespec.MedusaHeads:
+    """Trained heads from ``folder``; without one, untrained heads and a warning."""
+    if folder is not None:
+        return treespec.MedusaHeads.from_pretrained(folder, model=model)
+    print(
+        f"warning: no trained heads (looked for {DEFAULT_HEADS}); using {num_heads} untrained heads, so "
+        "expect a mean accepted length near 1 and no speedup. Pass --heads FOLDER for trained ones.",
+        file=sys.stderr,
+    )
+    return treespec.MedusaHeads.for_model(model, num_heads=num_heads)
+
+
+def load_tree(spec: str | None, folder: Path | None) -> Tree | int | None:
+    """--tree (see :func:`tree_arg`); else the heads folder's tree.json; else None (generate's
+    32-node default). The tree's depth is checked against the heads when generation starts."""
+    if spec is None:
+        if folder is not None and (folder / "tree.json").is_file():
+            return Tree.load(folder / "tree.json")
+        return None
+    return tree_arg(spec)
+
+
+def tree_arg(spec: str) -> Tree | int:
+    """A tree JSON file, a folder holding tree.json, or a default tree size ("32", returned as an int
+    for :func:`treespec.default_tree` once the number of heads is known)."""
+    if spec.isdigit():
+        return int(spec)
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "tree.json"
+        if not path.is_file():
+            raise ValueError(f"{spec}: folder has no tree.json")
+    return Tree.load(path)
+
+
+def print_trace_trees(trace: Trace) -> None:
+    """Print each step's candidate tree in the terminal (rich)."""
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    for k in range(len(trace.steps)):
+        console.print(rich_step_tree(trace, k))
+
+
+def rich_step_tree(trace: Trace, step_index: int):
+    """A rich Tree of one step: accepted path bold green, rejected nodes dim, the bonus in yellow."""
+    from rich.text import Text
+    from rich.tree import Tree as RichTree
+
+    from .viz import visible
+
+    step, tree = trace.steps[step_index], trace.tree
+    accepted = set(step.path)
+
+    def label(node: int) -> Text:
+        text = visible(step.token_texts[node], 24)
+        if node == 0:
+            return Text(f"{text}  (root)", style="bold green")
+        prob = "" if step.draft_probs is None else f"  p={step.draft_probs[node]:.2f}"
+        where = f"  h{int(tree.head[node])} r{int(tree.rank[node])}"
+        return Text(text + prob + where, style="bold green" if node in accepted else "dim")
+
+    def grow(branch: RichTree, node: int) -> None:
+        for child in tree.children(node):
+            grow(branch.add(label(child)), child)
+        if node == step.path[-1]:
+            branch.add(Text(f"+ {visible(step.bonus_text, 24)}  (bonus)", style="bold yellow"))
+
+    title = f"step {step_index + 1} / {len(trace.steps)}: accepted length {step.accept_length}"
+    root = RichTree(Text(title, style="bold"))
+    grow(root.add(label(0)), 0)
+    return root
+
+
+# ----- treespec viz -----
+
+
+def _add_viz(commands) -> None:
+    p = commands.add_parser(
+        "viz",
+        help="draw a tree (PNG/SVG) or a generation trace (HTML, or one step as PNG/SVG)",
+        description="Draw a tree file as PNG/SVG, or a trace from `treespec generate --trace` as an "
+        "interactive HTML page or one step's picture. The output format follows the -o extension.",
+    )
+    p.add_argument("tree", nargs="?", help="tree JSON file, a folder with tree.json, or a default tree size")
+    p.add_argument("--num-heads", type=int, default=4, help="heads of a default tree size (default 4)")
+    p.add_argument("--trace", default=None, help="trace JSON file written by `treespec generate --trace`")
+    p.add_argument("-o", "--output", required=True, help="output: .png or .svg (tree or step), .html (trace)")
+    p.add_argument(
+        "--acceptance",
+        default=None,
+        help='JSON table acceptance[head][rank] (or {"acceptance": [...]}) to colour a tree by',
+    )
+    p.add_argument(
+        "--mode",
+        choices=["path", "node"],
+        default="path",
+        help="with --acceptance: colour by path probability (default) or the node's own",
+    )
+    p.add_argument("--step", type=int, default=None, help="with --trace and -o .png/.svg: step K (1-based)")
+    p.set_defaults(run=cmd_viz)
+
+
+def cmd_viz(args: argparse.Namespace) -> int:
+    from . import viz
+
+    out = Path(args.output)
+    ext = out.suffix.lower()
+    if (args.tree is None) == (args.trace is None):
+        raise ValueError("give either a tree file or --trace TRACE.json (not both)")
+    if args.tree is not None:
+        if args.step is not None:
+            raise ValueError("--step needs --trace")
+        if ext not in PICTURES:
+            raise ValueError(f"{out}: a tree is drawn as .png or .svg, not {ext or 'no extension'!r}")
+        tree = tree_arg(args.tree)
+        if isinstance(tree, int):
+            tree = treespec.default_tree(tree, args.num_heads)
+        acceptance = load_acceptance(args.acceptance) if args.acceptance else None
+        viz.draw_tree(tree, out, acceptance=acceptance, mode=args.mode)
+    else:
+        if args.acceptance is not None:
+            raise ValueError("--acceptance applies to a tree file, not to a trace")
+        trace = Trace.load(args.trace)
+        if ext == ".html":
+            if args.step is not None:
+                raise ValueError("--step applies to a .png/.svg picture; the HTML page shows every step")
+            viz.write_html(trace, out, title=f"treespec trace: {Path(args.trace).name}")
+        elif ext in PICTURES:
+            step = 1 if args.step is None else args.step
+            if not 1 <= step <= len(trace.steps):
+                count = len(trace.steps)
+                raise ValueError(f"{args.trace}: --step {step} out of range (the trace has {count} steps)")
+            viz.draw_step(trace, step - 1, out)
+        else:
+            raise ValueError(f"{out}: a trace is drawn as .html, .png or .svg, not {ext or 'no extension'!r}")
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def load_acceptance(path: str | Path) -> list[list[float]]:
+    """An ``acceptance[head][rank]`` table from JSON: a list of lists, or an object holding one."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON: {e}") from None
+    if isinstance(data, dict):
+        data = data.get("acceptance")
+    ok = isinstance(data, list) and all(isinstance(row, list) for row in data)
+    if not ok or not all(_is_number(p) for row in data for p in row):
+        raise ValueError(f"{path}: expected an acceptance table [[p, ...], ...] of numbers, one row per head")
+    return [[float(p) for p in row] for row in data]
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# ----- treespec bench / train -----
+
+
+def run_script(name: str, argv: list[str]) -> int:
+    """Run ``scripts/<file>``'s ``main(argv)`` from the source checkout this package lives in."""
+    script, _ = SCRIPTS[name]
+    path = SCRIPTS_DIR / script
+    if not path.is_file():
+        raise ValueError(
+            f"{path} not found: `treespec {name}` runs scripts/{script} of the source checkout "
+            "treespec was installed from (pip install -e .)"
+        )
+    main_function = _load_main(path)
+    saved, sys.argv = sys.argv, [f"treespec {name}", *argv]  # so its usage line reads "treespec bench"
+    try:
+        result = main_function(argv)
+    finally:
+        sys.argv = saved
+    return result if isinstance(result, int) else 0
+
+
+def _load_main(path: Path) -> Callable:
+    spec = importlib.util.spec_from_file_location(f"treespec_scripts.{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look their module up here
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, "main", None)):
+        raise ValueError(f"{path}: has no main(argv) function")
+    return module.main
+
+
+if __name__ == "__main__":
+    sys.exit(main())
