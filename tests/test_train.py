@@ -1,0 +1,202 @@
+"""Head training: examples, loss, checkpoints and resume, and DDP under `accelerate launch`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+import treespec
+from treespec import train as train_module
+from treespec.distill import make_distill_data
+from treespec.train import TrainConfig, head_examples, heads_loss, train_heads
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [
+    "Hi",
+    "Write a haiku about the sea.",
+    "What is 2 + 2?",
+    "List three prime numbers.",
+    "Why is the sky blue?",
+    "Name a colour.",
+    "Translate 'cat' into French.",
+    "Say something kind.",
+    "Count to five.",
+    "What is a tree?",
+]
+
+
+def test_head_examples_align_targets():
+    seq = torch.arange(10, 20)  # tokens 10..19; prompt = first 4
+    hidden = torch.arange(10, dtype=torch.float32)[:, None].repeat(1, 3)  # [10, 3]: row t holds t
+    x, y = head_examples([hidden], [seq], [4], num_heads=3)
+    assert x[:, 0].tolist() == list(range(3, 9))  # t = last prompt token .. T-2
+    assert y[0].tolist() == [15, 16, 17]  # t=3: head k targets token t+2+k
+    assert y[-1].tolist() == [-100, -100, -100]  # t=8: t+2 is past the end
+
+
+def test_loss_weights_heads_by_decay():
+    logits = torch.randn(2, 5, 7)
+    targets = torch.randint(0, 7, (5, 2))
+    total, per_head = heads_loss(logits, targets, decay=0.5)
+    assert total.item() == pytest.approx(per_head[0] + 0.5 * per_head[1], rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    """A tiny random Llama over the SmolLM2 vocabulary, saved as a folder, and its distillation data."""
+    root = tmp_path_factory.mktemp("train")
+    tokenizer = AutoTokenizer.from_pretrained(treespec.models.default_model_folder())
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    prompts = root / "prompts.json"
+    prompts.write_text(
+        json.dumps(
+            [{"id": f"p{i}", "conversations": [{"from": "human", "value": t}]} for i, t in enumerate(PROMPTS)]
+        )
+    )
+    make_distill_data(
+        root / "data",
+        model,
+        tokenizer,
+        prompts,
+        max_new_tokens=12,
+        shard_size=4,
+        eval_fraction=0.3,
+        progress=False,
+    )
+    return root, model
+
+
+def _config(root: Path, out: str, **kw) -> TrainConfig:
+    base = dict(
+        data=str(root / "data"),
+        out=str(root / out),
+        num_heads=3,
+        lr=1e-2,
+        warmup_steps=2,
+        max_steps=16,
+        batch_size=32,
+        eval_every=8,
+        checkpoint_every=4,
+        bf16=False,
+        extra={"model": str(root / "model")},
+    )
+    return TrainConfig(**{**base, **kw})
+
+
+def test_training_lowers_the_loss_and_writes_loadable_heads(tiny_setup):
+    root, model = tiny_setup
+    record = train_heads(_config(root, "run"), model=model)
+    losses = [e["loss"] for e in record["log"] if "loss" in e]
+    assert losses[-1] < losses[0]
+    assert len(record["eval"]["top1"]) == 3
+    heads = treespec.MedusaHeads.from_pretrained(root / "run" / "heads", model=model)
+    assert heads.num_heads == 3
+    res = treespec.generate(model, heads, [1, 2, 3], max_new_tokens=8, eos_token_id=[])
+    assert len(res.token_ids) == 8
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_resume_continues_from_the_checkpoint(tiny_setup, monkeypatch):
+    root, model = tiny_setup
+    straight = train_heads(_config(root, "straight"), model=model)
+
+    real_save = train_module.save_checkpoint
+
+    def save_then_die(folder, heads, optimizer, step, cfg, log):
+        real_save(folder, heads, optimizer, step, cfg, log)
+        if step == 8:
+            raise _Killed  # the process dies right after its step-8 checkpoint
+
+    monkeypatch.setattr(train_module, "save_checkpoint", save_then_die)
+    with pytest.raises(_Killed):
+        train_heads(_config(root, "resumed"), model=model)
+    monkeypatch.setattr(train_module, "save_checkpoint", real_save)
+    resumed = train_heads(_config(root, "resumed"), model=model, resume=True)
+    a = treespec.MedusaHeads.from_pretrained(root / "straight" / "heads")
+    b = treespec.MedusaHeads.from_pretrained(root / "resumed" / "heads")
+    for (name, pa), (_, pb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        torch.testing.assert_close(pa, pb, msg=name)
+    assert resumed["steps"] == straight["steps"] == 16
+    with pytest.raises(ValueError, match="other settings"):
+        train_heads(_config(root, "resumed", lr=5e-3), model=model, resume=True)
+
+
+@pytest.mark.skipif(
+    shutil.which("accelerate") is None and not (Path(sys.executable).parent / "accelerate").exists(),
+    reason="accelerate's launcher is not installed",
+)
+def test_ddp_under_accelerate_launch(tiny_setup, tmp_path):
+    root, _ = tiny_setup
+    launcher = Path(sys.executable).parent / "accelerate"
+    out = tmp_path / "ddp"
+    cmd = [
+        str(launcher) if launcher.exists() else "accelerate",
+        "launch",
+        "--multi_gpu",  # torchrun processes; on a CPU torch they use gloo (`--cpu` alone runs one)
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(ROOT / "scripts" / "train_heads.py"),
+        "--data",
+        str(root / "data"),
+        "--out",
+        str(out),
+        "--model",
+        str(root / "model"),
+        "--num-heads",
+        "3",
+        "--max-steps",
+        "12",
+        "--batch-size",
+        "32",
+        "--lr",
+        "1e-2",
+        "--warmup-steps",
+        "2",
+        "--eval-every",
+        "6",
+        "--checkpoint-every",
+        "6",
+        "--no-bf16",
+        "--threads",
+        "1",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["sha256"] == ranks[1]["sha256"]  # both processes end with identical heads
+    record = json.loads((out / "training.json").read_text())
+    assert record["processes"] == 2
+    losses = [e["loss"] for e in record["log"] if "loss" in e]
+    assert losses[-1] < losses[0]

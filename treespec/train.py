@@ -1,0 +1,322 @@
+"""Train Medusa heads on a frozen base model (Medusa-1 style), by self-distillation.
+
+The data are the base model's own answers (`treespec.distill`). At a response position t the base
+model's output layer predicts token t+1; head k learns token t+2+k from the same last hidden state.
+The loss is sum_k 0.8**k * CE_k, so nearer heads, whose guesses are checked first, weigh more.
+
+The base model is frozen, so its last hidden states are computed once (one batched forward per batch of
+sequences) and cached on disk beside the output; training then only runs the heads and the shared
+output layer. The loop runs unchanged under `accelerate launch` (DDP across processes): every process
+reads the same cached states and trains on its own slice of each batch.
+
+Checkpoints are atomic (a complete folder replaces the previous one) and `resume=True` continues from
+the last one with the same data order, so a killed run loses at most `checkpoint_every` steps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+from tqdm import tqdm
+
+from .distill import load_distill_data
+from .heads import MedusaHeads, model_identity
+
+HIDDEN_NAME = "hidden_states.safetensors"
+CHECKPOINT_DIR = "checkpoint"
+
+
+@dataclass
+class TrainConfig:
+    """Settings of one training run (saved with the checkpoint; a resume must match them)."""
+
+    data: str
+    out: str
+    num_heads: int = 4
+    num_layers: int = 1
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 50
+    max_steps: int = 1000
+    batch_size: int = 256  # positions per optimizer step, over all processes
+    loss_decay: float = 0.8
+    eval_every: int = 200
+    checkpoint_every: int = 100
+    seed: int = 0
+    bf16: bool = True
+    hidden_batch_tokens: int = 4096
+    max_positions: int | None = None  # cap on training positions (None: all)
+    extra: dict = field(default_factory=dict)
+
+
+# -- examples ----------------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def last_hidden_states(
+    model, sequences: list[Tensor], batch_tokens: int = 4096, desc: str = "hidden"
+) -> list[Tensor]:
+    """The base model's final-norm hidden state at every position: list of [T_i, H] (model dtype)."""
+    out: list[Tensor | None] = [None] * len(sequences)
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    batches, batch = [], []
+    for i in order:
+        if batch and (len(batch) + 1) * len(sequences[i]) > batch_tokens:
+            batches.append(batch)
+            batch = []
+        batch.append(i)
+    if batch:
+        batches.append(batch)
+    base = model.base_model
+    for batch in tqdm(batches, desc=desc, unit="batch"):
+        width = max(len(sequences[i]) for i in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)  # right padding: causal, so it is never seen
+        for row, i in enumerate(batch):
+            ids[row, : len(sequences[i])] = sequences[i]
+        hidden = base(input_ids=ids.to(model.device)).last_hidden_state  # [b, width, H]
+        for row, i in enumerate(batch):
+            out[i] = hidden[row, : len(sequences[i])].cpu()
+    return out  # type: ignore[return-value]
+
+
+def head_examples(
+    hidden: list[Tensor], sequences: list[Tensor], prompt_lengths: list[int], num_heads: int
+) -> tuple[Tensor, Tensor]:
+    """Training pairs at every response position t (from the last prompt token on).
+
+    Returns x [M, H] (hidden at t) and y [M, K] (token t+2+k, or -100 past the end).
+    """
+    xs, ys = [], []
+    for h, seq, p in zip(hidden, sequences, prompt_lengths, strict=True):
+        T = len(seq)
+        positions = torch.arange(max(p - 1, 0), T - 1)  # [m]: t such that t+1 is a response token
+        if len(positions) == 0:
+            continue
+        targets = positions[:, None] + 2 + torch.arange(num_heads)[None]  # [m, K]
+        y = torch.where(targets < T, seq[targets.clamp(max=T - 1)], torch.full_like(targets, -100))
+        xs.append(h[positions])
+        ys.append(y)
+    return torch.cat(xs), torch.cat(ys)  # [M, H], [M, K]
+
+
+def cached_examples(
+    model, data_folder: str | Path, cache_folder: Path, split: str, num_heads: int, batch_tokens: int
+):
+    """Hidden states of one split, computed once and kept in `cache_folder` (safetensors)."""
+    path = cache_folder / f"{split}-{HIDDEN_NAME}"
+    data = load_distill_data(data_folder, split)
+    if path.is_file():
+        tensors = load_file(path)
+        if tensors["x"].shape[0] > 0 and int(tensors["num_sequences"]) == len(data.sequences):
+            return tensors["x"], tensors["y"][:, :num_heads]
+    hidden = last_hidden_states(model, data.sequences, batch_tokens, desc=f"hidden states ({split})")
+    x, y = head_examples(hidden, data.sequences, data.prompt_lengths, max(num_heads, 8))
+    cache_folder.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_file(
+        {"x": x.contiguous(), "y": y.contiguous(), "num_sequences": torch.tensor(len(data.sequences))},
+        str(tmp),
+    )
+    os.replace(tmp, path)
+    return x, y[:, :num_heads]
+
+
+# -- loss and metrics --------------------------------------------------------------------------------
+
+
+def heads_loss(logits: Tensor, targets: Tensor, decay: float) -> tuple[Tensor, list[float]]:
+    """logits [K, M, V], targets [M, K] -> sum_k decay**k * CE_k, and each CE_k."""
+    losses = []
+    total = logits.new_zeros((), dtype=torch.float32)
+    for k in range(logits.shape[0]):
+        ce = F.cross_entropy(logits[k].float(), targets[:, k], ignore_index=-100)
+        losses.append(float(ce.detach()))
+        total = total + decay**k * ce
+    return total, losses
+
+
+@torch.no_grad()
+def evaluate(heads: MedusaHeads, lm_head: Tensor, x: Tensor, y: Tensor, batch: int = 1024) -> dict:
+    """Top-1 and top-5 accuracy of each head on (x [M, H], y [M, K])."""
+    K = heads.num_heads
+    hits1, hits5, counts = torch.zeros(K), torch.zeros(K), torch.zeros(K)
+    for i in range(0, len(x), batch):
+        xb, yb = x[i : i + batch], y[i : i + batch]  # [b, H], [b, K]
+        logits = heads(xb[None], lm_head)[:, 0]  # [K, b, V]
+        top5 = logits.topk(5, dim=-1).indices  # [K, b, 5]
+        target = yb.T  # [K, b]
+        valid = target >= 0
+        hits1 += ((top5[..., 0] == target) & valid).sum(dim=1)
+        hits5 += ((top5 == target[..., None]).any(-1) & valid).sum(dim=1)
+        counts += valid.sum(dim=1)
+    return {
+        "top1": (hits1 / counts.clamp(min=1)).tolist(),
+        "top5": (hits5 / counts.clamp(min=1)).tolist(),
+        "positions": int(counts[0]),
+    }
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to 10% of the peak."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+# -- checkpoints -------------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    folder: Path, heads: MedusaHeads, optimizer, step: int, cfg: TrainConfig, log: list
+) -> None:
+    """Write a complete checkpoint folder, then swap it in (a crash leaves the previous one intact)."""
+    final = folder / CHECKPOINT_DIR
+    tmp = folder / (CHECKPOINT_DIR + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    heads.save_pretrained(tmp)
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")  # tensors + numbers only: weights_only load
+    (tmp / "state.json").write_text(json.dumps({"step": step, "config": asdict(cfg), "log": log}, indent=1))
+    old = folder / (CHECKPOINT_DIR + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(folder: Path, heads: MedusaHeads, optimizer, cfg: TrainConfig) -> tuple[int, list]:
+    """Restore heads, optimizer, step and log; refuses a checkpoint made with other settings."""
+    ckpt = folder / CHECKPOINT_DIR
+    state = json.loads((ckpt / "state.json").read_text())
+    saved = {
+        k: v for k, v in state["config"].items() if k not in ("max_steps", "eval_every", "checkpoint_every")
+    }
+    wanted = {
+        k: v for k, v in asdict(cfg).items() if k not in ("max_steps", "eval_every", "checkpoint_every")
+    }
+    if saved != wanted:
+        diff = {k: (saved.get(k), wanted.get(k)) for k in wanted if saved.get(k) != wanted.get(k)}
+        raise ValueError(f"{ckpt}: made with other settings {diff}; use another --out or the same settings")
+    loaded = MedusaHeads.from_pretrained(ckpt, dtype=torch.float32)
+    heads.load_state_dict(loaded.state_dict())
+    optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
+    return int(state["step"]), list(state["log"])
+
+
+# -- the training loop -------------------------------------------------------------------------------
+
+
+def train_heads(cfg: TrainConfig, model=None, resume: bool = False, accelerator=None) -> dict:
+    """Train heads for `model` (default: load cfg.extra['model'] or the embedded default) on cfg.data.
+
+    Returns the training record (also written to <out>/training.json): settings, steps, time, the
+    held-out top-1/top-5 accuracy of every head, and the loss curve.
+    """
+    from accelerate import Accelerator
+
+    from .models import load_model
+
+    accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
+    out = Path(cfg.out)
+    if model is None:
+        model, _ = load_model(cfg.extra.get("model"), dtype="bfloat16" if cfg.bf16 else "float32")
+    model.requires_grad_(False)
+    cache = out / "cache"
+    if accelerator.is_main_process:
+        for split in ("train", "eval"):
+            cached_examples(model, cfg.data, cache, split, cfg.num_heads, cfg.hidden_batch_tokens)
+    accelerator.wait_for_everyone()
+    x, y = cached_examples(model, cfg.data, cache, "train", cfg.num_heads, cfg.hidden_batch_tokens)
+    x_eval, y_eval = cached_examples(model, cfg.data, cache, "eval", cfg.num_heads, cfg.hidden_batch_tokens)
+    if cfg.max_positions:
+        x, y = x[: cfg.max_positions], y[: cfg.max_positions]
+    lm_weight = (
+        model.get_output_embeddings().weight.detach().to(torch.bfloat16 if cfg.bf16 else torch.float32)
+    )
+
+    torch.manual_seed(cfg.seed)
+    heads = MedusaHeads.for_model(model, num_heads=cfg.num_heads, num_layers=cfg.num_layers).float()
+    heads.base_model = model_identity(model)
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    step, log = 0, []
+    if resume and (out / CHECKPOINT_DIR / "state.json").is_file():
+        step, log = load_checkpoint(out, heads, optimizer, cfg)
+        accelerator.print(f"resumed from {out / CHECKPOINT_DIR} at step {step}")
+    ddp_heads, optimizer = accelerator.prepare(heads, optimizer)
+
+    M, rank, world = len(x), accelerator.process_index, accelerator.num_processes
+    start = time.perf_counter()
+    bar = tqdm(total=cfg.max_steps, initial=step, desc="train heads", disable=not accelerator.is_main_process)
+    while step < cfg.max_steps:
+        epoch, offset = divmod(step * cfg.batch_size, M)
+        perm = torch.randperm(M, generator=torch.Generator().manual_seed(cfg.seed + epoch))
+        idx = perm[offset : offset + cfg.batch_size][rank::world]  # this process's slice of the global batch
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16 and x.device.type == "cpu"):
+            logits = ddp_heads(x[idx].float()[None], lm_weight)[:, 0]  # [K, b, V]
+            loss, per_head = heads_loss(logits, y[idx], cfg.loss_decay)
+        optimizer.zero_grad(set_to_none=True)
+        accelerator.backward(loss)
+        optimizer.step()
+        step += 1
+        bar.update(1)
+        if step % 10 == 0 or step == 1:
+            log.append(
+                {"step": step, "loss": float(loss.detach()), "per_head": per_head, "lr": lr_at(step - 1, cfg)}
+            )
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
+        if accelerator.is_main_process and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+            acc = evaluate(heads, lm_weight, x_eval.float(), y_eval)
+            log.append({"step": step, "eval": acc})
+            accelerator.print(f"step {step}: eval top-1 {_fmt(acc['top1'])} top-5 {_fmt(acc['top5'])}")
+        if accelerator.is_main_process and (step % cfg.checkpoint_every == 0 or step == cfg.max_steps):
+            save_checkpoint(out, accelerator.unwrap_model(ddp_heads), optimizer, step, cfg, log)
+        accelerator.wait_for_everyone()
+    bar.close()
+
+    heads = accelerator.unwrap_model(ddp_heads)
+    _write_rank_checksum(out, heads, rank, world)
+    record = {}
+    if accelerator.is_main_process:
+        final_eval = next((e["eval"] for e in reversed(log) if "eval" in e), None)
+        record = {
+            "config": asdict(cfg),
+            "steps": step,
+            "processes": world,
+            "seconds_this_run": time.perf_counter() - start,
+            "train_positions": M,
+            "eval": final_eval,
+            "log": log,
+        }
+        heads.to(torch.bfloat16).save_pretrained(out / "heads")
+        (out / "training.json").write_text(json.dumps(record, indent=1))
+    accelerator.wait_for_everyone()
+    return record
+
+
+def _fmt(values: list[float]) -> str:
+    return " ".join(f"{v:.3f}" for v in values)
+
+
+def _write_rank_checksum(out: Path, heads: MedusaHeads, rank: int, world: int) -> None:
+    """With several processes, each writes a checksum of its final heads (they must be identical)."""
+    if world == 1:
+        return
+    digest = hashlib.sha256()
+    for name, tensor in sorted(heads.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().float().contiguous().numpy().tobytes())
+    (out / f"rank-{rank}.json").write_text(json.dumps({"rank": rank, "sha256": digest.hexdigest()}))
