@@ -17,7 +17,6 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import treespec
-from treespec.generate import encode_prompt
 from treespec.distill import (
     DistillDataError,
     Prompt,
@@ -29,6 +28,7 @@ from treespec.distill import (
     read_shard,
     trim_response,
 )
+from treespec.generate import encode_prompt
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_distill_data.py"
 EOS = 2

@@ -1,0 +1,104 @@
+"""Tree calibration: measure how often each head's rank-r guess is accepted, and pick the tree.
+
+1. `acceptance_table`: on held-out data, acceptance[k][r] = P(head k's rank-r token is the true token
+   | the true tokens of heads 0..k-1 were all within the candidate ranks), i.e. the probability that a
+   node is accepted given its parent was.
+2. `Tree.from_acceptance(table, n)` builds, for a node budget n, the tree that maximises the expected
+   accepted length (greedy expansion by path probability).
+3. `forward_costs` measures this machine's cost of one verification step over n tree nodes, and
+   `choose_budget` picks the n that maximises expected tokens per second = E[accepted](n) / cost(n).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .attention import tree_attention_enabled
+from .cache import TreeKVCache
+from .heads import MedusaHeads
+from .tree import Tree
+
+
+@torch.no_grad()
+def acceptance_table(
+    heads: MedusaHeads, lm_head: Tensor, x: Tensor, y: Tensor, max_rank: int = 10, batch: int = 1024
+) -> list[list[float]]:
+    """acceptance[k][r] from held-out pairs x [M, H] (hidden states), y [M, K] (true tokens, -100 = none)."""
+    K = heads.num_heads
+    ranks = []  # per batch: [b, K] rank of the true token in head k's top-max_rank (max_rank = not there)
+    for i in range(0, len(x), batch):
+        logits = heads(x[i : i + batch].float()[None], lm_head)[:, 0]  # [K, b, V]
+        top = logits.topk(max_rank, dim=-1).indices  # [K, b, R]
+        target = y[i : i + batch].T  # [K, b]
+        hit = top == target[..., None]  # [K, b, R]
+        rank = torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(target, max_rank))  # [K, b]
+        rank[target < 0] = -1  # no target (past the end of the answer)
+        ranks.append(rank.T)
+    rank = torch.cat(ranks)  # [M, K]
+    table = []
+    parent_ok = torch.ones(len(rank), dtype=torch.bool)  # heads 0..k-1 all within the ranks
+    for k in range(K):
+        valid = parent_ok & (rank[:, k] >= 0)
+        n = int(valid.sum())
+        table.append([float(((rank[:, k] == r) & valid).sum()) / max(n, 1) for r in range(max_rank)])
+        parent_ok = valid & (rank[:, k] < max_rank)
+    return table
+
+
+@torch.inference_mode()
+def forward_costs(
+    model, budgets: Sequence[int], heads: MedusaHeads, prefix: int = 300, repeats: int = 5
+) -> dict[int, float]:
+    """Seconds of one speculative step (draft + forward over n nodes + logits) after `prefix` tokens."""
+    from .drafters import MedusaDrafter
+    from .generate import _base_forward, _logits
+
+    costs = {}
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    device = next(model.parameters()).device
+    with tree_attention_enabled(model):
+        cache = TreeKVCache.for_model(model, prefix + max(budgets) + 1)
+        ids = torch.randint(0, vocab, (1, prefix), generator=gen).to(device)
+        hidden = _base_forward(model, ids, torch.arange(prefix, device=device)[None], cache, None, "sdpa")[-1]
+        cache.commit_all()
+        for n in budgets:
+            tree = _tree_for_budget(n, heads.num_heads)
+            drafter = MedusaDrafter(heads, tree, model.get_output_embeddings())
+            mask, depth = tree.ancestor_mask.to(device), tree.depth.to(device)
+            times = []
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                tokens = drafter.draft(hidden, 0)  # [n]
+                h = _base_forward(model, tokens[None], (prefix + depth)[None], cache, mask, "sdpa")
+                _logits(model, h).argmax(-1).tolist()
+                times.append(time.perf_counter() - t0)
+                cache.pending = 0  # roll back the block
+            costs[n] = sorted(times[1:])[len(times[1:]) // 2]  # median after one warm-up
+    return costs
+
+
+def _tree_for_budget(n: int, num_heads: int) -> Tree:
+    """A tree shape of n nodes used only to time the forward (its shape barely matters)."""
+    return Tree.from_acceptance([[0.5**r for r in range(10)]] * num_heads, n)
+
+
+def choose_budget(
+    table: list[list[float]], costs: dict[int, float]
+) -> tuple[int, dict[int, dict[str, float]]]:
+    """The node budget with the most expected tokens per second, and the numbers behind it."""
+    report = {}
+    for n, seconds in sorted(costs.items()):
+        tree = Tree.from_acceptance(table, n)
+        expected = tree.expected_accept_length(table)
+        report[n] = {
+            "expected_accept_length": expected,
+            "step_seconds": seconds,
+            "tokens_per_s": expected / seconds,
+        }
+    best = max(report, key=lambda n: report[n]["tokens_per_s"])
+    return best, report
