@@ -53,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--shard-size", type=int, default=64, help="prompts per shard file")
     p.add_argument("--eval-fraction", type=float, default=0.05, help="share of prompts held out (by id hash)")
+    p.add_argument(
+        "--splits", default="train,eval", help="which splits to generate (eval shards always come first)"
+    )
     p.add_argument("--limit", type=int, default=None, help="only the first N prompts of the fixed hash order")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave)")
     return p.parse_args(argv)
@@ -81,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             temperature=args.temperature,
             seed=args.seed,
             limit=args.limit,
+            splits=tuple(s.strip() for s in args.splits.split(",")),
             data_source=DEFAULT_SOURCE if prompts.resolve() == DEFAULT_PROMPTS.resolve() else None,
         )
     except DistillDataError as e:

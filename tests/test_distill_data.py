@@ -320,3 +320,16 @@ def test_sampling_is_seeded_per_shard(tmp_path, model, tokenizer, prompts_file):
     (out / name).unlink()
     make_distill_data(out, model, tokenizer, prompts_file, progress=False, **settings)
     assert read_shard(out / name).tokens.tolist() == first  # a redone shard samples the same tokens
+
+
+def test_splits_limit_what_is_generated(tmp_path, model, tokenizer, prompts_file, made):
+    out = tmp_path / "data"
+    make_distill_data(out, model, tokenizer, prompts_file, progress=False, splits=("eval",), **SETTINGS)
+    names = sorted(p.name for p in out.glob("*.safetensors"))
+    assert names and all(n.startswith("eval-") for n in names)
+    got, want = load_distill_data(out, "eval").sequences, load_distill_data(made, "eval").sequences
+    assert [t.tolist() for t in got] == [t.tolist() for t in want]
+    make_distill_data(out, model, tokenizer, prompts_file, progress=False, **SETTINGS)  # then the rest
+    assert sorted(p.name for p in out.glob("*.safetensors")) == sorted(
+        p.name for p in made.glob("*.safetensors")
+    )

@@ -33,6 +33,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -377,6 +378,7 @@ def make_distill_data(
     limit: int | None = None,
     data_source: str | None = None,
     progress: bool = True,
+    splits: Sequence[str] = SPLITS,
 ) -> dict:
     """Generate (or resume) a self-distillation dataset in `out`; returns its meta.json content.
 
@@ -386,6 +388,8 @@ def make_distill_data(
     tokenizer has one) and answered with up to `max_new_tokens` tokens, stopping at eos (kept).
     temperature 0 is greedy; > 0 samples with that temperature only (no top-k/top-p), seeded per shard.
     data_source: a note on where the prompts come from, recorded in meta.json.
+    splits: generate only these splits' missing shards (e.g. ("eval",) to make held-out data first);
+    eval shards are generated before train shards.
     batch_size and limit are not checked on resume (in bf16 a batch's padding can change rounding, so
     rarely a token; the data stays the model's own output); every other setting must match.
     """
@@ -446,7 +450,9 @@ def make_distill_data(
             old = old_entries.get(plan.name, {})
             entries[plan.name] = _shard_entry(plan, shard, path, old.get("seconds"))
         if wanted is not None and (shard is None or len(shard.prompt_ids) < len(wanted.prompt_ids)):
-            pending.append(wanted)
+            if wanted.split in splits:
+                pending.append(wanted)
+    pending.sort(key=lambda plan: plan.split != "eval")  # held-out data first: small, needed early
 
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     meta = {
