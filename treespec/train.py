@@ -291,7 +291,10 @@ def train_heads(cfg: TrainConfig, model=None, resume: bool = False, accelerator=
     _write_rank_checksum(out, heads, rank, world)
     record = {}
     if accelerator.is_main_process:
-        final_eval = next((e["eval"] for e in reversed(log) if "eval" in e), None)
+        final_eval = next((e["eval"] for e in reversed(log) if "eval" in e and e["step"] == step), None)
+        if final_eval is None:  # e.g. a run resumed at its last step: evaluate what is saved
+            final_eval = evaluate(heads, lm_weight, x_eval.float(), y_eval)
+            log.append({"step": step, "eval": final_eval})
         record = {
             "config": asdict(cfg),
             "steps": step,
