@@ -11,17 +11,26 @@ unknown keywords down to the attention function, so no state is hung on the HF m
 - `tree_attention_reference`: explicit matmul + softmax in float32; the oracle every faster path is
   tested against.
 - `tree_attention_sdpa`: torch's scaled_dot_product_attention with a boolean [n, L] mask; the
-  default fast path in plain torch.
+  fast path in plain torch.
+- `tree_attention_compiled`: the compiled kernels of csrc/ (treespec.ops; built on first use): K/V read
+  in place from the cache, GQA heads never expanded, the tree mask as packed ancestor bits, the output
+  written directly in the [B, n, H, D] layout transformers wants. Causal prefill from an empty cache
+  stays on SDPA (or flash-attn on CUDA when it is installed); inputs the kernels do not take, or a
+  failed build, fall back to SDPA with a warning.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+
+from . import ops
+from .tree import pack_bits
 
 ATTN_IMPLEMENTATION = "treespec"
 
@@ -77,7 +86,73 @@ def tree_attention_sdpa(
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
 
 
-KERNELS = {"reference": tree_attention_reference, "sdpa": tree_attention_sdpa}
+_bits_cache: list = [None, None]  # [tree_mask, its packed bits]: packed once per mask, not per layer
+_fallbacks_warned: set[str] = set()
+
+
+def _packed_bits(tree_mask: torch.Tensor) -> torch.Tensor:
+    """[n, n] bool -> [n, ceil(n / 64)] int64 words, cached for the mask object (one per generate run)."""
+    if _bits_cache[0] is tree_mask:
+        return _bits_cache[1]
+    bits = pack_bits(tree_mask.cpu()).to(tree_mask.device)
+    _bits_cache[0], _bits_cache[1] = tree_mask, bits
+    return bits
+
+
+def _causal_prefill(query, key, value, scaling):
+    """Plain causal attention over a block that starts at position 0: flash-attn (CUDA) or SDPA."""
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+        try:
+            from flash_attn import flash_attn_func
+        except ImportError:
+            flash_attn_func = None
+        if flash_attn_func is not None and query.shape[-1] <= 256:
+            # flash-attn takes [B, L, H, D] with any strides but the last, and returns [B, n, H, D]
+            q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+            out = flash_attn_func(q, k, v, softmax_scale=scaling, causal=True)
+            return out.transpose(1, 2)
+    return tree_attention_sdpa(query, key, value, None, scaling)
+
+
+def tree_attention_compiled(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    tree_mask: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """Same contract as `tree_attention_reference`, through the compiled op of treespec.ops.
+
+    Returns [B, H, n, D] as a transposed view of the op's contiguous [B, n, H, D] output, so
+    `treespec_attention` hands that buffer to transformers without a copy.
+    """
+    n, L = query.shape[2], key.shape[2]
+    if tree_mask is None and n == L and n > 1:
+        return _causal_prefill(query, key, value, scaling)  # prefill from an empty cache
+    reason = ops.unsupported_reason(query, key)
+    if reason is None and not ops.available(query.device):
+        if not ops.build_info()["ok"]:  # ops.load warned once, with the cause
+            return tree_attention_sdpa(query, key, value, tree_mask, scaling)
+        reason = f"{query.device.type} tensors (the extension was built without {query.device.type} support)"
+    if reason is not None:
+        if reason not in _fallbacks_warned:
+            _fallbacks_warned.add(reason)
+            warnings.warn(
+                f"treespec: the compiled tree attention does not take {reason}; using SDPA for these calls",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return tree_attention_sdpa(query, key, value, tree_mask, scaling)
+    bits = None if tree_mask is None else _packed_bits(tree_mask)
+    out = torch.ops.treespec.tree_attention(query, key, value, bits, float(scaling))  # [B, n, H, D]
+    return out.transpose(1, 2)
+
+
+KERNELS = {
+    "reference": tree_attention_reference,
+    "sdpa": tree_attention_sdpa,
+    "compiled": tree_attention_compiled,
+}
 
 
 def treespec_attention(
@@ -103,7 +178,7 @@ def treespec_attention(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     out = KERNELS[tree_kernel](query, key, value, tree_mask, scaling)  # [B, H, n, D]
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous(), None  # no copy for "compiled": already [B, n, H, D]
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, treespec_attention)

@@ -8,8 +8,11 @@ Layout per layer (gpt-fast style, written by position index):
 
 `commit(path)` keeps the accepted nodes of the block: node path[i] moves to slot c + i (copied only
 where path[i] != i) and c advances by len(path). Everything past c is dropped by pointer (rollback):
-the next forward simply overwrites it. It plugs into transformers as a `Cache`, so any HF decoder
-model writes its K/V here through `cache.update(...)` without modification.
+the next forward simply overwrites it. The copies of all layers go through one call of the fused op
+`treespec.ops.commit_kv` when the compiled extension is available (`fused_commit`), else through
+the torch reference (`_commit_reference`, two index copies per layer). It plugs into transformers as
+a `Cache`, so any HF decoder model writes its K/V here through `cache.update(...)` without
+modification.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from collections.abc import Sequence
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from . import ops
 
 
 class CacheCapacityError(ValueError):
@@ -70,7 +75,10 @@ class TreeKVCache(Cache):
         max_len: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        fused_commit: bool | None = None,
     ):
+        """fused_commit: None (default) uses the fused commit op when the extension is available,
+        True requires it, False always uses the torch reference."""
         layers = []
         for _ in range(num_layers):
             shape = (batch_size, num_kv_heads, max_len, head_dim)
@@ -82,6 +90,7 @@ class TreeKVCache(Cache):
         self.committed = 0  # c: tokens [0, c) are final
         self.pending = 0  # n: tokens [c, c + n) were written by the last forward, not yet committed
         self.spec_reserve = 0  # tokens kept free for the tree block (for the memory report)
+        self.fused_commit = fused_commit
 
     @classmethod
     def for_model(cls, model, max_len: int, batch_size: int = 1, spec_reserve: int = 0) -> TreeKVCache:
@@ -122,14 +131,37 @@ class TreeKVCache(Cache):
         c = self.committed
         moves = [(i, p) for i, p in enumerate(path) if p != i]
         if moves:
-            dst = torch.tensor([c + i for i, _ in moves], device=self.layers[0].keys.device)
-            src = torch.tensor([c + p for _, p in moves], device=self.layers[0].keys.device)
-            for layer in self.layers:
-                # gather first (src and dst may overlap), then scatter: [B, Hkv, m, D]
-                layer.keys[:, :, dst] = layer.keys[:, :, src]
-                layer.values[:, :, dst] = layer.values[:, :, src]
+            device = self.layers[0].keys.device
+            dst = torch.tensor([c + i for i, _ in moves], device=device)
+            src = torch.tensor([c + p for _, p in moves], device=device)
+            if self._use_fused(device):
+                # one call for all layers; in-order moves equal gather-then-scatter here because
+                # dst increases and src[i] >= dst[i] (a path only moves nodes towards the prefix)
+                keys = [layer.keys for layer in self.layers]
+                ops.commit_kv(keys, [layer.values for layer in self.layers], src, dst)
+            else:
+                self._commit_reference(src, dst)
         self.committed = c + len(path)
         self.pending = 0
+
+    def _use_fused(self, device: torch.device) -> bool:
+        if self.fused_commit is False:
+            return False
+        if self.fused_commit is None:
+            return ops.available(device)
+        if not ops.available(device):
+            raise ops.ExtensionUnavailable(
+                f"fused_commit=True but treespec's compiled ops are not available on {device}: "
+                f"{ops.build_info()['error']}"
+            )
+        return True
+
+    def _commit_reference(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """The torch reference of the commit copies: slot src[i] -> dst[i] in every layer."""
+        for layer in self.layers:
+            # gather first (src and dst may overlap), then scatter: [B, Hkv, m, D]
+            layer.keys[:, :, dst] = layer.keys[:, :, src]
+            layer.values[:, :, dst] = layer.values[:, :, src]
 
     def commit_all(self) -> None:
         """Accept the whole pending block as written (prefill, plain decoding)."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import ops
 from .attention import KERNELS, tree_attention_enabled
 from .cache import CacheCapacityError, TreeKVCache
 from .drafters import Drafter, MedusaDrafter, RootOnlyDrafter
@@ -135,7 +136,7 @@ def generate(
     streamer=None,
     acceptance: str = "sampling",
     seed: int | None = None,
-    kernel: str = "sdpa",
+    kernel: str = "auto",
     chat: bool | None = None,
     max_length: int | None = None,
     drafter: Drafter | None = None,
@@ -151,13 +152,15 @@ def generate(
     (acceptance="typical", faster, not lossless). top_k/top_p warp the distribution as in HF.
     eos_token_id: default from the model's generation config. stop: strings that end generation.
     streamer: HF-style (`put`, `end`), e.g. transformers.TextStreamer. kernel: tree attention
-    implementation ("sdpa" or "reference"). max_length: cache capacity (default: the model's
-    max_position_embeddings).
+    implementation: "auto" (default: "compiled" when treespec's extension builds and takes the
+    model's dtype and device, else "sdpa"), "compiled" (with the fused KV commit), "sdpa" or
+    "reference" (torch attention and the torch commit). max_length: cache capacity (default: the
+    model's max_position_embeddings).
     """
     if acceptance not in RULES:
         raise ValueError(f"unknown acceptance rule {acceptance!r}; choose one of {RULES}")
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {sorted(KERNELS)}")
+    if kernel not in KERNELS and kernel != "auto":
+        raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {['auto', *sorted(KERNELS)]}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -174,7 +177,10 @@ def generate(
             tree = tree or default_tree(32, heads.num_heads)
             drafter = MedusaDrafter(heads, tree, model.get_output_embeddings())
     tree = drafter.tree
-    device = next(model.parameters()).device
+    param = next(model.parameters())
+    device = param.device
+    if kernel == "auto":
+        kernel = "compiled" if ops.dtype_supported(device, param.dtype) and ops.available(device) else "sdpa"
     children = [tree.children(i) for i in range(tree.num_nodes)]
     tree_mask = tree.ancestor_mask.to(device)  # [N, N]
     depth = tree.depth.to(device)  # [N]
@@ -195,6 +201,8 @@ def generate(
             f"prefix; keep prompt + max_new_tokens under {sliding - tree.num_nodes}"
         )
     cache = TreeKVCache.for_model(model, needed, spec_reserve=tree.num_nodes)
+    # "compiled" includes the fused commit (when the extension is there); the torch kernels use torch's
+    cache.fused_commit = None if kernel == "compiled" else False
     generator = None
     if seed is not None:
         generator = torch.Generator(device="cpu").manual_seed(seed)

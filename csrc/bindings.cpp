@@ -1,0 +1,68 @@
+// The torch binding: operator schemas (namespace `treespec`) and the CPU implementations.
+// The CUDA implementations live in bindings_cuda.cpp, compiled only where torch has CUDA.
+// Fake (meta) kernels for torch.compile are registered from Python (treespec/ops.py).
+
+#include <torch/library.h>
+
+#include <vector>
+
+#include "tensor_args.h"
+#include "tree_attention.h"
+
+namespace treespec {
+namespace {
+
+at::Tensor run_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const std::optional<at::Tensor>& bits, double scale, const at::Tensor& out) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "treespec::tree_attention on CPU takes float32 or bfloat16, got ", q.scalar_type());
+  AttentionArgs a = attention_args(q, k, v, bits, scale, out);
+  tree_attention_cpu(a.p);
+  return a.out;
+}
+
+at::Tensor tree_attention_cpu_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const std::optional<at::Tensor>& bits, double scale) {
+  return run_cpu(q, k, v, bits, scale, at::Tensor());
+}
+
+void tree_attention_out_cpu_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const std::optional<at::Tensor>& bits, double scale, const at::Tensor& out) {
+  run_cpu(q, k, v, bits, scale, out);
+}
+
+void commit_kv_cpu_op(at::TensorList keys, at::TensorList values, const at::Tensor& src, const at::Tensor& dst) {
+  std::vector<void*> pointers;
+  CommitParams p = commit_args(keys, values, src, dst, pointers);
+  const at::Tensor s = src.contiguous(), d = dst.contiguous();
+  const int64_t max_len = keys[0].size(2);
+  const int64_t* sp = s.data_ptr<int64_t>();
+  const int64_t* dp = d.data_ptr<int64_t>();
+  for (int64_t i = 0; i < s.numel(); ++i)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < max_len && dp[i] >= 0 && dp[i] < max_len, "treespec::commit_kv: move ",
+                sp[i], " -> ", dp[i], " is outside the cache of ", max_len, " slots");
+  p.src = sp;
+  p.dst = dp;
+  commit_kv_cpu(p);
+}
+
+}  // namespace
+}  // namespace treespec
+
+TORCH_LIBRARY(treespec, m) {
+  m.def(
+      "tree_attention(Tensor q, Tensor k, Tensor v, Tensor? bits, float scale) -> Tensor",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
+      "tree_attention_out(Tensor q, Tensor k, Tensor v, Tensor? bits, float scale, Tensor(a!) out) -> ()",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
+      "commit_kv(Tensor(a!)[] keys, Tensor(b!)[] values, Tensor src, Tensor dst) -> ()",
+      {at::Tag::pt2_compliant_tag});
+}
+
+TORCH_LIBRARY_IMPL(treespec, CPU, m) {
+  m.impl("tree_attention", &treespec::tree_attention_cpu_op);
+  m.impl("tree_attention_out", &treespec::tree_attention_out_cpu_op);
+  m.impl("commit_kv", &treespec::commit_kv_cpu_op);
+}

@@ -1,0 +1,389 @@
+"""The compiled ops (csrc/, treespec.ops) against the torch references, on fresh random inputs.
+
+- tree attention == `tree_attention_reference` within dtype tolerance: random trees (and causal
+  chains), GQA ratios 1/3/4, head dims 64/128, prefixes 0-2000, batch 1-3, fp32 and bf16, K/V read as
+  strided views of a larger cache-like buffer, q as the transposed view transformers passes; both CPU
+  engines (AMX and FMA) where the machine has AMX; outputs poisoned with NaN before each call;
+- the fused KV commit == `TreeKVCache.commit`'s torch reference, bit for bit;
+- greedy `treespec.generate(kernel="compiled")` == `kernel="reference"` on a tiny random Llama;
+- the fake kernels (torch.compile) and the CUDA file compiling with nvcc; CUDA tests when a GPU is there.
+
+The first run builds the extension (about 30 s here; cached in $TREESPEC_CACHE/ext afterwards).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import random_heads, tiny_model
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import treespec
+from treespec import ops
+from treespec.attention import tree_attention_compiled, tree_attention_reference, tree_attention_sdpa
+from treespec.cache import TreeKVCache
+from treespec.tree import pack_bits
+
+CSRC = Path(__file__).resolve().parents[1] / "csrc"
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if not ops.load():
+        pytest.skip(f"the compiled extension is not available: {ops.build_info()['error']}")
+
+
+def _random_tree_mask(n: int, gen: torch.Generator) -> torch.Tensor:
+    """A random tree: node i's parent is a random earlier node; mask[i, j] = j is i or an ancestor."""
+    mask = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        mask[i] |= mask[int(torch.randint(0, i, (), generator=gen))]
+    return mask
+
+
+def _inputs(batch, kv_heads, group, head_dim, prefix, n, dtype, gen, device="cpu", spare=37):
+    """q as transformers passes it ([B, n, H, D] storage, transposed) and K/V as views of cache buffers."""
+    H, L = kv_heads * group, prefix + n
+    q = torch.randn(batch, n, H, head_dim, generator=gen).to(dtype).transpose(1, 2).to(device)
+    k_buf = torch.randn(batch, kv_heads, L + spare, head_dim, generator=gen).to(dtype).to(device)
+    v_buf = torch.randn(batch, kv_heads, L + spare, head_dim, generator=gen).to(dtype).to(device)
+    return q, k_buf[:, :, :L], v_buf[:, :, :L]  # [B, Hkv, L, D] views of [B, Hkv, max_len, D]
+
+
+@contextlib.contextmanager
+def _cpu_engine(engine: str):
+    """'amx' or 'fma': which CPU engine runs bf16 (read per call from TREESPEC_CPU_AMX)."""
+    old = os.environ.get("TREESPEC_CPU_AMX")
+    os.environ["TREESPEC_CPU_AMX"] = "1" if engine == "amx" else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["TREESPEC_CPU_AMX"]
+        else:
+            os.environ["TREESPEC_CPU_AMX"] = old
+
+
+def _check(q, k, v, mask, scale, engine="amx"):
+    """Both entry points (allocating, and into a NaN-poisoned buffer) against the reference."""
+    bits = None if mask is None else pack_bits(mask).to(q.device)
+    expected = tree_attention_reference(q, k, v, None if mask is None else mask.to(q.device), scale)
+    expected = expected.transpose(1, 2).float()  # [B, n, H, D]
+    B, H, n, D = q.shape
+    poisoned = torch.full((B, n, H, D), float("nan"), dtype=q.dtype, device=q.device)
+    with _cpu_engine(engine):
+        got = ops.tree_attention(q, k, v, bits, scale)
+        ops.tree_attention(q, k, v, bits, scale, out=poisoned)
+    for out in (got, poisoned):
+        assert out.shape == (B, n, H, D) and out.is_contiguous() and out.dtype == q.dtype
+        assert torch.isfinite(out).all(), "an output element was not written (or overflowed)"
+        tol = TOL[q.dtype]
+        torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+
+
+prefixes = st.one_of(st.integers(0, 130), st.integers(0, 130), st.integers(0, 130), st.integers(131, 2000))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    batch=st.integers(1, 3),
+    kv_heads=st.integers(1, 2),
+    group=st.sampled_from([1, 3, 4]),
+    head_dim=st.sampled_from([64, 128]),
+    prefix=prefixes,
+    n=st.integers(1, 64),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    causal=st.booleans(),
+    engine=st.sampled_from(["amx", "fma"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_tree_attention_matches_reference(
+    batch, kv_heads, group, head_dim, prefix, n, dtype, causal, engine, seed
+):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = _inputs(batch, kv_heads, group, head_dim, prefix, n, dtype, gen)
+    mask = None if causal else _random_tree_mask(n, gen)
+    _check(q, k, v, mask, head_dim**-0.5, engine)
+
+
+@pytest.mark.parametrize("engine", ["amx", "fma"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        # (batch, kv_heads, group, head_dim, prefix, n, tree)
+        (1, 3, 3, 64, 1900, 1, False),  # decode: long prefix split across threads, merged
+        (1, 1, 8, 64, 700, 1, False),  # decode, 8 heads per KV head
+        (2, 2, 4, 128, 300, 100, False),  # chunked prefill: causal over two ancestor words
+        (1, 2, 3, 64, 50, 130, True),  # a tree of 130 nodes: three words per row
+        (1, 1, 1, 64, 0, 64, True),  # no prefix at all
+        (1, 2, 2, 96, 80, 20, True),  # head_dim 96
+        (1, 2, 2, 8, 33, 9, True),  # head_dim 8 (the tiny test models)
+        (1, 1, 96, 64, 10, 5, True),  # 96 heads per KV head: query tiles of 2 tokens
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tree_attention_edge_shapes(case, engine, dtype):
+    batch, kv_heads, group, head_dim, prefix, n, tree = case
+    gen = torch.Generator().manual_seed(hash(case) % 2**31)
+    q, k, v = _inputs(batch, kv_heads, group, head_dim, prefix, n, dtype, gen)
+    mask = _random_tree_mask(n, gen) if tree else None
+    _check(q, k, v, mask, 0.3, engine)
+
+
+def test_tree_attention_uses_all_threads_and_one():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = _inputs(1, 3, 3, 64, 1500, 16, torch.float32, gen)
+    mask = _random_tree_mask(16, gen)
+    threads = torch.get_num_threads()
+    try:
+        for t in sorted({1, threads, 4}):
+            torch.set_num_threads(t)
+            _check(q, k, v, mask, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_tree_attention_rejects_bad_inputs():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = _inputs(1, 2, 2, 64, 10, 4, torch.float32, gen)
+    with pytest.raises(RuntimeError, match="bits must be int64"):
+        ops.tree_attention(q, k, v, torch.zeros(3, 1, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="not a multiple"):
+        ops.tree_attention(q[:, :3], k, v)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.tree_attention(q.double(), k.double(), v.double())
+    with pytest.raises(RuntimeError, match="out must be"):
+        ops.tree_attention(q, k, v, out=torch.empty(1, 4, 4, 63))
+
+
+def test_fake_kernels_trace():
+    """The ops carry fake kernels: FakeTensor / torch.compile tracing sees shapes without running them."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = _inputs(1, 2, 3, 64, 20, 5, torch.float32, gen)
+    bits = pack_bits(_random_tree_mask(5, gen))
+    torch.library.opcheck(
+        torch.ops.treespec.tree_attention.default,
+        (q, k, v, bits, 0.125),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fq, fk, fv, fb = (mode.from_tensor(t) for t in (q, k, v, bits))
+        out = torch.ops.treespec.tree_attention(fq, fk, fv, fb, 0.125)
+        assert out.shape == (1, 5, 6, 64)
+        torch.ops.treespec.commit_kv(
+            [fk.clone()],
+            [fv.clone()],
+            mode.from_tensor(torch.tensor([1])),
+            mode.from_tensor(torch.tensor([0])),
+        )
+
+
+@contextlib.contextmanager
+def _fresh_loader_state():
+    """Let a test re-run ops.load's decision; the loaded library itself stays loaded."""
+    saved = dict(ops._state)
+    ops._state.update(tried=False, ok=False, error=None)
+    try:
+        yield
+    finally:
+        ops._state.clear()
+        ops._state.update(saved)
+
+
+def test_failed_build_falls_back_with_one_warning(monkeypatch):
+    def broken_build():
+        raise RuntimeError("error: no C++ compiler here")
+
+    monkeypatch.setattr(ops, "_build_and_load", broken_build)
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = _inputs(1, 2, 3, 64, 30, 8, torch.float32, gen)
+    mask = _random_tree_mask(8, gen)
+    model = tiny_model("llama", dtype=torch.float32)
+    with _fresh_loader_state(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not ops.available() and not ops.available()
+        got = tree_attention_compiled(q, k, v, mask, 0.125)
+        tree_attention_compiled(q, k, v, mask, 0.125)
+        res = treespec.generate(model, random_heads(model), [1, 2, 3], max_new_tokens=6, eos_token_id=[])
+    messages = [str(w.message) for w in caught if "treespec" in str(w.message)]
+    assert len(messages) == 1, messages
+    assert "could not be built" in messages[0] and "no C++ compiler here" in messages[0]
+    torch.testing.assert_close(got, tree_attention_sdpa(q, k, v, mask, 0.125))
+    assert len(res.token_ids) == 6
+
+
+def test_no_ext_env_disables_silently(monkeypatch):
+    monkeypatch.setenv("TREESPEC_NO_EXT", "1")
+    with _fresh_loader_state(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not ops.available()
+        assert ops.build_info()["error"] == "disabled by TREESPEC_NO_EXT"
+    assert not [w for w in caught if "treespec" in str(w.message)]
+
+
+# ---- fused commit ----------------------------------------------------------------------------------
+
+
+def _filled_caches(num_layers, kv_heads, head_dim, max_len, dtype, gen):
+    fused = TreeKVCache(num_layers, 2, kv_heads, head_dim, max_len, dtype, fused_commit=True)
+    ref = TreeKVCache(num_layers, 2, kv_heads, head_dim, max_len, dtype, fused_commit=False)
+    for a, b in zip(fused.layers, ref.layers, strict=True):
+        for name in ("keys", "values"):
+            data = torch.randn(getattr(a, name).shape, generator=gen).to(dtype)
+            getattr(a, name).copy_(data)
+            getattr(b, name).copy_(data)
+    return fused, ref
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    num_layers=st.integers(1, 5),
+    tree_size=st.sampled_from([8, 16, 32, 64]),
+    steps=st.integers(1, 4),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
+    data=st.data(),
+)
+def test_fused_commit_equals_reference(num_layers, tree_size, steps, dtype, data):
+    tree = treespec.default_tree(tree_size, 4)
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    fused, ref = _filled_caches(num_layers, 3, 16, 512, dtype, gen)
+    fused.committed = ref.committed = data.draw(st.integers(0, 100))
+    for _ in range(steps):
+        for cache in (fused, ref):
+            cache._reserve(tree.num_nodes)
+        path = tree.path_to(data.draw(st.integers(0, tree.num_nodes - 1)))
+        fused.commit(path)
+        ref.commit(path)
+        assert fused.committed == ref.committed
+    for a, b in zip(fused.layers, ref.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_commit_kv_moves_in_order():
+    """Moves apply in order: a move may read a slot an earlier move wrote (documented semantics)."""
+    keys = [torch.arange(8.0).view(1, 1, 8, 1).repeat(1, 2, 1, 4) for _ in range(2)]
+    values = [k.clone() * 10 for k in keys]
+    ops.commit_kv(keys, values, [3, 1], [1, 5])  # slot 1 <- 3, then slot 5 <- slot 1 (now 3)
+    for k in keys:
+        assert k[0, 0, :, 0].tolist() == [0, 3, 2, 3, 4, 3, 6, 7]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.commit_kv(keys, values, [9], [0])
+    with pytest.raises(RuntimeError, match="shape, strides"):
+        ops.commit_kv(keys, [values[0], values[1][:, :1]], [1], [0])
+
+
+# ---- end to end ------------------------------------------------------------------------------------
+
+
+def test_generate_compiled_equals_reference():
+    model = tiny_model("llama", dtype=torch.float32)
+    heads = random_heads(model)
+    prompt = torch.randint(
+        0, model.config.vocab_size, (9,), generator=torch.Generator().manual_seed(11)
+    ).tolist()
+    tree = treespec.default_tree(64, 4)
+    kw = dict(tree=tree, max_new_tokens=32, eos_token_id=[])
+    ref = treespec.generate(model, heads, prompt, kernel="reference", **kw)
+    assert treespec.generate(model, heads, prompt, kernel="compiled", **kw).token_ids == ref.token_ids
+    assert treespec.generate(model, heads, prompt, **kw).token_ids == ref.token_ids  # "auto" picks "compiled"
+    kw = dict(max_new_tokens=16, eos_token_id=[])
+    base = treespec.generate_baseline(model, prompt, kernel="compiled", **kw)  # n = 1 decoding through the op
+    assert base.token_ids == treespec.generate_baseline(model, prompt, kernel="reference", **kw).token_ids
+
+
+def test_generate_with_head_dim_64_bf16_runs_the_kernel():
+    """A bf16 model whose head_dim takes the AMX path; checks the dispatch, not greedy equality (bf16)."""
+    model = tiny_model(
+        "qwen2", dtype=torch.bfloat16, hidden_size=256, num_attention_heads=4, num_key_value_heads=2
+    )
+    heads = random_heads(model)
+    res = treespec.generate(
+        model, heads, [1, 2, 3, 4, 5], max_new_tokens=12, eos_token_id=[], kernel="compiled"
+    )
+    assert len(res.token_ids) == 12
+
+
+# ---- CUDA ------------------------------------------------------------------------------------------
+
+
+def _nvcc() -> str | None:
+    return shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if Path(p).is_file()), None)
+
+
+def test_cuda_source_compiles_with_nvcc(tmp_path):
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc is not on this machine")
+    cmd = [
+        nvcc,
+        "-c",
+        "-arch=sm_90",
+        "-std=c++17",
+        "-O0",
+        "-Xptxas",
+        "-O1",
+        f"-I{CSRC}",
+        str(CSRC / "tree_attention_cuda.cu"),
+        "-o",
+        str(tmp_path / "tree_attention_cuda.o"),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "case",
+    [
+        (1, 3, 3, 64, 0, 1, False),
+        (1, 3, 3, 64, 5000, 1, False),  # split-K decode
+        (2, 8, 4, 128, 1500, 64, True),
+        (3, 2, 1, 64, 130, 33, True),
+        (1, 2, 3, 128, 77, 130, True),
+        (1, 2, 4, 256, 300, 100, False),
+        (1, 1, 32, 64, 40, 7, True),
+    ],
+)
+def test_cuda_tree_attention_matches_reference(case, dtype):
+    if not ops.available("cuda"):
+        pytest.skip(f"the extension was built without CUDA: {ops.build_info()}")
+    batch, kv_heads, group, head_dim, prefix, n, tree = case
+    gen = torch.Generator().manual_seed(hash(case) % 2**31)
+    q, k, v = _inputs(batch, kv_heads, group, head_dim, prefix, n, dtype, gen, device="cuda")
+    _check(q, k, v, _random_tree_mask(n, gen) if tree else None, head_dim**-0.5)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_fused_commit_equals_reference(dtype):
+    if not ops.available("cuda"):
+        pytest.skip("the extension was built without CUDA")
+    tree = treespec.default_tree(32, 4)
+    fused = TreeKVCache(3, 1, 2, 64, 300, dtype, device="cuda", fused_commit=True)
+    ref = TreeKVCache(3, 1, 2, 64, 300, dtype, device="cuda", fused_commit=False)
+    for a, b in zip(fused.layers, ref.layers, strict=True):
+        for name in ("keys", "values"):
+            data = torch.randn(getattr(a, name).shape, device="cuda").to(dtype)
+            getattr(a, name).copy_(data)
+            getattr(b, name).copy_(data)
+    for cache in (fused, ref):
+        cache.committed = 50
+        cache._reserve(tree.num_nodes)
+        cache.commit(tree.path_to(tree.num_nodes - 1))
+    for a, b in zip(fused.layers, ref.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
