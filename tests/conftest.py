@@ -46,6 +46,23 @@ def tiny_model(arch: str = "llama", dtype=torch.float64, seed: int = 0, **overri
     return model.to(dtype).eval()
 
 
+def tiny_llama_over(tokenizer, seed: int = 0, dtype=torch.float64, **overrides) -> LlamaForCausalLM:
+    """A tiny random Llama over a real tokenizer's vocabulary (e.g. SmolLM2's, for its chat template)."""
+    torch.manual_seed(seed)
+    settings = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(LlamaConfig(**{**settings, **overrides})).to(dtype).eval()
+
+
 def random_heads(model, num_heads: int = 4, seed: int = 0, std: float = 0.3) -> treespec.MedusaHeads:
     """Untrained heads with random weights: correctness must not depend on head quality."""
     heads = treespec.MedusaHeads.for_model(model, num_heads=num_heads)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from conftest import tiny_llama_over
+from transformers import AutoTokenizer, LlamaForCausalLM
 
 import treespec
 from treespec.distill import (
@@ -47,21 +48,7 @@ TEXTS = [
 
 def tiny_model(tokenizer, seed: int = 0) -> LlamaForCausalLM:
     """A tiny random Llama over the SmolLM2 vocabulary (float64: batched == unbatched exactly)."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=1024,
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=EOS,
-    )
-    return LlamaForCausalLM(config).to(torch.float64).eval()
+    return tiny_llama_over(tokenizer, seed, bos_token_id=1, eos_token_id=EOS)
 
 
 def unbatched_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from conftest import tiny_llama_over
+from transformers import AutoTokenizer
 
 import treespec
 from treespec import train as train_module
@@ -54,19 +55,9 @@ def tiny_setup(tmp_path_factory):
     """A tiny random Llama over the SmolLM2 vocabulary, saved as a folder, and its distillation data."""
     root = tmp_path_factory.mktemp("train")
     tokenizer = AutoTokenizer.from_pretrained(treespec.models.default_model_folder())
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-        tie_word_embeddings=True,
+    model = tiny_llama_over(
+        tokenizer, dtype=torch.float32, max_position_embeddings=512, tie_word_embeddings=True
     )
-    model = LlamaForCausalLM(config).eval()
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
     prompts = root / "prompts.json"
