@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     lm_head = model.get_output_embeddings().weight
 
     x, y = cached_examples(model, data, run / "cache", "eval", heads.num_heads, 4096)
-    table = acceptance_table(heads, lm_head, x, y, args.max_rank)
+    embedding = model.get_input_embeddings().weight
+    table = acceptance_table(heads, lm_head, x, y, args.max_rank, embedding=embedding)
     print("acceptance[head][rank] (given the parent was accepted):")
     for k, row in enumerate(table):
         print(f"  head {k}: " + " ".join(f"{a:.3f}" for a in row))

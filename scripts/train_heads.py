@@ -33,6 +33,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
     p.add_argument("--model", default=None, help="base model id or folder (default: embedded SmolLM2)")
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--num-layers", type=int, default=1, help="residual blocks per head")
+    p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="Hydra-style heads: head k also sees the token before its guess",
+    )
+    p.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=0,
+        help="limit the heads' output to the N most frequent answer tokens (0: whole vocabulary)",
+    )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--warmup-steps", type=int, default=50)
@@ -61,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
         seed=args.seed,
         bf16=not args.no_bf16,
         max_positions=args.max_positions,
+        sequential=args.sequential,
+        draft_vocab_size=args.draft_vocab_size,
         extra={"model": args.model},
     )
     return cfg, args

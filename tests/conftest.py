@@ -63,9 +63,13 @@ def tiny_llama_over(tokenizer, seed: int = 0, dtype=torch.float64, **overrides) 
     return LlamaForCausalLM(LlamaConfig(**{**settings, **overrides})).to(dtype).eval()
 
 
-def random_heads(model, num_heads: int = 4, seed: int = 0, std: float = 0.3) -> treespec.MedusaHeads:
+def random_heads(
+    model, num_heads: int = 4, seed: int = 0, std: float = 0.3, sequential: bool = False, draft_vocab=None
+) -> treespec.MedusaHeads:
     """Untrained heads with random weights: correctness must not depend on head quality."""
-    heads = treespec.MedusaHeads.for_model(model, num_heads=num_heads)
+    heads = treespec.MedusaHeads.for_model(
+        model, num_heads=num_heads, sequential=sequential, draft_vocab=draft_vocab
+    )
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in heads.parameters():

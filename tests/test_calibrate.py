@@ -14,7 +14,8 @@ def test_acceptance_table_counts_ranks_given_the_parent():
     heads = treespec.MedusaHeads(num_heads=2, hidden_size=4, vocab_size=4)
     lm_head = torch.eye(4)
     x = torch.tensor([[4.0, 3.0, 2.0, 1.0]]).repeat(4, 1)  # ranks: token 0 -> 0, 1 -> 1, 2 -> 2, 3 -> 3
-    y = torch.tensor([[0, 1], [0, 3], [1, -100], [3, 0]])  # head 0 ranks 0,0,1,3; head 1 ranks 1,3,-,0
+    # column 0 is token t+1 (unused by independent heads); head 0 ranks 0,0,1,3; head 1 ranks 1,3,-,0
+    y = torch.tensor([[2, 0, 1], [2, 0, 3], [2, 1, -100], [2, 3, 0]])
     table = acceptance_table(heads, lm_head, x, y, max_rank=2)
     assert table[0] == [pytest.approx(2 / 4), pytest.approx(1 / 4)]
     # head 1 counts only rows whose head-0 token was within the ranks and that have a target: rows 0, 1

@@ -39,8 +39,8 @@ def test_head_examples_align_targets():
     hidden = torch.arange(10, dtype=torch.float32)[:, None].repeat(1, 3)  # [10, 3]: row t holds t
     x, y = head_examples([hidden], [seq], [4], num_heads=3)
     assert x[:, 0].tolist() == list(range(3, 9))  # t = last prompt token .. T-2
-    assert y[0].tolist() == [15, 16, 17]  # t=3: head k targets token t+2+k
-    assert y[-1].tolist() == [-100, -100, -100]  # t=8: t+2 is past the end
+    assert y[0].tolist() == [14, 15, 16, 17]  # t=3: tokens t+1 .. t+1+K (head k targets column k+1)
+    assert y[-1].tolist() == [19, -100, -100, -100]  # t=8: t+2 is past the end
 
 
 def test_loss_weights_heads_by_decay():
@@ -106,6 +106,27 @@ def test_training_lowers_the_loss_and_writes_loadable_heads(tiny_setup):
     assert heads.num_heads == 3
     res = treespec.generate(model, heads, [1, 2, 3], max_new_tokens=8, eos_token_id=[])
     assert len(res.token_ids) == 8
+
+
+def test_sequential_heads_with_a_draft_vocabulary_train_and_load(tiny_setup):
+    root, model = tiny_setup
+    cfg = _config(root, "hydra", sequential=True, draft_vocab_size=128)
+    record = train_heads(cfg, model=model)
+    losses = [e["loss"] for e in record["log"] if "loss" in e]
+    assert losses[-1] < losses[0]
+    heads = treespec.MedusaHeads.from_pretrained(root / "hydra" / "heads", model=model)
+    assert heads.sequential and heads.draft_vocab_size == 128
+    # the draft vocabulary is the most frequent answer tokens of the training split
+    expected = train_module.draft_vocabulary(root / "data", 128, model.config.vocab_size)
+    assert torch.equal(heads.draft_vocab, expected)
+    data = treespec.distill.load_distill_data(root / "data", "train")
+    answer_tokens = torch.cat([s[p:] for s, p in zip(data.sequences, data.prompt_lengths, strict=True)])
+    most_common = torch.bincount(answer_tokens).argmax()
+    assert most_common in heads.draft_vocab[:1]
+    prompt = [1, 2, 3]
+    res = treespec.generate(model, heads, prompt, max_new_tokens=8, eos_token_id=[])
+    plain = treespec.generate_baseline(model, prompt, max_new_tokens=8, eos_token_id=[])
+    assert res.token_ids == plain.token_ids
 
 
 class _Killed(Exception):
@@ -179,6 +200,9 @@ def test_ddp_under_accelerate_launch(tiny_setup, tmp_path):
         "--checkpoint-every",
         "6",
         "--no-bf16",
+        "--sequential",
+        "--draft-vocab-size",
+        "256",
         "--threads",
         "1",
     ]

@@ -2,7 +2,7 @@
 
 from .attention import tree_attention_enabled, tree_attention_reference, tree_attention_sdpa
 from .cache import CacheCapacityError, TreeKVCache
-from .drafters import MedusaDrafter, RootOnlyDrafter
+from .drafters import MedusaDrafter, RootOnlyDrafter, SequentialDrafter, make_drafter
 from .generate import GenerationResult, encode_prompt, generate, generate_baseline
 from .heads import HeadsLoadError, MedusaHeads
 from .models import load_model
@@ -23,6 +23,7 @@ __all__ = [
     "MedusaHeads",
     "RootOnlyDrafter",
     "SamplingConfig",
+    "SequentialDrafter",
     "Trace",
     "Tree",
     "TreeKVCache",
@@ -31,6 +32,7 @@ __all__ = [
     "generate",
     "generate_baseline",
     "load_model",
+    "make_drafter",
     "tree_attention_enabled",
     "tree_attention_reference",
     "tree_attention_sdpa",

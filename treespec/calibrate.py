@@ -25,18 +25,27 @@ from .tree import Tree
 
 @torch.no_grad()
 def acceptance_table(
-    heads: MedusaHeads, lm_head: Tensor, x: Tensor, y: Tensor, max_rank: int = 10, batch: int = 1024
+    heads: MedusaHeads,
+    lm_head: Tensor,
+    x: Tensor,
+    y: Tensor,
+    max_rank: int = 10,
+    batch: int = 1024,
+    embedding: Tensor | None = None,
 ) -> list[list[float]]:
-    """acceptance[k][r] from held-out pairs x [M, H] (hidden states), y [M, K] (true tokens, -100 = none)."""
+    """acceptance[k][r] from held-out pairs x [M, H] (hidden states), y [M, K+1] (true tokens t+1..t+1+K,
+    -100 = none). embedding: the base model's input embedding (sequential heads)."""
     K = heads.num_heads
+    weight = heads.output_weight(lm_head)
     ranks = []  # per batch: [b, K] rank of the true token in head k's top-max_rank (max_rank = not there)
     for i in range(0, len(x), batch):
-        logits = heads(x[i : i + batch].float()[None], lm_head)[:, 0]  # [K, b, V]
+        yb = y[i : i + batch]  # [b, K+1]
+        logits = heads.predict(x[i : i + batch].float(), yb, weight, embedding)  # [K, b, V']
         top = logits.topk(max_rank, dim=-1).indices  # [K, b, R]
-        target = y[i : i + batch].T  # [K, b]
+        target = heads.draft_index(yb[:, 1 : K + 1]).T  # [K, b] (-100 outside the draft vocabulary)
         hit = top == target[..., None]  # [K, b, R]
         rank = torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(target, max_rank))  # [K, b]
-        rank[target < 0] = -1  # no target (past the end of the answer)
+        rank[yb[:, 1 : K + 1].T < 0] = -1  # no target (past the end of the answer)
         ranks.append(rank.T)
     rank = torch.cat(ranks)  # [M, K]
     table = []
@@ -54,7 +63,7 @@ def forward_costs(
     model, budgets: Sequence[int], heads: MedusaHeads, prefix: int = 300, repeats: int = 5
 ) -> dict[int, float]:
     """Seconds of one speculative step (draft + forward over n nodes + logits) after `prefix` tokens."""
-    from .drafters import MedusaDrafter
+    from .drafters import make_drafter
     from .generate import _base_forward, _logits
 
     costs = {}
@@ -68,7 +77,7 @@ def forward_costs(
         cache.commit_all()
         for n in budgets:
             tree = _tree_for_budget(n, heads.num_heads)
-            drafter = MedusaDrafter(heads, tree, model.get_output_embeddings())
+            drafter = make_drafter(heads, tree, model)
             mask, depth = tree.ancestor_mask.to(device), tree.depth.to(device)
             times = []
             for _ in range(repeats + 1):

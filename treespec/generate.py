@@ -23,7 +23,7 @@ import torch
 from . import ops
 from .attention import KERNELS, tree_attention_enabled
 from .cache import CacheCapacityError, TreeKVCache
-from .drafters import Drafter, MedusaDrafter, RootOnlyDrafter
+from .drafters import Drafter, RootOnlyDrafter, make_drafter
 from .heads import MedusaHeads
 from .stats import GenerationStats
 from .tree import Tree, default_tree
@@ -175,7 +175,7 @@ def generate(
         else:
             heads.check_compatible(model)
             tree = tree or default_tree(32, heads.num_heads)
-            drafter = MedusaDrafter(heads, tree, model.get_output_embeddings())
+            drafter = make_drafter(heads, tree, model)
     tree = drafter.tree
     param = next(model.parameters())
     device = param.device

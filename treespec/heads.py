@@ -1,8 +1,18 @@
 """Medusa heads: small networks that guess several tokens ahead from the base model's last hidden state.
 
 The base model's output layer on hidden state h_t predicts token t+1; head k (k = 0..K-1) predicts token
-t+2+k from the same h_t. Each head is a stack of zero-initialised residual blocks followed by either its
-own output layer or the base model's (shared at call time), so untrained heads reproduce the base model.
+t+2+k. Each head is a stack of zero-initialised residual blocks followed by either its own output layer
+or the base model's (shared at call time), so untrained heads reproduce the base model.
+
+Two kinds of heads:
+- independent (Medusa-1): every head reads h_t alone, so all heads run in one batched call;
+- sequential (Hydra-style, `sequential=True`): head k also sees the candidate token before the one it
+  guesses. With u_{-1} = h_t and x_{t+1} the base model's own next token,
+      u_k = blocks_k(u_{k-1} + P_k embed(x_{t+1+k}))      logits_k = output(u_k)   (guesses x_{t+2+k})
+  so a tree is drafted depth by depth, each node's children conditioned on the path to it.
+
+An optional draft vocabulary (`draft_vocab`, the most frequent token ids of the training data) limits
+the heads' output layer to those rows: a [V', H] matmul instead of [V, H] per call (V' << V).
 
 Heads remember which base model they were made for (`model_identity`) and refuse a different one.
 Checkpoints are a folder with `config.json` and `model.safetensors`; loading checks everything first.
@@ -24,7 +34,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 FORMAT = "treespec.medusa_heads"
-VERSION = 1
+VERSION = 1  # version 1 files without the `sequential` / `draft_vocab_size` fields still load
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 FINGERPRINT_SIZE = 16
@@ -122,6 +132,8 @@ class MedusaHeads(nn.Module):
         num_layers: int = 1,
         own_lm_head: bool = False,
         base_model: dict | None = None,
+        sequential: bool = False,
+        draft_vocab_size: int = 0,
         *,
         device: Any = None,
         dtype: torch.dtype | None = None,
@@ -132,27 +144,52 @@ class MedusaHeads(nn.Module):
             ("hidden_size", hidden_size, 1),
             ("vocab_size", vocab_size, 1),
             ("num_layers", num_layers, 0),
+            ("draft_vocab_size", draft_vocab_size, 0),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{field} must be an integer >= {low}, got {value!r}")
+        if draft_vocab_size > vocab_size:
+            raise ValueError(f"draft_vocab_size {draft_vocab_size} exceeds the vocabulary ({vocab_size})")
         self.num_heads = num_heads
         self.hidden_size = hidden_size
         self.vocab_size = vocab_size
         self.num_layers = num_layers
         self.own_lm_head = bool(own_lm_head)
+        self.sequential = bool(sequential)
+        self.draft_vocab_size = draft_vocab_size
         self.base_model = dict(base_model) if base_model is not None else None
         self.blocks = nn.ModuleList(
             nn.Sequential(*(ResidualBlock(hidden_size, device, dtype) for _ in range(num_layers)))
             for _ in range(num_heads)
         )
+        # sequential heads: P_k maps the embedding of the token before head k's guess into its input
+        self.token_proj = (
+            nn.ModuleList(
+                nn.Linear(hidden_size, hidden_size, bias=False, device=device, dtype=dtype)
+                for _ in range(num_heads)
+            )
+            if self.sequential
+            else None
+        )
+        if self.token_proj is not None:
+            for proj in self.token_proj:
+                nn.init.zeros_(proj.weight)
+        out_size = draft_vocab_size or vocab_size
         self.lm_heads = (
             nn.ModuleList(
-                nn.Linear(hidden_size, vocab_size, bias=False, device=device, dtype=dtype)
+                nn.Linear(hidden_size, out_size, bias=False, device=device, dtype=dtype)
                 for _ in range(num_heads)
             )
             if self.own_lm_head
             else None
         )
+        if draft_vocab_size:
+            # draft index i -> token id draft_vocab[i]; set by the trainer (most frequent tokens first)
+            self.register_buffer(
+                "draft_vocab", torch.arange(draft_vocab_size, device=device, dtype=torch.long)
+            )
+        else:
+            self.draft_vocab = None
 
     @property
     def config(self) -> dict[str, Any]:
@@ -166,51 +203,137 @@ class MedusaHeads(nn.Module):
             "vocab_size": self.vocab_size,
             "num_layers": self.num_layers,
             "own_lm_head": self.own_lm_head,
+            "sequential": self.sequential,
+            "draft_vocab_size": self.draft_vocab_size,
             "base_model": self.base_model,
             "dtype": str(first.dtype).removeprefix("torch.") if first is not None else None,
         }
 
-    def head_hidden(self, hidden: Tensor, num_heads: int | None = None) -> Tensor:
+    def _cast(self, x: Tensor) -> Tensor:
+        first = next(self.parameters(), None)
+        return x.to(first.dtype) if first is not None else x
+
+    def advance(self, k: int, state: Tensor, token_embedding: Tensor) -> Tensor:
+        """Sequential head k: u_k = blocks_k(u_{k-1} + P_k e); state, token_embedding [..., H] -> [..., H]."""
+        return self.blocks[k](self._cast(state) + self.token_proj[k](self._cast(token_embedding)))
+
+    def head_hidden(
+        self, hidden: Tensor, num_heads: int | None = None, token_embeddings: Tensor | None = None
+    ) -> Tensor:
         """Each head's transformed hidden state, before the output layer: [B, T, H] -> [K, B, T, H].
 
         num_heads: run only the first `num_heads` heads (a shallow tree needs no deeper heads).
+        token_embeddings [K, B, T, H]: sequential heads only: the embedding of the token before each head's
+        guess (x_{t+1+k} for head k; teacher forcing in training).
         """
         if hidden.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden has size {hidden.shape[-1]} but the heads expect {self.hidden_size}")
-        first = next(self.parameters(), None)
-        if first is not None:
-            hidden = hidden.to(first.dtype)
-        return torch.stack([blocks(hidden) for blocks in self.blocks[:num_heads]])  # [K, B, T, H]
+        hidden = self._cast(hidden)
+        count = len(self.blocks[:num_heads])
+        if not self.sequential:
+            return torch.stack([blocks(hidden) for blocks in self.blocks[:count]])  # [K, B, T, H]
+        if token_embeddings is None or token_embeddings.shape[0] < count:
+            raise ValueError(
+                "sequential heads need token_embeddings [K, ..., H]: the embedding of the token before each "
+                "head's guess (see MedusaHeads.embed_tokens)"
+            )
+        states, state = [], hidden
+        for k in range(count):
+            state = self.advance(k, state, token_embeddings[k])  # [B, T, H]
+            states.append(state)
+        return torch.stack(states)  # [K, B, T, H]
 
-    def forward(
-        self, hidden: Tensor, lm_head: nn.Module | Tensor | None = None, num_heads: int | None = None
-    ) -> Tensor:
-        """Logits of every head: hidden [B, T, H] -> [K, B, T, V].
+    def output_weight(self, lm_head: nn.Module | Tensor | None) -> Tensor | None:
+        """The shared output matrix restricted to the draft vocabulary: [V', H] (V' = V without one).
 
-        lm_head (the base model's output layer, or its weight [V, H]) is required when the heads share it,
-        and ignored when they have their own. num_heads: only the first `num_heads` heads (K = num_heads).
+        Compute it once and pass it to `logits` / `forward` (a [V, H] weight is also accepted there).
+        Returns None for heads with their own output layers.
         """
-        states = self.head_hidden(hidden, num_heads)  # [K, B, T, H]
         if self.own_lm_head:
-            used = self.lm_heads[: len(states)]
-            logits = [head(state) for head, state in zip(used, states, strict=True)]  # K x [B, T, V]
-            return torch.stack(logits)  # [K, B, T, V]
+            return None
         if lm_head is None:
             raise ValueError(
                 "these heads share the base model's output layer: pass it as lm_head "
                 "(e.g. heads(hidden, model.get_output_embeddings()))"
             )
         weight = lm_head if isinstance(lm_head, Tensor) else getattr(lm_head, "weight", None)
-        if weight is not None and tuple(weight.shape) != (self.vocab_size, self.hidden_size):
+        if weight is None:
+            raise ValueError("lm_head must be a Linear layer or its weight [V, H]")
+        if weight.shape[-1] != self.hidden_size or weight.shape[0] not in (
+            self.vocab_size,
+            self.draft_vocab_size or self.vocab_size,
+        ):
             raise ValueError(
                 f"lm_head weight has shape {tuple(weight.shape)} but the heads expect "
                 f"[{self.vocab_size}, {self.hidden_size}]"
             )
-        if weight is not None:
-            states = states.to(weight.dtype)
-        if isinstance(lm_head, Tensor):
-            return F.linear(states, lm_head)  # [K, B, T, V]
-        return lm_head(states)  # [K, B, T, V]
+        if self.draft_vocab is not None and weight.shape[0] == self.vocab_size:
+            weight = weight[self.draft_vocab.to(weight.device)]  # [V', H]
+        return weight
+
+    def logits(self, states: Tensor, weight: Tensor | None, head: int | None = None) -> Tensor:
+        """Logits over the draft vocabulary: states [K, ..., H] -> [K, ..., V'] (or [..., H] -> [..., V']
+        for one `head`). weight: from `output_weight` (ignored by heads with their own output layers)."""
+        if self.own_lm_head:
+            if head is not None:
+                return self.lm_heads[head](states)
+            return torch.stack([lm(s) for lm, s in zip(self.lm_heads, states, strict=False)])
+        if weight is None or weight.shape[0] != (self.draft_vocab_size or self.vocab_size):
+            raise ValueError("pass the output weight from MedusaHeads.output_weight(lm_head)")
+        return F.linear(states.to(weight.dtype), weight)
+
+    def token_ids(self, index: Tensor) -> Tensor:
+        """Draft-vocabulary indices -> token ids (the identity without a draft vocabulary)."""
+        if self.draft_vocab is None:
+            return index
+        return self.draft_vocab.to(index.device)[index]
+
+    def draft_index(self, token_ids: Tensor) -> Tensor:
+        """Token ids -> draft-vocabulary indices, -100 for ids outside it (and for negative ids)."""
+        if self.draft_vocab is None:
+            return torch.where(token_ids >= 0, token_ids, torch.full_like(token_ids, -100))
+        table = torch.full((self.vocab_size,), -100, dtype=torch.long, device=token_ids.device)
+        index = torch.arange(self.draft_vocab_size, device=token_ids.device)  # [V']
+        table[self.draft_vocab.to(token_ids.device)] = index
+        return torch.where(token_ids >= 0, table[token_ids.clamp(min=0)], torch.full_like(token_ids, -100))
+
+    @staticmethod
+    def embed_tokens(embedding: nn.Module | Tensor, token_ids: Tensor) -> Tensor:
+        """Input embeddings of token ids (negative ids, i.e. padding, embed as token 0): [...] -> [..., H]."""
+        weight = embedding if isinstance(embedding, Tensor) else embedding.weight
+        return F.embedding(token_ids.clamp(min=0), weight)
+
+    def predict(
+        self, hidden: Tensor, tokens: Tensor, lm_head: nn.Module | Tensor | None, embedding: Any = None
+    ) -> Tensor:
+        """Teacher-forced logits at known positions (training and evaluation).
+
+        hidden [M, H] (h_t); tokens [M, >=K] the true tokens x_{t+1}, x_{t+2}, ... (x_{t+1+k} is what
+        sequential head k conditions on; -100 = past the end); embedding: the base model's input embedding
+        (module or weight), needed by sequential heads. Returns [K, M, V'] logits over the draft vocabulary.
+        """
+        embeddings = None
+        if self.sequential:
+            if embedding is None:
+                raise ValueError("sequential heads need the base model's input embedding")
+            embeddings = self.embed_tokens(embedding, tokens[:, : self.num_heads].T)[:, None]  # [K, 1, M, H]
+        return self(hidden[None], lm_head, token_embeddings=embeddings)[:, 0]  # [K, M, V']
+
+    def forward(
+        self,
+        hidden: Tensor,
+        lm_head: nn.Module | Tensor | None = None,
+        num_heads: int | None = None,
+        token_embeddings: Tensor | None = None,
+    ) -> Tensor:
+        """Logits of every head: hidden [B, T, H] -> [K, B, T, V'] (V' = V without a draft vocabulary).
+
+        lm_head (the base model's output layer, or its weight [V, H]) is required when the heads share it,
+        and ignored when they have their own. num_heads: only the first `num_heads` heads (K = num_heads).
+        token_embeddings: for sequential heads, see `head_hidden`.
+        """
+        states = self.head_hidden(hidden, num_heads, token_embeddings)  # [K, B, T, H]
+        return self.logits(states, self.output_weight(lm_head))  # [K, B, T, V']
 
     # -----------------------------------------------------------------------------------------------------
     # Building for a model, and checking the model
@@ -218,9 +341,18 @@ class MedusaHeads(nn.Module):
 
     @classmethod
     def for_model(
-        cls, model: nn.Module, num_heads: int = 4, num_layers: int = 1, own_lm_head: bool = False
+        cls,
+        model: nn.Module,
+        num_heads: int = 4,
+        num_layers: int = 1,
+        own_lm_head: bool = False,
+        sequential: bool = False,
+        draft_vocab: Tensor | None = None,
     ) -> MedusaHeads:
-        """Fresh (identity) heads sized for `model`, on its output layer's device and dtype."""
+        """Fresh (identity) heads sized for `model`, on its output layer's device and dtype.
+
+        draft_vocab: token ids [V'] the heads may propose (e.g. the most frequent ones); None = all.
+        """
         hidden_size, vocab_size = _model_sizes(model)
         reference = _reference_weight(model)
         heads = cls(
@@ -230,18 +362,28 @@ class MedusaHeads(nn.Module):
             num_layers,
             own_lm_head,
             base_model=model_identity(model),
+            sequential=sequential,
+            draft_vocab_size=0 if draft_vocab is None else len(draft_vocab),
             device=reference.device,
             dtype=reference.dtype,
         )
+        if draft_vocab is not None:
+            ids = torch.as_tensor(draft_vocab, dtype=torch.long)
+            if ids.dim() != 1 or len(ids) == 0 or ids.min() < 0 or ids.max() >= vocab_size:
+                raise ValueError(f"draft_vocab must be distinct token ids in [0, {vocab_size})")
+            if len(torch.unique(ids)) != len(ids):
+                raise ValueError("draft_vocab has repeated token ids")
+            heads.draft_vocab.copy_(ids)
         if own_lm_head:
             output = model.get_output_embeddings()
             if output is None or tuple(output.weight.shape) != (vocab_size, hidden_size):
                 raise ValueError(
                     f"own_lm_head needs the model's output layer of shape [{vocab_size}, {hidden_size}]"
                 )
+            rows = output.weight if heads.draft_vocab is None else output.weight[heads.draft_vocab]
             with torch.no_grad():
                 for head in heads.lm_heads:
-                    head.weight.copy_(output.weight)
+                    head.weight.copy_(rows)
         return heads
 
     def check_compatible(self, model: nn.Module) -> None:
@@ -292,8 +434,8 @@ class MedusaHeads(nn.Module):
         config = _read_config(folder)
         tensors = _read_weights(folder)
         with torch.device("meta"):
-            heads = cls(**{k: config[k] for k in _CONFIG_FIELDS})
-        _check_tensors(folder, tensors, heads.state_dict())
+            heads = cls(**{k: config[k] for k in _CONFIG_FIELDS if k in config})
+        _check_tensors(folder, tensors, heads.state_dict(), config["vocab_size"])
         heads.load_state_dict(tensors, strict=True, assign=True)
 
         if model is not None:
@@ -306,14 +448,24 @@ class MedusaHeads(nn.Module):
             dtype = reference.dtype if dtype is None else dtype
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
-        return heads.to(device=device, dtype=dtype)
+        heads = heads.to(device=device, dtype=dtype)
+        return heads
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Checkpoint helpers
 # ---------------------------------------------------------------------------------------------------------
 
-_CONFIG_FIELDS = ("num_heads", "hidden_size", "vocab_size", "num_layers", "own_lm_head", "base_model")
+_CONFIG_FIELDS = (
+    "num_heads",
+    "hidden_size",
+    "vocab_size",
+    "num_layers",
+    "own_lm_head",
+    "base_model",
+    "sequential",
+    "draft_vocab_size",
+)
 
 
 def _atomic_write(path: Path, write: Callable[[str], Any]) -> None:
@@ -355,6 +507,11 @@ def _read_config(folder: Path) -> dict[str, Any]:
             raise HeadsLoadError(f"{path}: {field} must be an integer >= {low}, got {value!r}")
     if not isinstance(config.get("own_lm_head"), bool):
         raise HeadsLoadError(f"{path}: own_lm_head must be true or false, got {config.get('own_lm_head')!r}")
+    if not isinstance(config.get("sequential", False), bool):
+        raise HeadsLoadError(f"{path}: sequential must be true or false, got {config.get('sequential')!r}")
+    draft = config.get("draft_vocab_size", 0)
+    if isinstance(draft, bool) or not isinstance(draft, int) or not 0 <= draft <= config["vocab_size"]:
+        raise HeadsLoadError(f"{path}: draft_vocab_size must be an integer in [0, vocab_size], got {draft!r}")
     base = config.get("base_model")
     if base is not None:
         if not isinstance(base, dict):
@@ -385,8 +542,10 @@ def _read_weights(folder: Path) -> dict[str, Tensor]:
         raise HeadsLoadError(f"{path} is not a valid safetensors file: {error}") from error
 
 
-def _check_tensors(folder: Path, tensors: dict[str, Tensor], expected: dict[str, Tensor]) -> None:
-    """Same keys, same shapes, floating point, all finite."""
+def _check_tensors(
+    folder: Path, tensors: dict[str, Tensor], expected: dict[str, Tensor], vocab_size: int
+) -> None:
+    """Same keys, same shapes, floating point, all finite (draft_vocab: distinct ids in range)."""
     path = folder / WEIGHTS_NAME
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
@@ -401,6 +560,12 @@ def _check_tensors(folder: Path, tensors: dict[str, Tensor], expected: dict[str,
             raise HeadsLoadError(
                 f"{path}: tensor {name} has shape {list(got.shape)}, config says {list(want.shape)}"
             )
+        if name == "draft_vocab":
+            if got.dtype != torch.long or len(got) and (got.min() < 0 or got.max() >= vocab_size):
+                raise HeadsLoadError(f"{path}: draft_vocab must hold int64 token ids in [0, {vocab_size})")
+            if len(torch.unique(got)) != len(got):
+                raise HeadsLoadError(f"{path}: draft_vocab has repeated token ids")
+            continue
         if not got.is_floating_point():
             raise HeadsLoadError(f"{path}: tensor {name} has non-float dtype {got.dtype}")
         if not torch.isfinite(got).all():

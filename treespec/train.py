@@ -1,8 +1,11 @@
 """Train Medusa heads on a frozen base model (Medusa-1 style), by self-distillation.
 
 The data are the base model's own answers (`treespec.distill`). At a response position t the base
-model's output layer predicts token t+1; head k learns token t+2+k from the same last hidden state.
+model's output layer predicts token t+1; head k learns token t+2+k from the same last hidden state
+(sequential heads also see the true tokens x_{t+1..t+1+k} before it: teacher forcing).
 The loss is sum_k 0.8**k * CE_k, so nearer heads, whose guesses are checked first, weigh more.
+With `draft_vocab_size` the heads' output layer covers only the most frequent tokens of the training
+answers (CE over those; a target outside is ignored in the loss and counted as a miss in evaluation).
 
 The base model is frozen, so its last hidden states are computed once (one batched forward per batch of
 sequences) and cached on disk beside the output; training then only runs the heads and the shared
@@ -33,7 +36,7 @@ from tqdm import tqdm
 from .distill import load_distill_data
 from .heads import MedusaHeads, model_identity
 
-HIDDEN_NAME = "hidden_states.safetensors"
+HIDDEN_NAME = "hidden_states-v2.safetensors"  # v2: tokens from t+1 on
 CHECKPOINT_DIR = "checkpoint"
 
 
@@ -57,6 +60,8 @@ class TrainConfig:
     bf16: bool = True
     hidden_batch_tokens: int = 4096
     max_positions: int | None = None  # cap on training positions (None: all)
+    sequential: bool = False  # Hydra-style heads (see treespec.heads)
+    draft_vocab_size: int = 0  # 0: the whole vocabulary
     extra: dict = field(default_factory=dict)
 
 
@@ -95,7 +100,8 @@ def head_examples(
 ) -> tuple[Tensor, Tensor]:
     """Training pairs at every response position t (from the last prompt token on).
 
-    Returns x [M, H] (hidden at t) and y [M, K] (token t+2+k, or -100 past the end).
+    Returns x [M, H] (hidden at t) and y [M, K+1]: tokens t+1, t+2, ..., t+1+K (-100 past the end).
+    Head k's target is y[:, k+1]; sequential head k conditions on y[:, k].
     """
     xs, ys = [], []
     for h, seq, p in zip(hidden, sequences, prompt_lengths, strict=True):
@@ -103,11 +109,11 @@ def head_examples(
         positions = torch.arange(max(p - 1, 0), T - 1)  # [m]: t such that t+1 is a response token
         if len(positions) == 0:
             continue
-        targets = positions[:, None] + 2 + torch.arange(num_heads)[None]  # [m, K]
+        targets = positions[:, None] + 1 + torch.arange(num_heads + 1)[None]  # [m, K+1]
         y = torch.where(targets < T, seq[targets.clamp(max=T - 1)], torch.full_like(targets, -100))
         xs.append(h[positions])
         ys.append(y)
-    return torch.cat(xs), torch.cat(ys)  # [M, H], [M, K]
+    return torch.cat(xs), torch.cat(ys)  # [M, H], [M, K+1]
 
 
 def cached_examples(
@@ -119,7 +125,7 @@ def cached_examples(
     if path.is_file():
         tensors = load_file(path)
         if tensors["x"].shape[0] > 0 and int(tensors["num_sequences"]) == len(data.sequences):
-            return tensors["x"], tensors["y"][:, :num_heads]
+            return tensors["x"], tensors["y"][:, : num_heads + 1]
     hidden = last_hidden_states(model, data.sequences, batch_tokens, desc=f"hidden states ({split})")
     x, y = head_examples(hidden, data.sequences, data.prompt_lengths, max(num_heads, 8))
     cache_folder.mkdir(parents=True, exist_ok=True)
@@ -129,14 +135,26 @@ def cached_examples(
         str(tmp),
     )
     os.replace(tmp, path)
-    return x, y[:, :num_heads]
+    return x, y[:, : num_heads + 1]
+
+
+def draft_vocabulary(data_folder: str | Path, size: int, vocab_size: int) -> Tensor:
+    """The `size` most frequent token ids of the training answers (prompt tokens break ties): [size]."""
+    data = load_distill_data(data_folder, "train")
+    answer = torch.zeros(vocab_size, dtype=torch.float64)
+    prompt = torch.zeros(vocab_size, dtype=torch.float64)
+    for seq, p in zip(data.sequences, data.prompt_lengths, strict=True):
+        answer += torch.bincount(seq[p:], minlength=vocab_size)[:vocab_size]
+        prompt += torch.bincount(seq[:p], minlength=vocab_size)[:vocab_size]
+    score = answer * (prompt.max() + 1) + prompt  # [V]: answers first, prompts second
+    return score.argsort(descending=True, stable=True)[:size]  # [size]
 
 
 # -- loss and metrics --------------------------------------------------------------------------------
 
 
 def heads_loss(logits: Tensor, targets: Tensor, decay: float) -> tuple[Tensor, list[float]]:
-    """logits [K, M, V], targets [M, K] -> sum_k decay**k * CE_k, and each CE_k."""
+    """logits [K, M, V'], targets [M, K] (draft-vocabulary indices) -> sum_k decay**k * CE_k, each CE_k."""
     losses = []
     total = logits.new_zeros((), dtype=torch.float32)
     for k in range(logits.shape[0]):
@@ -147,16 +165,24 @@ def heads_loss(logits: Tensor, targets: Tensor, decay: float) -> tuple[Tensor, l
 
 
 @torch.no_grad()
-def evaluate(heads: MedusaHeads, lm_head: Tensor, x: Tensor, y: Tensor, batch: int = 1024) -> dict:
-    """Top-1 and top-5 accuracy of each head on (x [M, H], y [M, K])."""
+def evaluate(
+    heads: MedusaHeads,
+    lm_head: Tensor,
+    x: Tensor,
+    y: Tensor,
+    embedding: Tensor | None = None,
+    batch: int = 1024,
+) -> dict:
+    """Top-1 and top-5 accuracy of each head on (x [M, H], y [M, K+1]); a target outside the draft
+    vocabulary counts as a miss."""
     K = heads.num_heads
     hits1, hits5, counts = torch.zeros(K), torch.zeros(K), torch.zeros(K)
     for i in range(0, len(x), batch):
-        xb, yb = x[i : i + batch], y[i : i + batch]  # [b, H], [b, K]
-        logits = heads(xb[None], lm_head)[:, 0]  # [K, b, V]
+        xb, yb = x[i : i + batch], y[i : i + batch]  # [b, H], [b, K+1]
+        logits = heads.predict(xb, yb, lm_head, embedding)  # [K, b, V']
         top5 = logits.topk(5, dim=-1).indices  # [K, b, 5]
-        target = yb.T  # [K, b]
-        valid = target >= 0
+        valid = yb[:, 1 : K + 1].T >= 0  # [K, b]
+        target = heads.draft_index(yb[:, 1 : K + 1]).T  # [K, b] (-100 outside the draft vocabulary)
         hits1 += ((top5[..., 0] == target) & valid).sum(dim=1)
         hits5 += ((top5 == target[..., None]).any(-1) & valid).sum(dim=1)
         counts += valid.sum(dim=1)
@@ -242,12 +268,23 @@ def train_heads(cfg: TrainConfig, model=None, resume: bool = False, accelerator=
     x_eval, y_eval = cached_examples(model, cfg.data, cache, "eval", cfg.num_heads, cfg.hidden_batch_tokens)
     if cfg.max_positions:
         x, y = x[: cfg.max_positions], y[: cfg.max_positions]
-    lm_weight = (
-        model.get_output_embeddings().weight.detach().to(torch.bfloat16 if cfg.bf16 else torch.float32)
+    weight_dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    lm_weight = model.get_output_embeddings().weight.detach().to(weight_dtype)  # [V, H]
+    embed_weight = model.get_input_embeddings().weight.detach().to(weight_dtype)  # [V, H]
+    vocab_size = lm_weight.shape[0]
+    draft_vocab = (
+        draft_vocabulary(cfg.data, cfg.draft_vocab_size, vocab_size) if cfg.draft_vocab_size else None
     )
 
     torch.manual_seed(cfg.seed)
-    heads = MedusaHeads.for_model(model, num_heads=cfg.num_heads, num_layers=cfg.num_layers).float()
+    heads = MedusaHeads.for_model(
+        model,
+        num_heads=cfg.num_heads,
+        num_layers=cfg.num_layers,
+        sequential=cfg.sequential,
+        draft_vocab=draft_vocab,
+    ).float()
+    lm_weight = heads.output_weight(lm_weight)  # [V', H] gathered once
     heads.base_model = model_identity(model)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     step, log = 0, []
@@ -266,8 +303,15 @@ def train_heads(cfg: TrainConfig, model=None, resume: bool = False, accelerator=
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16 and x.device.type == "cpu"):
-            logits = ddp_heads(x[idx].float()[None], lm_weight)[:, 0]  # [K, b, V]
-            loss, per_head = heads_loss(logits, y[idx], cfg.loss_decay)
+            tokens = y[idx]  # [b, K+1]: x_{t+1} .. x_{t+1+K}
+            embeddings = None
+            if cfg.sequential:
+                before = tokens[:, : cfg.num_heads].T  # [K, b]
+                embeddings = heads.embed_tokens(embed_weight, before)[:, None]  # [K, 1, b, H]
+            logits = ddp_heads(x[idx].float()[None], lm_weight, token_embeddings=embeddings)
+            logits = logits[:, 0]  # [K, b, V']
+            targets = heads.draft_index(tokens[:, 1:])  # [b, K]
+            loss, per_head = heads_loss(logits, targets, cfg.loss_decay)
         optimizer.zero_grad(set_to_none=True)
         accelerator.backward(loss)
         optimizer.step()
@@ -279,7 +323,7 @@ def train_heads(cfg: TrainConfig, model=None, resume: bool = False, accelerator=
             )
             bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
         if accelerator.is_main_process and (step % cfg.eval_every == 0 or step == cfg.max_steps):
-            acc = evaluate(heads, lm_weight, x_eval.float(), y_eval)
+            acc = evaluate(heads, lm_weight, x_eval.float(), y_eval, embed_weight)
             log.append({"step": step, "eval": acc})
             accelerator.print(f"step {step}: eval top-1 {_fmt(acc['top1'])} top-5 {_fmt(acc['top5'])}")
         if accelerator.is_main_process and (step % cfg.checkpoint_every == 0 or step == cfg.max_steps):
@@ -293,7 +337,7 @@ def train_heads(cfg: TrainConfig, model=None, resume: bool = False, accelerator=
     if accelerator.is_main_process:
         final_eval = next((e["eval"] for e in reversed(log) if "eval" in e and e["step"] == step), None)
         if final_eval is None:  # e.g. a run resumed at its last step: evaluate what is saved
-            final_eval = evaluate(heads, lm_weight, x_eval.float(), y_eval)
+            final_eval = evaluate(heads, lm_weight, x_eval.float(), y_eval, embed_weight)
             log.append({"step": step, "eval": final_eval})
         record = {
             "config": asdict(cfg),

@@ -205,6 +205,19 @@ class Tree:
         return json.dumps({"format": FORMAT, "version": VERSION, "choices": [list(p) for p in self.choices]})
 
     @classmethod
+    def from_calibration(cls, acceptance: str | Path | Sequence[Sequence[float]], num_nodes: int) -> Tree:
+        """`from_acceptance` on a measured table, or on the acceptance.json that calibrate_tree.py writes."""
+        if isinstance(acceptance, (str, Path)):
+            path = Path(acceptance)
+            try:
+                acceptance = json.loads(path.read_text())["acceptance"]
+            except (OSError, ValueError, KeyError, TypeError) as error:
+                raise ValueError(
+                    f"{path} is not an acceptance file from scripts/calibrate_tree.py: {error}"
+                ) from error
+        return cls.from_acceptance(acceptance, num_nodes)
+
+    @classmethod
     def from_json(cls, text: str, max_depth: int | None = None, source: str = "<string>") -> Tree:
         """Parse :meth:`to_json` output; errors are ValueErrors starting with ``source``."""
         try:
