@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  head {k}: " + " ".join(f"{a:.3f}" for a in row))
 
     budgets = [int(b) for b in args.budgets.split(",")]
-    costs = forward_costs(model, budgets, heads)
+    costs = forward_costs(model, budgets, heads, table=table)
     best, report = choose_budget(table, costs)
     print("\nbudget  expected accept  step ms  expected tokens/s")
     for n, r in report.items():

@@ -39,6 +39,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
         help="Hydra-style heads: head k also sees the token before its guess",
     )
     p.add_argument(
+        "--own-lm-head", action="store_true", help="each head gets its own output layer (default: shared)"
+    )
+    p.add_argument(
         "--draft-vocab-size",
         type=int,
         default=0,
@@ -73,6 +76,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
         bf16=not args.no_bf16,
         max_positions=args.max_positions,
         sequential=args.sequential,
+        own_lm_head=args.own_lm_head,
         draft_vocab_size=args.draft_vocab_size,
         extra={"model": args.model},
     )

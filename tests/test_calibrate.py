@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -31,3 +33,30 @@ def test_choose_budget_trades_acceptance_for_cost():
     steep = {4: 1.0, 8: 2.0, 16: 4.0}
     best, _ = choose_budget(table, steep)
     assert best == 4  # cost doubling per budget: the smallest wins
+
+
+def test_tree_from_calibration_reads_the_acceptance_file(tmp_path):
+    table = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.1, 0.1]]
+    path = tmp_path / "acceptance.json"
+    path.write_text(json.dumps({"acceptance": table, "chosen": 8}))
+    assert treespec.Tree.from_calibration(path, 8) == treespec.Tree.from_acceptance(table, 8)
+    assert treespec.Tree.from_calibration(table, 5) == treespec.Tree.from_acceptance(table, 5)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="not an acceptance file"):
+        treespec.Tree.from_calibration(tmp_path / "bad.json", 8)
+
+
+def test_acceptance_table_of_sequential_heads_uses_the_true_previous_tokens():
+    # no blocks and P_k = identity: u_k = x + embed(x_{t+1}) + ... + embed(x_{t+1+k}), logits = u_k
+    heads = treespec.MedusaHeads(num_heads=2, hidden_size=4, vocab_size=4, num_layers=0, sequential=True)
+    with torch.no_grad():
+        for proj in heads.token_proj:
+            proj.weight.copy_(torch.eye(4))
+    embedding = torch.eye(4) * 10  # token i adds 10 to logit i: each head guesses the token it was shown
+    x = torch.tensor([0.0, 0.1, 0.2, 0.3]).repeat(3, 1)  # breaks ties
+    y = torch.tensor([[1, 1, 2], [2, 3, 3], [0, 0, -100]])  # columns: t+1, t+2 (head 0), t+3 (head 1)
+    table = acceptance_table(heads, torch.eye(4), x, y, max_rank=2, embedding=embedding)
+    assert table[0] == [pytest.approx(2 / 3), pytest.approx(1 / 3)]  # rows 0, 2 repeat t+1; row 1 rank 1
+    # head 1 counts rows 0 and 1 (row 2 has no target): row 1 sees 2 then 3 and guesses 3 (right);
+    # row 0 sees 1 twice, and target 2 ranks third behind 1 and 3 (a miss)
+    assert table[1] == [pytest.approx(1 / 2), pytest.approx(0.0)]

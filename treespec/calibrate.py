@@ -60,30 +60,42 @@ def acceptance_table(
 
 @torch.inference_mode()
 def forward_costs(
-    model, budgets: Sequence[int], heads: MedusaHeads, prefix: int = 300, repeats: int = 5
+    model,
+    budgets: Sequence[int],
+    heads: MedusaHeads,
+    prefix: int = 300,
+    repeats: int = 5,
+    table: Sequence[Sequence[float]] | None = None,
 ) -> dict[int, float]:
-    """Seconds of one speculative step (draft + forward over n nodes + logits) after `prefix` tokens."""
+    """Seconds of one speculative step (draft + forward over n nodes + logits) after `prefix` tokens.
+
+    table: the acceptance table; each budget is then timed with the tree `from_acceptance` builds for it
+    (sequential heads draft depth by depth, so the tree's shape changes the drafting cost)."""
     from .drafters import make_drafter
     from .generate import _base_forward, _logits
+
+    from . import ops
 
     costs = {}
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
-    device = next(model.parameters()).device
+    param = next(model.parameters())
+    device = param.device
+    kernel = "compiled" if ops.dtype_supported(device, param.dtype) and ops.available(device) else "sdpa"
     with tree_attention_enabled(model):
         cache = TreeKVCache.for_model(model, prefix + max(budgets) + 1)
         ids = torch.randint(0, vocab, (1, prefix), generator=gen).to(device)
         hidden = _base_forward(model, ids, torch.arange(prefix, device=device)[None], cache, None, "sdpa")[-1]
         cache.commit_all()
         for n in budgets:
-            tree = _tree_for_budget(n, heads.num_heads)
+            tree = Tree.from_acceptance(table, n) if table else _tree_for_budget(n, heads.num_heads)
             drafter = make_drafter(heads, tree, model)
             mask, depth = tree.ancestor_mask.to(device), tree.depth.to(device)
             times = []
             for _ in range(repeats + 1):
                 t0 = time.perf_counter()
                 tokens = drafter.draft(hidden, 0)  # [n]
-                h = _base_forward(model, tokens[None], (prefix + depth)[None], cache, mask, "sdpa")
+                h = _base_forward(model, tokens[None], (prefix + depth)[None], cache, mask, kernel)
                 _logits(model, h).argmax(-1).tolist()
                 times.append(time.perf_counter() - t0)
                 cache.pending = 0  # roll back the block

@@ -61,6 +61,7 @@ class TrainConfig:
     hidden_batch_tokens: int = 4096
     max_positions: int | None = None  # cap on training positions (None: all)
     sequential: bool = False  # Hydra-style heads (see treespec.heads)
+    own_lm_head: bool = False  # each head gets its own output layer (initialised from the base model's)
     draft_vocab_size: int = 0  # 0: the whole vocabulary
     extra: dict = field(default_factory=dict)
 
@@ -282,6 +283,7 @@ def train_heads(cfg: TrainConfig, model=None, resume: bool = False, accelerator=
         num_heads=cfg.num_heads,
         num_layers=cfg.num_layers,
         sequential=cfg.sequential,
+        own_lm_head=cfg.own_lm_head,
         draft_vocab=draft_vocab,
     ).float()
     lm_weight = heads.output_weight(lm_weight)  # [V', H] gathered once
