@@ -8,6 +8,8 @@ Methods (all run in the same process on the same prompt token ids):
     hf_prompt_lookup  the same with `prompt_lookup_num_tokens=10`
     baseline          `treespec.generate_baseline`: 1 token per step on treespec's cache and attention
     treespec          `treespec.generate` with Medusa heads and a candidate tree
+    lookup            `treespec.generate` with no heads and a prompt-lookup branch (`--lookup` nodes)
+    treespec_lookup   heads, tree and the prompt-lookup branch together
 
 Prompts: the first turn of each Spec-Bench question, through the chat template. `--num-prompts N`
 takes a stratified subset: round-robin over the categories in file order (first question of each
@@ -45,7 +47,8 @@ from treespec.generate import encode_prompt
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = REPO_ROOT.parent / "shared" / "data" / "spec_bench_question.jsonl"
 DEFAULT_HEADS = REPO_ROOT / "heads" / "smollm2-135m-instruct"
-METHODS = ("hf", "hf_prompt_lookup", "baseline", "treespec")
+METHODS = ("hf", "hf_prompt_lookup", "baseline", "treespec", "lookup", "treespec_lookup")
+DEFAULT_METHODS = ("hf", "hf_prompt_lookup", "baseline", "treespec")
 REFERENCE = "hf"
 WARMUP_PROMPT = "Say hello in one short sentence."
 
@@ -72,7 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=16, help="stratified subset size (0 = all)")
     p.add_argument("--categories", default=None, help="comma list of categories to keep")
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma list from {','.join(METHODS)}")
+    p.add_argument(
+        "--methods", default=",".join(DEFAULT_METHODS), help=f"comma list from {','.join(METHODS)}"
+    )
+    p.add_argument("--lookup", type=int, default=8, help="prompt-lookup branch length (lookup methods)")
     p.add_argument("--data", default=None, help=f"Spec-Bench questions JSONL (default {DEFAULT_DATA})")
     p.add_argument("--out", default=None, help="results JSON (default bench_results/bench-<timestamp>.json)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave)")
@@ -163,7 +169,7 @@ def eos_ids(model, tokenizer) -> set[int]:
     return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
 
 
-def make_runners(model, tokenizer, heads, tree, methods: list[str]) -> dict:
+def make_runners(model, tokenizer, heads, tree, methods: list[str], lookup: int = 8) -> dict:
     """name -> run(ids, max_new_tokens) -> dict(token_ids, steps, accepted, library_seconds)."""
     eos = eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
@@ -210,6 +216,14 @@ def make_runners(model, tokenizer, heads, tree, methods: list[str]) -> dict:
         "treespec": lambda ids, m: from_result(
             treespec.generate(
                 model, heads, ids, tokenizer=tokenizer, tree=tree, max_new_tokens=m, temperature=0.0
+            )
+        ),
+        "lookup": lambda ids, m: from_result(
+            treespec.generate(model, None, ids, tokenizer=tokenizer, lookup=lookup, max_new_tokens=m)
+        ),
+        "treespec_lookup": lambda ids, m: from_result(
+            treespec.generate(
+                model, heads, ids, tokenizer=tokenizer, tree=tree, lookup=lookup, max_new_tokens=m
             )
         ),
     }
@@ -374,7 +388,7 @@ def format_tables(summary: list[dict], methods: list[str], reference: str = REFE
     title = "tokens/s" + (f" (speedup over {reference})" if has_ref else "")
     parts = [title, _grid(["category", "n", *methods], rows)]
 
-    accept = [m for m in methods if m == "treespec"]
+    accept = [m for m in methods if m in ("treespec", "lookup", "treespec_lookup")]
     same = [m for m in methods if has_ref and m != reference]
     if accept or same:
         rows = []
@@ -414,9 +428,9 @@ def main(argv: list[str] | None = None) -> dict:
     model, tokenizer = treespec.load_model(args.model, dtype=args.dtype, device=args.device)
     device = next(model.parameters()).device
     heads, tree, heads_desc, tree_desc = None, None, "-", "-"
-    if "treespec" in args.methods:
+    if {"treespec", "treespec_lookup"} & set(args.methods):
         heads, tree, heads_desc, tree_desc = load_heads_and_tree(args, model)
-    runners = make_runners(model, tokenizer, heads, tree, args.methods)
+    runners = make_runners(model, tokenizer, heads, tree, args.methods, args.lookup)
 
     config = {
         "command": command,
@@ -428,6 +442,7 @@ def main(argv: list[str] | None = None) -> dict:
         "tree_choices": [list(c) for c in tree.choices] if tree is not None else None,
         "threads": torch.get_num_threads(),
         "max_new_tokens": args.max_new_tokens,
+        "lookup": args.lookup if {"lookup", "treespec_lookup"} & set(args.methods) else None,
         "num_prompts": len(prompts),
         "categories": categories,
         "methods": args.methods,

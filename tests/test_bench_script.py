@@ -24,7 +24,8 @@ def test_bench_smoke(tmp_path, capsys):
     bench = load_bench()
     out = tmp_path / "b.json"
     argv = ["--num-prompts", "2", "--max-new-tokens", "8", "--dtype", "float32"]
-    bench.main([*argv, "--out", str(out), "--methods", "hf,baseline,treespec"])
+    methods = ["hf", "baseline", "treespec", "lookup", "treespec_lookup"]
+    bench.main([*argv, "--out", str(out), "--methods", ",".join(methods), "--lookup", "4"])
 
     result = json.loads(out.read_text())
     prompts = result["prompts"]
@@ -32,12 +33,15 @@ def test_bench_smoke(tmp_path, capsys):
     assert [p["category"] for p in prompts] == ["writing", "roleplay"]  # round-robin over categories
     assert [row["category"] for row in result["summary"]] == ["writing", "roleplay", "overall"]
     for p in prompts:
-        assert set(p["methods"]) == {"hf", "baseline", "treespec"}
+        assert set(p["methods"]) == set(methods)
         assert 1 <= p["methods"]["hf"]["new_tokens"] <= 8
-        assert p["methods"]["baseline"]["identical_to_hf"], p
-        assert p["methods"]["treespec"]["identical_to_hf"], p
+        for m in methods[1:]:
+            assert p["methods"][m]["identical_to_hf"], (m, p)
     overall = result["summary"][-1]["methods"]
     assert overall["treespec"]["identical_to_hf"] == 2
     assert overall["treespec"]["accept_length"] >= 1.0
     assert overall["hf"]["speedup"] == pytest.approx(1.0)
-    assert "same(treespec)" in capsys.readouterr().out
+    assert overall["treespec_lookup"]["accept_length"] >= 1.0
+    printed = capsys.readouterr().out
+    assert "same(treespec)" in printed and "accept(treespec_lookup)" in printed
+    assert result["config"]["lookup"] == 4

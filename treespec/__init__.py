@@ -5,6 +5,7 @@ from .cache import CacheCapacityError, TreeKVCache
 from .drafters import MedusaDrafter, RootOnlyDrafter, SequentialDrafter, make_drafter
 from .generate import GenerationResult, encode_prompt, generate, generate_baseline
 from .heads import HeadsLoadError, MedusaHeads
+from .lookup import LookupDrafter
 from .models import load_model
 from .stats import GenerationStats
 from .trace import Trace
@@ -19,6 +20,7 @@ __all__ = [
     "GenerationResult",
     "GenerationStats",
     "HeadsLoadError",
+    "LookupDrafter",
     "MedusaDrafter",
     "MedusaHeads",
     "RootOnlyDrafter",

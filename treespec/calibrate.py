@@ -71,10 +71,9 @@ def forward_costs(
 
     table: the acceptance table; each budget is then timed with the tree `from_acceptance` builds for it
     (sequential heads draft depth by depth, so the tree's shape changes the drafting cost)."""
+    from . import ops
     from .drafters import make_drafter
     from .generate import _base_forward, _logits
-
-    from . import ops
 
     costs = {}
     gen = torch.Generator().manual_seed(0)

@@ -25,6 +25,7 @@ from .attention import KERNELS, tree_attention_enabled
 from .cache import CacheCapacityError, TreeKVCache
 from .drafters import Drafter, RootOnlyDrafter, make_drafter
 from .heads import MedusaHeads
+from .lookup import LookupDrafter
 from .stats import GenerationStats
 from .tree import Tree, default_tree
 from .verify import RULES, SamplingConfig, verify
@@ -141,6 +142,7 @@ def generate(
     max_length: int | None = None,
     drafter: Drafter | None = None,
     trace: bool = False,
+    lookup: int = 0,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens with tree speculation.
 
@@ -155,7 +157,8 @@ def generate(
     implementation: "auto" (default: "compiled" when treespec's extension builds and takes the
     model's dtype and device, else "sdpa"), "compiled" (with the fused KV commit), "sdpa" or
     "reference" (torch attention and the torch commit). max_length: cache capacity (default: the
-    model's max_position_embeddings).
+    model's max_position_embeddings). lookup: length of an extra prompt-lookup branch under the root
+    (`treespec.lookup`; 0 = none); with heads=None it is plain prompt-lookup decoding.
     """
     if acceptance not in RULES:
         raise ValueError(f"unknown acceptance rule {acceptance!r}; choose one of {RULES}")
@@ -176,6 +179,8 @@ def generate(
             heads.check_compatible(model)
             tree = tree or default_tree(32, heads.num_heads)
             drafter = make_drafter(heads, tree, model)
+    if lookup:
+        drafter = LookupDrafter(drafter, lookup)
     tree = drafter.tree
     param = next(model.parameters())
     device = param.device
@@ -221,6 +226,8 @@ def generate(
         cache.commit_all()
         root = sampling.sample(_logits(model, hidden[None])[0], generator)
         out = [root]
+        if hasattr(drafter, "reset"):
+            drafter.reset(prompt_ids + [root])
         stats.time_prefill = timer.now() - t_start
         if streamer is not None:
             streamer.put(torch.tensor([root]))
@@ -248,6 +255,8 @@ def generate(
             t3 = timer.now()
 
             new = [token_list[i] for i in path[1:]] + [root]
+            if hasattr(drafter, "observe"):
+                drafter.observe(new)
             stats.record_step(len(path), t1 - t0, t2 - t1, t3 - t2)
             if trace:
                 probs = getattr(drafter, "last_probs", None)

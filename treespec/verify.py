@@ -68,15 +68,24 @@ class SamplingConfig:
 def accept_greedy(
     tokens: list[int], children: list[list[int]], logits: torch.Tensor
 ) -> tuple[list[int], int]:
-    """tokens: [N] tree tokens; children: per node; logits: [N, V] base logits at every node."""
+    """tokens: [N] tree tokens; children: per node; logits: [N, V] base logits at every node.
+
+    The deepest path whose every token is the base model's argmax after its prefix. Several children
+    can carry the same token (e.g. a prompt-lookup branch beside the heads' guess): all are followed.
+    """
     best = logits.argmax(dim=-1).tolist()  # [N]
-    node, path = 0, [0]
-    while True:
-        nxt = next((c for c in children[node] if tokens[c] == best[node]), None)
-        if nxt is None:
-            return path, best[node]
-        node = nxt
-        path.append(node)
+
+    def deepest(node: int) -> list[int]:
+        path = [node]
+        for c in children[node]:
+            if tokens[c] == best[node]:
+                sub = [node, *deepest(c)]
+                if len(sub) > len(path):
+                    path = sub
+        return path
+
+    path = deepest(0)
+    return path, best[path[-1]]
 
 
 def accept_typical(

@@ -1,0 +1,100 @@
+"""Prompt lookup as an extra tree branch: copy what followed the last earlier occurrence of the suffix.
+
+Answers often repeat spans of the prompt or of themselves (names, code, quoted text, and the loops small
+models fall into). `NgramIndex` remembers, for every n-gram (n <= max_ngram) of the text so far, where
+it last started with at least one token after it; `propose(length)` looks up the text's own suffix
+(longest n first) and returns the tokens that followed it.
+
+`LookupDrafter` wraps another drafter: its tree is the inner tree plus one chain of `length` nodes under
+the root, filled with the proposal (or, when nothing matches, with a copy of the inner tree's top branch).
+The verifier treats the chain like any other branch, so the output stays the base model's own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .tree import Tree
+
+
+class NgramIndex:
+    """Latest start position of every n-gram (1 <= n <= max_ngram) that has a token after it."""
+
+    def __init__(self, max_ngram: int = 3):
+        if max_ngram < 1:
+            raise ValueError(f"max_ngram must be >= 1, got {max_ngram}")
+        self.max_ngram = max_ngram
+        self.tokens: list[int] = []
+        self._starts: dict[tuple[int, ...], int] = {}
+
+    def extend(self, tokens: list[int]) -> None:
+        """Append tokens; every n-gram that now has a follower points at its latest start."""
+        for token in tokens:
+            i = len(self.tokens)  # position of the new token: n-grams ending at i - 1 gain a follower
+            for n in range(1, min(self.max_ngram, i) + 1):
+                self._starts[tuple(self.tokens[i - n : i])] = i - n
+            self.tokens.append(int(token))
+
+    def propose(self, length: int) -> list[int]:
+        """Up to `length` tokens that followed the latest earlier occurrence of the longest matching
+        suffix of the text (none: [])."""
+        for n in range(min(self.max_ngram, len(self.tokens)), 0, -1):
+            start = self._starts.get(tuple(self.tokens[-n:]))
+            if start is not None:
+                return self.tokens[start + n : start + n + length]
+        return []
+
+
+class LookupDrafter:
+    """Another drafter's tree plus a prompt-lookup chain of `length` nodes under the root."""
+
+    def __init__(self, inner, length: int = 8, max_ngram: int = 3):
+        if length < 1:
+            raise ValueError(f"the lookup chain needs length >= 1, got {length}")
+        self.inner = inner
+        self.length = length
+        self.max_ngram = max_ngram
+        inner_tree: Tree = inner.tree
+        rank = 1 + max((p[0] for p in inner_tree.choices), default=-1)  # a new first-level rank
+        chain = [(rank,) + (0,) * d for d in range(length)]
+        self.tree = Tree.from_choices([*inner_tree.choices, *chain])
+        index = {(): 0} | {p: i + 1 for i, p in enumerate(self.tree.choices)}
+        inner_paths = [(), *inner_tree.choices]
+        self.inner_nodes = torch.tensor([index[p] for p in inner_paths])  # [N_inner] their place in the tree
+        self.chain_nodes = torch.tensor([index[p] for p in chain])  # [length]
+        # the inner tree's top branch (rank 0 at every depth): filler when nothing matches
+        top = [()]
+        while top[-1] + (0,) in set(inner_tree.choices):
+            top.append(top[-1] + (0,))
+        inner_index = {p: i for i, p in enumerate(inner_paths)}
+        self._top_branch = [inner_index[p] for p in top[1:]]  # inner node indices, depth 1..
+        self.index = NgramIndex(max_ngram)
+        self.last_probs: torch.Tensor | None = None
+        self.matched_steps = 0
+
+    def reset(self, tokens: list[int]) -> None:
+        """Start a new sequence: `tokens` is the prompt followed by the first generated token."""
+        self.index = NgramIndex(self.max_ngram)
+        self.index.extend(tokens)
+        self.matched_steps = 0
+
+    def observe(self, tokens: list[int]) -> None:
+        """Tokens committed by the last step (the accepted ones, then the bonus token)."""
+        self.index.extend(tokens)
+
+    def draft(self, hidden: torch.Tensor, root: int) -> torch.Tensor:
+        inner_tokens = self.inner.draft(hidden, root)  # [N_inner]
+        proposal = self.index.propose(self.length)
+        if proposal:
+            self.matched_steps += 1
+        chain = proposal or inner_tokens[self._top_branch].tolist()  # the filler duplicates a branch
+        chain = chain + [chain[-1] if chain else root] * (self.length - len(chain))
+        tokens = torch.empty(self.tree.num_nodes, dtype=torch.long, device=inner_tokens.device)  # [N]
+        tokens[self.inner_nodes.to(tokens.device)] = inner_tokens
+        tokens[self.chain_nodes.to(tokens.device)] = torch.tensor(chain, device=tokens.device)
+        probs = torch.ones(self.tree.num_nodes)  # [N]: lookup nodes have no draft probability
+        inner_probs = getattr(self.inner, "last_probs", None)
+        if inner_probs is not None:
+            probs[self.inner_nodes] = inner_probs.float().cpu()
+        self.last_probs = probs
+        return tokens
