@@ -73,7 +73,8 @@ def accept_greedy(
     The deepest path whose every token is the base model's argmax after its prefix. Several children
     can carry the same token (e.g. a prompt-lookup branch beside the heads' guess): all are followed.
     """
-    best = logits.argmax(dim=-1).tolist()  # [N]
+    # max().indices is argmax (first maximum on ties) and 2-3x faster than argmax on bf16 [N, V] here
+    best = logits.max(dim=-1).indices.tolist()  # [N]
 
     def deepest(node: int) -> list[int]:
         path = [node]
