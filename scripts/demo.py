@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--heads", type=Path, default=DEFAULT_HEADS)
+    parser.add_argument("--lookup", type=int, default=8, help="prompt-lookup branch nodes (0: heads only)")
     args = parser.parse_args(argv)
 
     print(f"loading {treespec.models.DEFAULT_MODEL_NAME} ({args.dtype}) ...", flush=True)
@@ -49,13 +50,21 @@ def main(argv: list[str] | None = None) -> int:
 
     # warm-up so neither run pays one-time costs
     treespec.generate_baseline(model, "Hi", tokenizer=tokenizer, max_new_tokens=4)
-    treespec.generate(model, heads, "Hi", tokenizer=tokenizer, tree=tree, max_new_tokens=4)
+    treespec.generate(
+        model, heads, "Hi", tokenizer=tokenizer, tree=tree, max_new_tokens=4, lookup=args.lookup
+    )
 
     plain = treespec.generate_baseline(
         model, args.prompt, tokenizer=tokenizer, max_new_tokens=args.max_new_tokens
     )
     fast = treespec.generate(
-        model, heads, args.prompt, tokenizer=tokenizer, tree=tree, max_new_tokens=args.max_new_tokens
+        model,
+        heads,
+        args.prompt,
+        tokenizer=tokenizer,
+        tree=tree,
+        max_new_tokens=args.max_new_tokens,
+        lookup=args.lookup,
     )
     print(f"\nprompt: {args.prompt}\n")
     print(f"--- plain decoding ({plain.stats.summary()})\n{plain.text}\n")

@@ -57,6 +57,9 @@ def test_lookup_drafter_places_the_inner_tree_and_the_chain():
     depth = max(d for d in range(1, 6) if all((0,) * e in choices for e in range(1, d + 1)))
     top = tokens[drafter.inner_nodes][[choices.index((0,) * d) + 1 for d in range(1, depth + 1)]].tolist()
     assert tokens[drafter.chain_nodes].tolist() == (top + [top[-1]] * 5)[:5]
+    short = LookupDrafter(inner, length=2)  # shorter than the inner top branch: the filler is cut
+    short.reset([1, 2, 3])
+    assert short.draft(hidden, 3)[short.chain_nodes].tolist() == top[:2]
     with pytest.raises(ValueError, match="length"):
         LookupDrafter(inner, length=0)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import hf_greedy, random_heads, spec_bench_prompts
@@ -26,6 +28,27 @@ def test_greedy_equals_hf_on_spec_bench_prompts(smollm2):
             assert res.prompt_ids == ids
             assert res.token_ids == expected, (i, tree)
             assert res.text == tokenizer.decode(expected, skip_special_tokens=True)
+
+
+SHIPPED_HEADS = Path(__file__).resolve().parents[1] / "heads" / "smollm2-135m-instruct"
+
+
+def test_shipped_heads_keep_greedy_exact_and_accept_more_than_one_token(smollm2):
+    """The trained heads and their calibrated tree (with and without the lookup branch), float32."""
+    model, tokenizer = smollm2
+    heads = treespec.MedusaHeads.from_pretrained(SHIPPED_HEADS, model=model)
+    tree = treespec.Tree.load(SHIPPED_HEADS / "tree.json", max_depth=heads.num_heads)
+    steps = accepted = 0
+    for i, prompt in enumerate(spec_bench_prompts(13)[::4]):  # writing, coding, translation, rag
+        ids = treespec.encode_prompt(prompt, tokenizer)
+        expected = hf_greedy(model, ids, 48, eos_token_id=tokenizer.eos_token_id)
+        res = treespec.generate(
+            model, heads, ids, tokenizer=tokenizer, tree=tree, max_new_tokens=48, lookup=8 * (i % 2)
+        )
+        assert res.token_ids == expected, i
+        steps += res.stats.steps
+        accepted += sum(res.stats.accept_lengths)
+    assert accepted / steps > 1.5  # untrained heads accept ~1.0-1.2 here
 
 
 def test_chat_template_is_applied(smollm2):

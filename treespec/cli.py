@@ -102,6 +102,9 @@ def _add_generate(commands) -> None:
     p.add_argument("--stream", action="store_true", help="print the text as it is generated")
     p.add_argument("--show-tree", action="store_true", help="print each step's tree, path highlighted")
     p.add_argument("--trace", metavar="OUT.json", default=None, help="save the step-by-step trace here")
+    p.add_argument(
+        "--lookup", type=int, default=0, help="add a prompt-lookup branch of N nodes (default 0: none)"
+    )
     p.set_defaults(run=cmd_generate)
 
 
@@ -130,6 +133,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         streamer=streamer,
         trace=want_trace,
+        lookup=args.lookup,
     )
     if streamer is None:
         print(result.text)

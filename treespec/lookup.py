@@ -87,7 +87,7 @@ class LookupDrafter:
         proposal = self.index.propose(self.length)
         if proposal:
             self.matched_steps += 1
-        chain = proposal or inner_tokens[self._top_branch].tolist()  # the filler duplicates a branch
+        chain = (proposal or inner_tokens[self._top_branch].tolist())[: self.length]  # filler: a copy
         chain = chain + [chain[-1] if chain else root] * (self.length - len(chain))
         tokens = torch.empty(self.tree.num_nodes, dtype=torch.long, device=inner_tokens.device)  # [N]
         tokens[self.inner_nodes.to(tokens.device)] = inner_tokens
