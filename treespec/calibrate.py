@@ -37,12 +37,13 @@ def acceptance_table(
     -100 = none). embedding: the base model's input embedding (sequential heads)."""
     K = heads.num_heads
     weight = heads.output_weight(lm_head)
+    targets = heads.draft_index(y[:, 1 : K + 1])  # [M, K] (-100 outside the draft vocabulary)
     ranks = []  # per batch: [b, K] rank of the true token in head k's top-max_rank (max_rank = not there)
     for i in range(0, len(x), batch):
         yb = y[i : i + batch]  # [b, K+1]
         logits = heads.predict(x[i : i + batch].float(), yb, weight, embedding)  # [K, b, V']
         top = logits.topk(max_rank, dim=-1).indices  # [K, b, R]
-        target = heads.draft_index(yb[:, 1 : K + 1]).T  # [K, b] (-100 outside the draft vocabulary)
+        target = targets[i : i + batch].T  # [K, b]
         hit = top == target[..., None]  # [K, b, R]
         rank = torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(target, max_rank))  # [K, b]
         rank[yb[:, 1 : K + 1].T < 0] = -1  # no target (past the end of the answer)

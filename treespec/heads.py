@@ -246,8 +246,8 @@ class MedusaHeads(nn.Module):
     def output_weight(self, lm_head: nn.Module | Tensor | None) -> Tensor | None:
         """The shared output matrix restricted to the draft vocabulary: [V', H] (V' = V without one).
 
-        Compute it once and pass it to `logits` / `forward` (a [V, H] weight is also accepted there).
-        Returns None for heads with their own output layers.
+        Compute it once and pass it to `logits` (which needs it); `forward` and `predict` call it
+        themselves, so they take either weight. Returns None for heads with their own output layers.
         """
         if self.own_lm_head:
             return None
@@ -369,10 +369,9 @@ class MedusaHeads(nn.Module):
         )
         if draft_vocab is not None:
             ids = torch.as_tensor(draft_vocab, dtype=torch.long)
-            if ids.dim() != 1 or len(ids) == 0 or ids.min() < 0 or ids.max() >= vocab_size:
-                raise ValueError(f"draft_vocab must be distinct token ids in [0, {vocab_size})")
-            if len(torch.unique(ids)) != len(ids):
-                raise ValueError("draft_vocab has repeated token ids")
+            problem = _draft_vocab_problem(ids, vocab_size)
+            if problem:
+                raise ValueError(f"draft_vocab {problem}")
             heads.draft_vocab.copy_(ids)
         if own_lm_head:
             output = model.get_output_embeddings()
@@ -448,8 +447,7 @@ class MedusaHeads(nn.Module):
             dtype = reference.dtype if dtype is None else dtype
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
-        heads = heads.to(device=device, dtype=dtype)
-        return heads
+        return heads.to(device=device, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -561,15 +559,25 @@ def _check_tensors(
                 f"{path}: tensor {name} has shape {list(got.shape)}, config says {list(want.shape)}"
             )
         if name == "draft_vocab":
-            if got.dtype != torch.long or len(got) and (got.min() < 0 or got.max() >= vocab_size):
-                raise HeadsLoadError(f"{path}: draft_vocab must hold int64 token ids in [0, {vocab_size})")
-            if len(torch.unique(got)) != len(got):
-                raise HeadsLoadError(f"{path}: draft_vocab has repeated token ids")
+            problem = _draft_vocab_problem(got, vocab_size)
+            if problem:
+                raise HeadsLoadError(f"{path}: draft_vocab {problem}")
             continue
         if not got.is_floating_point():
             raise HeadsLoadError(f"{path}: tensor {name} has non-float dtype {got.dtype}")
         if not torch.isfinite(got).all():
             raise HeadsLoadError(f"{path}: tensor {name} contains NaN or Inf values (corrupt checkpoint)")
+
+
+def _draft_vocab_problem(ids: Tensor, vocab_size: int) -> str | None:
+    """What is wrong with a draft vocabulary (int64 [V'] of distinct ids in [0, V)), or None."""
+    if ids.dtype != torch.long or ids.dim() != 1 or len(ids) == 0:
+        return f"must be a non-empty 1-D int64 tensor of token ids, got {ids.dtype} {list(ids.shape)}"
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        return f"must hold distinct token ids in [0, {vocab_size})"
+    if len(torch.unique(ids)) != len(ids):
+        return "has repeated token ids"
+    return None
 
 
 def _few(names: list[str], limit: int = 4) -> str:

@@ -63,20 +63,18 @@ class LookupDrafter:
         self.inner_nodes = torch.tensor([index[p] for p in inner_paths])  # [N_inner] their place in the tree
         self.chain_nodes = torch.tensor([index[p] for p in chain])  # [length]
         # the inner tree's top branch (rank 0 at every depth): filler when nothing matches
-        top = [()]
-        while top[-1] + (0,) in set(inner_tree.choices):
+        top, inner_choices = [()], set(inner_tree.choices)
+        while top[-1] + (0,) in inner_choices:
             top.append(top[-1] + (0,))
         inner_index = {p: i for i, p in enumerate(inner_paths)}
         self._top_branch = [inner_index[p] for p in top[1:]]  # inner node indices, depth 1..
         self.index = NgramIndex(max_ngram)
         self.last_probs: torch.Tensor | None = None
-        self.matched_steps = 0
 
     def reset(self, tokens: list[int]) -> None:
         """Start a new sequence: `tokens` is the prompt followed by the first generated token."""
         self.index = NgramIndex(self.max_ngram)
         self.index.extend(tokens)
-        self.matched_steps = 0
 
     def observe(self, tokens: list[int]) -> None:
         """Tokens committed by the last step (the accepted ones, then the bonus token)."""
@@ -85,8 +83,6 @@ class LookupDrafter:
     def draft(self, hidden: torch.Tensor, root: int) -> torch.Tensor:
         inner_tokens = self.inner.draft(hidden, root)  # [N_inner]
         proposal = self.index.propose(self.length)
-        if proposal:
-            self.matched_steps += 1
         chain = (proposal or inner_tokens[self._top_branch].tolist())[: self.length]  # filler: a copy
         chain = chain + [chain[-1] if chain else root] * (self.length - len(chain))
         tokens = torch.empty(self.tree.num_nodes, dtype=torch.long, device=inner_tokens.device)  # [N]

@@ -178,12 +178,13 @@ def evaluate(
     vocabulary counts as a miss."""
     K = heads.num_heads
     hits1, hits5, counts = torch.zeros(K), torch.zeros(K), torch.zeros(K)
+    targets = heads.draft_index(y[:, 1 : K + 1])  # [M, K] (-100 outside the draft vocabulary)
     for i in range(0, len(x), batch):
         xb, yb = x[i : i + batch], y[i : i + batch]  # [b, H], [b, K+1]
         logits = heads.predict(xb, yb, lm_head, embedding)  # [K, b, V']
         top5 = logits.topk(5, dim=-1).indices  # [K, b, 5]
         valid = yb[:, 1 : K + 1].T >= 0  # [K, b]
-        target = heads.draft_index(yb[:, 1 : K + 1]).T  # [K, b] (-100 outside the draft vocabulary)
+        target = targets[i : i + batch].T  # [K, b]
         hits1 += ((top5[..., 0] == target) & valid).sum(dim=1)
         hits5 += ((top5 == target[..., None]).any(-1) & valid).sum(dim=1)
         counts += valid.sum(dim=1)
@@ -294,6 +295,7 @@ def train_heads(cfg: TrainConfig, model=None, resume: bool = False, accelerator=
         step, log = load_checkpoint(out, heads, optimizer, cfg)
         accelerator.print(f"resumed from {out / CHECKPOINT_DIR} at step {step}")
     ddp_heads, optimizer = accelerator.prepare(heads, optimizer)
+    targets_all = heads.draft_index(y[:, 1:])  # [M, K] draft-vocabulary indices, mapped once
 
     M, rank, world = len(x), accelerator.process_index, accelerator.num_processes
     start = time.perf_counter()
@@ -312,8 +314,7 @@ def train_heads(cfg: TrainConfig, model=None, resume: bool = False, accelerator=
                 embeddings = heads.embed_tokens(embed_weight, before)[:, None]  # [K, 1, b, H]
             logits = ddp_heads(x[idx].float()[None], lm_weight, token_embeddings=embeddings)
             logits = logits[:, 0]  # [K, b, V']
-            targets = heads.draft_index(tokens[:, 1:])  # [b, K]
-            loss, per_head = heads_loss(logits, targets, cfg.loss_decay)
+            loss, per_head = heads_loss(logits, targets_all[idx], cfg.loss_decay)
         optimizer.zero_grad(set_to_none=True)
         accelerator.backward(loss)
         optimizer.step()
