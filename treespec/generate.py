@@ -226,8 +226,8 @@ def generate(
         cache.commit_all()
         root = sampling.sample(_logits(model, hidden[None])[0], generator)
         out = [root]
-        if hasattr(drafter, "reset"):
-            drafter.reset(prompt_ids + [root])
+        if hasattr(drafter, "reset"):  # stateful drafters: a draft model's cache, the lookup index
+            drafter.reset(prompt_ids + [root], capacity=needed, target_cache=cache)
         stats.time_prefill = timer.now() - t_start
         if streamer is not None:
             streamer.put(torch.tensor([root]))
@@ -238,7 +238,9 @@ def generate(
             tokens = drafter.draft(hidden, root)  # [N]
             t1 = timer.now()
             c = cache.committed
-            hidden_tree = _base_forward(
+            # a self-speculative drafter has run the lower layers already and verifies with the rest
+            forward = getattr(drafter, "verify_forward", _base_forward)
+            hidden_tree = forward(
                 model,
                 tokens[None],
                 (c + depth)[None],
@@ -283,6 +285,11 @@ def generate(
         streamer.end()
     stats.new_tokens = len(out)
     stats.cache_memory = cache.memory_bytes()
+    own = getattr(drafter, "inner", drafter)  # a lookup branch wraps the drafter that has a cache
+    if hasattr(getattr(own, "cache", None), "memory_bytes"):
+        stats.draft_cache_memory = own.cache.memory_bytes()
+    if hasattr(getattr(own, "stats", None), "as_dict"):
+        stats.drafter = own.stats.as_dict()
     text = None
     if tokenizer is not None:
         text = tokenizer.decode(out, skip_special_tokens=True)

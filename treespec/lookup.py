@@ -71,14 +71,19 @@ class LookupDrafter:
         self.index = NgramIndex(max_ngram)
         self.last_probs: torch.Tensor | None = None
 
-    def reset(self, tokens: list[int]) -> None:
-        """Start a new sequence: `tokens` is the prompt followed by the first generated token."""
+    def reset(self, tokens: list[int], **context) -> None:
+        """Start a new sequence: `tokens` is the prompt followed by the first generated token (the
+        context, e.g. the cache capacity, goes on to a stateful inner drafter)."""
         self.index = NgramIndex(self.max_ngram)
         self.index.extend(tokens)
+        if hasattr(self.inner, "reset"):
+            self.inner.reset(tokens, **context)
 
     def observe(self, tokens: list[int]) -> None:
         """Tokens committed by the last step (the accepted ones, then the bonus token)."""
         self.index.extend(tokens)
+        if hasattr(self.inner, "observe"):
+            self.inner.observe(tokens)
 
     def draft(self, hidden: torch.Tensor, root: int) -> torch.Tensor:
         inner_tokens = self.inner.draft(hidden, root)  # [N_inner]

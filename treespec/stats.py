@@ -1,4 +1,9 @@
-"""Per-run statistics of tree-speculative decoding: acceptance, time per phase, cache memory."""
+"""Per-run statistics of speculative decoding: acceptance, time per phase, cache memory.
+
+The metrics of a speculative KV cache, for every drafter: acceptance rate, mean accepted length,
+verification latency, draft latency and the memory the speculation adds (the target cache's tree
+block plus the drafter's own cache). End-to-end speedup needs a baseline run: `scripts/bench.py`.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +27,8 @@ class GenerationStats:
     time_commit: float = 0.0
     time_total: float = 0.0
     cache_memory: dict[str, int] = field(default_factory=dict)
+    draft_cache_memory: dict[str, int] = field(default_factory=dict)  # a draft model's own cache
+    drafter: dict = field(default_factory=dict)  # what the drafter measured itself (draft models)
 
     def record_step(self, accepted: int, t_draft: float, t_verify: float, t_commit: float) -> None:
         if not self.depth_accepted:
@@ -45,6 +52,30 @@ class GenerationStats:
         return [n / self.steps for n in self.depth_accepted] if self.steps else []
 
     @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafted tokens / the tokens a fully accepted step would add (the tree's depth):
+        for a chain of gamma tokens, the share of drafted tokens accepted."""
+        if not self.steps or not self.max_depth:
+            return 0.0
+        return (sum(self.accept_lengths) - self.steps) / (self.steps * self.max_depth)
+
+    @property
+    def verify_latency(self) -> float:
+        """Mean seconds of one verification forward pass (logits and acceptance included)."""
+        return self.time_verify / self.steps if self.steps else 0.0
+
+    @property
+    def draft_latency(self) -> float:
+        """Mean seconds of drafting one step's candidates."""
+        return self.time_draft / self.steps if self.steps else 0.0
+
+    @property
+    def speculative_memory(self) -> int:
+        """Bytes speculation adds: the target cache's reserved tree block and the drafter's own cache."""
+        extra = self.draft_cache_memory
+        return self.cache_memory.get("speculative", 0) + extra.get("allocated", 0) + extra.get("scratch", 0)
+
+    @property
     def tokens_per_second(self) -> float:
         """New tokens per second of wall time, prefill included."""
         return self.new_tokens / self.time_total if self.time_total > 0 else 0.0
@@ -56,6 +87,10 @@ class GenerationStats:
             "steps": self.steps,
             "mean_accept_length": self.mean_accept_length,
             "per_depth_acceptance": self.per_depth_acceptance,
+            "acceptance_rate": self.acceptance_rate,
+            "verify_latency": self.verify_latency,
+            "draft_latency": self.draft_latency,
+            "speculative_memory": self.speculative_memory,
             "tokens_per_second": self.tokens_per_second,
             "time_prefill": self.time_prefill,
             "time_draft": self.time_draft,
@@ -63,10 +98,14 @@ class GenerationStats:
             "time_commit": self.time_commit,
             "time_total": self.time_total,
             "cache_memory": self.cache_memory,
+            "draft_cache_memory": self.draft_cache_memory,
+            "drafter": self.drafter,
         }
 
     def summary(self) -> str:
         return (
             f"{self.new_tokens} tokens in {self.steps} steps, {self.tokens_per_second:.1f} tok/s, "
-            f"mean accepted length {self.mean_accept_length:.2f}"
+            f"mean accepted length {self.mean_accept_length:.2f}, acceptance rate {self.acceptance_rate:.2f}, "
+            f"draft {1e3 * self.draft_latency:.1f} ms + verify {1e3 * self.verify_latency:.1f} ms per step, "
+            f"speculative memory {self.speculative_memory / 2**20:.2f} MiB"
         )

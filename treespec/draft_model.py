@@ -1,0 +1,143 @@
+"""DraftModelDrafter: a smaller causal LM that shares the tokenizer drafts a chain of gamma tokens.
+
+The draft model keeps its own K/V in a `SpeculativeKVCache`, allocated once per generation (prompt +
+max_new_tokens + gamma + 1 tokens). One step:
+
+    draft:   encode the tokens it does not hold yet (the bonus token of the last step, normally just
+             the root), then propose d1..d_gamma one token at a time; d1..d_{gamma-1} are encoded on the
+             way (appended to the speculative part of its cache)
+    observe: the target accepted d1..d_a and added a bonus token: keep the encoded d1..d_min(a, gamma-1)
+             by moving the commit pointer (append-on-accept), drop the rest by pointer (rollback), and
+             remember the tokens still to encode (the bonus, plus d_gamma when all were accepted)
+
+so no token the drafter already holds is encoded twice. Drafting is greedy (argmax): the target's
+verification decides what is emitted, so greedy output equals the target's whatever the drafter says.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from . import ops
+from .attention import tree_attention_enabled
+from .spec_cache import SpeculativeKVCache
+from .tree import Tree
+
+
+def chain_tree(gamma: int) -> Tree:
+    """The root followed by a chain of gamma drafted tokens."""
+    if gamma < 1:
+        raise ValueError(f"gamma (tokens drafted per step) must be >= 1, got {gamma}")
+    return Tree.from_choices([(0,) * d for d in range(1, gamma + 1)])
+
+
+class DraftStats:
+    """What a drafter measured over one generation: tokens drafted and accepted, seconds drafting."""
+
+    def __init__(self):
+        self.drafted = 0
+        self.accepted = 0
+        self.seconds = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafted tokens / drafted tokens."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def seconds_per_token(self) -> float:
+        """Drafting time per drafted token."""
+        return self.seconds / self.drafted if self.drafted else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "seconds_per_drafted_token": self.seconds_per_token,
+        }
+
+
+def check_vocabularies(draft_model, target_model) -> None:
+    """A draft model must score the target's token ids: same vocabulary size (and the same tokenizer)."""
+    v_draft = draft_model.get_output_embeddings().weight.shape[0]
+    v_target = target_model.get_output_embeddings().weight.shape[0]
+    if v_draft != v_target:
+        raise ValueError(
+            f"the draft model has a {v_draft}-token vocabulary and the target {v_target}: a draft model "
+            "must share the target's tokenizer"
+        )
+
+
+class DraftModelDrafter:
+    """Chain drafter backed by a small causal LM with its own preallocated speculative KV cache."""
+
+    def __init__(self, draft_model, gamma: int = 4, storage: str = "model", kernel: str = "auto"):
+        self.model = draft_model
+        self.gamma = gamma
+        self.tree = chain_tree(gamma)
+        self.storage = storage
+        param = next(draft_model.parameters())
+        if kernel == "auto":
+            kernel = "compiled" if ops.dtype_supported(param.device, param.dtype) and ops.available(param.device) else "sdpa"
+        self.kernel = kernel
+        self.device = param.device
+        self.cache: SpeculativeKVCache | None = None
+        self.todo: list[int] = []  # committed tokens the draft cache does not hold yet
+        self.drafts: list[int] = []  # d1..d_gamma of the last step
+        self.stats = DraftStats()
+        self.last_probs: torch.Tensor | None = None
+
+    def reset(self, tokens: list[int], capacity: int | None = None, **_) -> None:
+        """Start a sequence: `tokens` = prompt + the target's first token. Allocates the cache once for
+        `capacity` tokens (default: len(tokens) + 1024) and encodes the prompt."""
+        capacity = (capacity or len(tokens) + 1024) + self.gamma + 1
+        if self.cache is None or self.cache.max_len < capacity:
+            self.cache = SpeculativeKVCache.for_model(self.model, capacity, self.storage, self.gamma + 1)
+        self.cache.reset()
+        self.stats = DraftStats()
+        self.todo = list(tokens[:-1])
+        self._encode(self.todo)  # the prompt (the root is encoded by the first draft)
+        self.cache.accept(len(self.todo))
+        self.todo = [tokens[-1]]
+
+    @torch.inference_mode()
+    def _encode(self, tokens: list[int]) -> torch.Tensor:
+        """Append `tokens` to the draft cache; returns the draft logits at the last one: [V]."""
+        cache = self.cache
+        ids = torch.tensor([tokens], device=self.device)  # [1, n]
+        positions = torch.arange(cache.length, cache.length + len(tokens), device=self.device)[None]  # [1, n]
+        with tree_attention_enabled(self.model):
+            out = self.model.base_model(
+                input_ids=ids, position_ids=positions, cache=cache, use_cache=True, tree_kernel=self.kernel
+            )
+        cache.advance(len(tokens))
+        return self.model.get_output_embeddings()(out.last_hidden_state[0, -1])  # [V]
+
+    @torch.inference_mode()
+    def draft(self, hidden: torch.Tensor, root: int) -> torch.Tensor:
+        if self.cache is None:
+            raise RuntimeError("DraftModelDrafter.reset(prompt + [first token]) must run before draft()")
+        if not self.todo or self.todo[-1] != root:
+            raise RuntimeError(f"the drafter expected root {self.todo[-1:]} but got {root}: call observe() each step")
+        t0 = time.perf_counter()
+        logits = self._encode(self.todo)  # [V]
+        self.drafts = [int(logits.argmax())]
+        for _ in range(self.gamma - 1):
+            logits = self._encode(self.drafts[-1:])  # d_i -> d_{i+1}
+            self.drafts.append(int(logits.argmax()))
+        self.stats.seconds += time.perf_counter() - t0
+        self.stats.drafted += self.gamma
+        return torch.tensor([root, *self.drafts], device=hidden.device)  # [gamma + 1]
+
+    def observe(self, tokens: list[int]) -> None:
+        """Tokens the last step committed: the accepted drafts, then the bonus token."""
+        accepted = 0
+        while accepted < min(len(tokens) - 1, self.gamma) and tokens[accepted] == self.drafts[accepted]:
+            accepted += 1
+        self.stats.accepted += accepted
+        held = min(accepted, self.gamma - 1)  # accepted drafts already encoded
+        self.cache.accept(len(self.todo) + held)  # the encoded todo tokens, then those drafts
+        self.todo = list(tokens[held:])

@@ -1,0 +1,215 @@
+"""SpeculativeKVCache: a draft model's own preallocated KV cache, with pointer rollback and a storage precision.
+
+Layout per layer (allocated once, for the whole generation):
+
+    storage: [B, Hkv, max_len, D]
+              [0, c)        committed: tokens the target model has verified
+              [c, length)   speculative: tokens written while drafting, not verified yet
+
+A forward over n tokens writes them at [length, length + n) and advances `length` (append), so each
+drafted token sees the ones drafted before it. After verification `accept(m)` keeps the first m
+speculative tokens (c += m) and drops the rest by pointer (length = c): nothing is copied or cleared.
+
+Storage precision (`storage=`): "model" (the draft model's dtype, K/V returned as views, no copy),
+"float32", "bfloat16", "float16", or "int8" (symmetric, one float32 scale per token and KV head:
+scale = max|x| / 127 over the head dimension, so |x - dequant(quant(x))| <= scale / 2). Lower precision
+saves memory; attention then reads a dequantized copy kept in one shared per-cache scratch buffer (one
+layer's worth, reused layer after layer because layers run one after another). Precision may cost the
+drafter acceptance; the target verifies every token, so the output never changes.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .cache import CacheCapacityError
+
+STORAGES = ("model", "float32", "bfloat16", "float16", "int8")
+INT8_MAX = 127.0
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [..., D] -> (int8 [..., D], float32 scales [..., 1]); symmetric, one scale per row."""
+    scale = x.float().abs().amax(dim=-1, keepdim=True) / INT8_MAX  # [..., 1]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero rows: any scale works
+    q = torch.round(x.float() / scale).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)  # [..., D]
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 [..., D] and scales [..., 1] -> [..., D] in `dtype`."""
+    return (q.float() * scale).to(dtype)
+
+
+class SpeculativeKVLayer(CacheLayerMixin):
+    """One layer's preallocated K/V in the storage precision; pointers live in the parent cache."""
+
+    is_sliding = False
+
+    def __init__(self, owner: SpeculativeKVCache, shape: tuple[int, int, int, int], device):
+        super().__init__()
+        self.owner = owner
+        self.device = torch.device(device)
+        self.is_initialized = True
+        store = torch.int8 if owner.storage == "int8" else owner.storage_dtype
+        self.keys = torch.zeros(shape, dtype=store, device=device)  # [B, Hkv, max_len, D]
+        self.values = torch.zeros(shape, dtype=store, device=device)  # [B, Hkv, max_len, D]
+        self.key_scales = self.value_scales = None
+        if owner.storage == "int8":
+            self.key_scales = torch.ones(shape[:3] + (1,), device=device)  # [B, Hkv, max_len, 1]
+            self.value_scales = torch.ones(shape[:3] + (1,), device=device)  # [B, Hkv, max_len, 1]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass  # allocated up front
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # key_states, value_states: [B, Hkv, n, D] for the n new tokens, in the model's dtype
+        start = self.owner.length
+        end = self.owner._reserve(key_states.shape[2])
+        if self.key_scales is None:
+            self.keys[:, :, start:end] = key_states
+            self.values[:, :, start:end] = value_states
+        else:
+            q, s = quantize_int8(key_states)
+            self.keys[:, :, start:end], self.key_scales[:, :, start:end] = q, s
+            q, s = quantize_int8(value_states)
+            self.values[:, :, start:end], self.value_scales[:, :, start:end] = q, s
+        return self.owner._readable(self, end, key_states.dtype)  # [B, Hkv, end, D] each
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.length
+
+    def get_max_length(self) -> int:
+        return self.owner.max_len
+
+
+class SpeculativeKVCache(Cache):
+    """A drafter's own K/V for one generation: committed history + speculative tokens, one storage dtype."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        model_dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        storage: str = "model",
+        spec_reserve: int = 0,
+    ):
+        if storage not in STORAGES:
+            raise ValueError(f"unknown speculative cache storage {storage!r}; choose one of {STORAGES}")
+        self.storage = storage
+        self.model_dtype = model_dtype
+        self.storage_dtype = model_dtype if storage in ("model", "int8") else getattr(torch, storage)
+        shape = (batch_size, num_kv_heads, max_len, head_dim)
+        super().__init__(layers=[SpeculativeKVLayer(self, shape, device) for _ in range(num_layers)])
+        self.max_len = max_len
+        self.spec_reserve = spec_reserve  # tokens kept for drafting (memory report only)
+        self.committed = 0  # c
+        self.length = 0  # tokens written: [c, length) is speculative
+        # dequantized K/V of the layer being run, when the storage is not the model's dtype
+        self.scratch = None
+        if self.storage_dtype != model_dtype or storage == "int8":
+            self.scratch = (
+                torch.empty(shape, dtype=model_dtype, device=device),  # [B, Hkv, max_len, D]
+                torch.empty(shape, dtype=model_dtype, device=device),
+            )
+
+    @classmethod
+    def for_model(cls, model, max_len: int, storage: str = "model", spec_reserve: int = 0) -> SpeculativeKVCache:
+        """A cache shaped for `model` (a transformers causal LM) holding up to `max_len` tokens."""
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        param = next(model.parameters())
+        return cls(
+            config.num_hidden_layers, 1, num_kv_heads, head_dim, max_len, param.dtype, param.device,
+            storage, spec_reserve,
+        )  # fmt: skip
+
+    # -- pointers ---------------------------------------------------------------------------------
+    def _reserve(self, n: int) -> int:
+        """Called by each layer's update: the layer writes [length, length + n)."""
+        end = self.length + n
+        if end > self.max_len:
+            raise CacheCapacityError(
+                f"the speculative KV cache holds {self.max_len} tokens and the draft forward would "
+                f"need {end}; create it with a larger max_len (prompt + max_new_tokens + gamma + 1)"
+            )
+        return end
+
+    def advance(self, n: int) -> None:
+        """After a forward over n tokens (all layers have written them): they join the speculative part."""
+        self.length += n
+
+    def accept(self, m: int) -> None:
+        """Keep the first m speculative tokens as committed; drop the rest by pointer."""
+        if not 0 <= m <= self.length - self.committed:
+            raise ValueError(f"cannot accept {m} tokens: {self.length - self.committed} are speculative")
+        self.committed += m
+        self.length = self.committed
+
+    def rollback(self, length: int) -> None:
+        """Forget everything from position `length` on (pointer only)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length}: {self.length} tokens are held")
+        self.length = length
+        self.committed = min(self.committed, length)
+
+    def crop(self, max_length: int) -> None:
+        self.rollback(self.length + max_length if max_length < 0 else min(max_length, self.length))
+
+    def reset(self) -> None:
+        self.committed = self.length = 0
+
+    # -- reading ----------------------------------------------------------------------------------
+    def _readable(self, layer: SpeculativeKVLayer, end: int, dtype: torch.dtype):
+        """K/V [B, Hkv, end, D] in the model's dtype: views of the storage, or its dequantized copy."""
+        if self.scratch is None:
+            return layer.keys[:, :, :end], layer.values[:, :, :end]
+        k_out, v_out = self.scratch[0][:, :, :end], self.scratch[1][:, :, :end]
+        if layer.key_scales is None:
+            k_out.copy_(layer.keys[:, :, :end])
+            v_out.copy_(layer.values[:, :, :end])
+        else:
+            torch.mul(layer.keys[:, :, :end], layer.key_scales[:, :, :end], out=k_out)
+            torch.mul(layer.values[:, :, :end], layer.value_scales[:, :, :end], out=v_out)
+        return k_out, v_out
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def kv(self, layer_idx: int, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized copies of one layer's K/V [B, Hkv, end, D] (default: everything held)."""
+        layer = self.layers[layer_idx]
+        end = self.length if end is None else end
+        if layer.key_scales is None:
+            return layer.keys[:, :, :end].to(self.model_dtype), layer.values[:, :, :end].to(self.model_dtype)
+        return (
+            dequantize_int8(layer.keys[:, :, :end], layer.key_scales[:, :, :end], self.model_dtype),
+            dequantize_int8(layer.values[:, :, :end], layer.value_scales[:, :, :end], self.model_dtype),
+        )
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes: per token (K + V + scales, all layers), the committed and speculative parts, all
+        allocated storage, and the dequantization scratch."""
+        layer = self.layers[0]
+        per_token_layer = 2 * layer.keys[:, :, 0].numel() * layer.keys.element_size()
+        if layer.key_scales is not None:
+            per_token_layer += 2 * layer.key_scales[:, :, 0].numel() * layer.key_scales.element_size()
+        per_token = per_token_layer * len(self.layers)
+        scratch = 0 if self.scratch is None else sum(t.numel() * t.element_size() for t in self.scratch)
+        return {
+            "per_token": per_token,
+            "committed": self.committed * per_token,
+            "speculative": self.spec_reserve * per_token,
+            "allocated": self.max_len * per_token,
+            "scratch": scratch,
+        }
