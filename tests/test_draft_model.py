@@ -16,7 +16,9 @@ def _fresh_kv(model, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor
     """K/V of every layer after encoding `tokens` in one forward from an empty cache: [1, Hkv, T, D]."""
     cache = SpeculativeKVCache.for_model(model, len(tokens) + 1)
     with treespec.tree_attention_enabled(model):
-        model.base_model(input_ids=torch.tensor([tokens]), cache=cache, use_cache=True, tree_kernel="reference")
+        model.base_model(
+            input_ids=torch.tensor([tokens]), cache=cache, use_cache=True, tree_kernel="reference"
+        )
     cache.advance(len(tokens))
     return [cache.kv(i) for i in range(len(cache.layers))]
 
@@ -24,7 +26,9 @@ def _fresh_kv(model, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor
 def test_int8_round_trip_error_is_within_half_a_step():
     gen = torch.Generator().manual_seed(0)
     for scale in (1e-3, 1.0, 50.0):
-        x = torch.randn(2, 3, 17, 64, generator=gen) * scale * torch.rand(2, 3, 17, 1, generator=gen)  # [B, H, T, D]
+        x = (
+            torch.randn(2, 3, 17, 64, generator=gen) * scale * torch.rand(2, 3, 17, 1, generator=gen)
+        )  # [B, H, T, D]
         x[0, 0, 0] = 0  # an all-zero row
         q, s = quantize_int8(x)
         assert q.dtype == torch.int8 and s.shape == (2, 3, 17, 1)
@@ -62,7 +66,9 @@ def test_drafter_cache_equals_a_freshly_encoded_one_after_every_step(storage):
             k_held, v_held = cache.kv(layer)
             tol = 1e-9 if storage == "model" else 0.02 * k.abs().max().item()
             torch.testing.assert_close(k_held, k, atol=tol, rtol=0)
-            torch.testing.assert_close(v_held, v, atol=tol if storage == "model" else 0.02 * v.abs().max().item(), rtol=0)
+            torch.testing.assert_close(
+                v_held, v, atol=tol if storage == "model" else 0.02 * v.abs().max().item(), rtol=0
+            )
 
 
 @pytest.mark.parametrize("storage", STORAGES)
@@ -93,8 +99,19 @@ def test_a_draft_model_that_agrees_with_the_target_is_always_accepted():
 def test_with_a_lookup_branch_the_output_is_still_the_base_models():
     target = tiny_model("mistral", seed=2)
     prompt = [4, 8, 15, 16, 23, 42, 4, 8, 15]
-    drafter = DraftModelDrafter(tiny_model("mistral", seed=5, num_hidden_layers=1), gamma=3, kernel="reference")
-    result = treespec.generate(target, None, prompt, max_new_tokens=30, drafter=drafter, lookup=4, kernel="reference", eos_token_id=[])
+    drafter = DraftModelDrafter(
+        tiny_model("mistral", seed=5, num_hidden_layers=1), gamma=3, kernel="reference"
+    )
+    result = treespec.generate(
+        target,
+        None,
+        prompt,
+        max_new_tokens=30,
+        drafter=drafter,
+        lookup=4,
+        kernel="reference",
+        eos_token_id=[],
+    )
     assert result.token_ids == hf_greedy(target, prompt, 30)
 
 

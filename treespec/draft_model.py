@@ -81,7 +81,11 @@ class DraftModelDrafter:
         self.storage = storage
         param = next(draft_model.parameters())
         if kernel == "auto":
-            kernel = "compiled" if ops.dtype_supported(param.device, param.dtype) and ops.available(param.device) else "sdpa"
+            kernel = (
+                "compiled"
+                if ops.dtype_supported(param.device, param.dtype) and ops.available(param.device)
+                else "sdpa"
+            )
         self.kernel = kernel
         self.device = param.device
         self.cache: SpeculativeKVCache | None = None
@@ -121,7 +125,9 @@ class DraftModelDrafter:
         if self.cache is None:
             raise RuntimeError("DraftModelDrafter.reset(prompt + [first token]) must run before draft()")
         if not self.todo or self.todo[-1] != root:
-            raise RuntimeError(f"the drafter expected root {self.todo[-1:]} but got {root}: call observe() each step")
+            raise RuntimeError(
+                f"the drafter expected root {self.todo[-1:]} but got {root}: call observe() each step"
+            )
         t0 = time.perf_counter()
         logits = self._encode(self.todo)  # [V]
         self.drafts = [int(logits.argmax())]

@@ -1,4 +1,4 @@
-"""SpeculativeKVCache: a draft model's own preallocated KV cache, with pointer rollback and a storage precision.
+"""SpeculativeKVCache: a draft model's own preallocated KV cache: pointer rollback, storage precision.
 
 Layout per layer (allocated once, for the whole generation):
 
@@ -122,7 +122,9 @@ class SpeculativeKVCache(Cache):
             )
 
     @classmethod
-    def for_model(cls, model, max_len: int, storage: str = "model", spec_reserve: int = 0) -> SpeculativeKVCache:
+    def for_model(
+        cls, model, max_len: int, storage: str = "model", spec_reserve: int = 0
+    ) -> SpeculativeKVCache:
         """A cache shaped for `model` (a transformers causal LM) holding up to `max_len` tokens."""
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         num_heads = config.num_attention_heads

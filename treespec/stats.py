@@ -105,7 +105,8 @@ class GenerationStats:
     def summary(self) -> str:
         return (
             f"{self.new_tokens} tokens in {self.steps} steps, {self.tokens_per_second:.1f} tok/s, "
-            f"mean accepted length {self.mean_accept_length:.2f}, acceptance rate {self.acceptance_rate:.2f}, "
+            f"mean accepted length {self.mean_accept_length:.2f}, "
+            f"acceptance rate {self.acceptance_rate:.2f}, "
             f"draft {1e3 * self.draft_latency:.1f} ms + verify {1e3 * self.verify_latency:.1f} ms per step, "
             f"speculative memory {self.speculative_memory / 2**20:.2f} MiB"
         )
