@@ -47,6 +47,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
         default=0,
         help="limit the heads' output to the N most frequent answer tokens (0: whole vocabulary)",
     )
+    p.add_argument(
+        "--exit-layer",
+        type=int,
+        default=0,
+        help="train one exit head on the first K layers for self-speculative drafting (with --num-heads 1)",
+    )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--warmup-steps", type=int, default=50)
@@ -78,6 +84,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
         sequential=args.sequential,
         own_lm_head=args.own_lm_head,
         draft_vocab_size=args.draft_vocab_size,
+        exit_layer=args.exit_layer,
         extra={"model": args.model},
     )
     return cfg, args

@@ -215,3 +215,26 @@ def test_ddp_under_accelerate_launch(tiny_setup, tmp_path):
     assert record["processes"] == 2
     losses = [e["loss"] for e in record["log"] if "loss" in e]
     assert losses[-1] < losses[0]
+
+
+def test_an_exit_head_trains_on_a_lower_layer_and_drafts_exactly(tiny_setup):
+    root, model = tiny_setup
+    cfg = _config(root, "exit", num_heads=1, exit_layer=1, draft_vocab_size=128)
+    record = train_heads(cfg, model=model)
+    losses = [e["loss"] for e in record["log"] if "loss" in e]
+    assert losses[-1] < losses[0]
+    head = treespec.MedusaHeads.from_pretrained(root / "exit" / "heads", model=model)
+    assert head.exit_layer == 1 and head.num_heads == 1
+    # the examples pair the layer-1 state at position t+1 with the token right after it (x_{t+2})
+    data = treespec.distill.load_distill_data(root / "data", "eval")
+    seq, p = data.sequences[0], data.prompt_lengths[0]
+    x, y = train_module.cached_examples(model, root / "data", root / "exit" / "cache", "eval", 1, 4096, 1)
+    states = treespec.self_spec.layer_hidden_states(model, seq[None], 1)[0]  # [T, H]
+    torch.testing.assert_close(x[1], states[p + 1].to(x.dtype))  # row 1: t = p, state at p + 1
+    assert y[1, 1] == seq[p + 2]
+    drafter = treespec.SelfSpeculativeDrafter(model, head, gamma=3)
+    res = treespec.generate(model, None, [1, 2, 3], max_new_tokens=10, drafter=drafter, eos_token_id=[])
+    plain = treespec.generate_baseline(model, [1, 2, 3], max_new_tokens=10, eos_token_id=[])
+    assert res.token_ids == plain.token_ids
+    with pytest.raises(ValueError, match="single head"):
+        train_heads(_config(root, "bad", num_heads=2, exit_layer=1), model=model)

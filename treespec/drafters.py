@@ -116,6 +116,11 @@ def make_drafter(heads: MedusaHeads, tree: Tree, model: torch.nn.Module) -> Medu
 
 
 def _check_depth(heads: MedusaHeads, tree: Tree) -> None:
+    if heads.exit_layer:
+        raise ValueError(
+            f"these are exit heads (exit_layer={heads.exit_layer}) for self-speculative drafting: "
+            "use treespec.SelfSpeculativeDrafter(model, heads, gamma)"
+        )
     if tree.max_depth > heads.num_heads:
         raise ValueError(
             f"the tree is {tree.max_depth} levels deep but the heads predict only {heads.num_heads} "

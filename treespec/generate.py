@@ -227,7 +227,7 @@ def generate(
         root = sampling.sample(_logits(model, hidden[None])[0], generator)
         out = [root]
         if hasattr(drafter, "reset"):  # stateful drafters: a draft model's cache, the lookup index
-            drafter.reset(prompt_ids + [root], capacity=needed, target_cache=cache)
+            drafter.reset(prompt_ids + [root], capacity=needed, target_cache=cache, kernel=kernel)
         stats.time_prefill = timer.now() - t_start
         if streamer is not None:
             streamer.put(torch.tensor([root]))

@@ -134,10 +134,14 @@ class MedusaHeads(nn.Module):
         base_model: dict | None = None,
         sequential: bool = False,
         draft_vocab_size: int = 0,
+        exit_layer: int = 0,
         *,
         device: Any = None,
         dtype: torch.dtype | None = None,
     ):
+        """exit_layer 0: heads on the base model's final hidden state (Medusa). exit_layer k > 0: an
+        exit head for self-speculative drafting (`treespec.self_spec`): head 0 reads the residual stream
+        after the base model's first k layers, through the final norm, and predicts the *next* token."""
         super().__init__()
         for field, value, low in (
             ("num_heads", num_heads, 1),
@@ -145,6 +149,7 @@ class MedusaHeads(nn.Module):
             ("vocab_size", vocab_size, 1),
             ("num_layers", num_layers, 0),
             ("draft_vocab_size", draft_vocab_size, 0),
+            ("exit_layer", exit_layer, 0),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{field} must be an integer >= {low}, got {value!r}")
@@ -157,6 +162,7 @@ class MedusaHeads(nn.Module):
         self.own_lm_head = bool(own_lm_head)
         self.sequential = bool(sequential)
         self.draft_vocab_size = draft_vocab_size
+        self.exit_layer = exit_layer
         self.base_model = dict(base_model) if base_model is not None else None
         self.blocks = nn.ModuleList(
             nn.Sequential(*(ResidualBlock(hidden_size, device, dtype) for _ in range(num_layers)))
@@ -205,6 +211,7 @@ class MedusaHeads(nn.Module):
             "own_lm_head": self.own_lm_head,
             "sequential": self.sequential,
             "draft_vocab_size": self.draft_vocab_size,
+            "exit_layer": self.exit_layer,
             "base_model": self.base_model,
             "dtype": str(first.dtype).removeprefix("torch.") if first is not None else None,
         }
@@ -348,6 +355,7 @@ class MedusaHeads(nn.Module):
         own_lm_head: bool = False,
         sequential: bool = False,
         draft_vocab: Tensor | None = None,
+        exit_layer: int = 0,
     ) -> MedusaHeads:
         """Fresh (identity) heads sized for `model`, on its output layer's device and dtype.
 
@@ -364,6 +372,7 @@ class MedusaHeads(nn.Module):
             base_model=model_identity(model),
             sequential=sequential,
             draft_vocab_size=0 if draft_vocab is None else len(draft_vocab),
+            exit_layer=exit_layer,
             device=reference.device,
             dtype=reference.dtype,
         )
@@ -463,6 +472,7 @@ _CONFIG_FIELDS = (
     "base_model",
     "sequential",
     "draft_vocab_size",
+    "exit_layer",
 )
 
 
@@ -507,6 +517,9 @@ def _read_config(folder: Path) -> dict[str, Any]:
         raise HeadsLoadError(f"{path}: own_lm_head must be true or false, got {config.get('own_lm_head')!r}")
     if not isinstance(config.get("sequential", False), bool):
         raise HeadsLoadError(f"{path}: sequential must be true or false, got {config.get('sequential')!r}")
+    exit_layer = config.get("exit_layer", 0)
+    if isinstance(exit_layer, bool) or not isinstance(exit_layer, int) or exit_layer < 0:
+        raise HeadsLoadError(f"{path}: exit_layer must be an integer >= 0, got {exit_layer!r}")
     draft = config.get("draft_vocab_size", 0)
     if isinstance(draft, bool) or not isinstance(draft, int) or not 0 <= draft <= config["vocab_size"]:
         raise HeadsLoadError(f"{path}: draft_vocab_size must be an integer in [0, vocab_size], got {draft!r}")

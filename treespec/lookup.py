@@ -51,6 +51,11 @@ class LookupDrafter:
     def __init__(self, inner, length: int = 8, max_ngram: int = 3):
         if length < 1:
             raise ValueError(f"the lookup chain needs length >= 1, got {length}")
+        if hasattr(inner, "verify_forward"):
+            raise ValueError(
+                "a prompt-lookup branch does not combine with self-speculative drafting (its verification "
+                "runs only the upper layers of the drafted chain); use lookup=0"
+            )
         self.inner = inner
         self.length = length
         self.max_ngram = max_ngram

@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from .distill import load_distill_data
 from .heads import MedusaHeads, model_identity
+from .self_spec import layer_hidden_states
 
 HIDDEN_NAME = "hidden_states-v2.safetensors"  # v2: tokens from t+1 on
 CHECKPOINT_DIR = "checkpoint"
@@ -63,6 +64,7 @@ class TrainConfig:
     sequential: bool = False  # Hydra-style heads (see treespec.heads)
     own_lm_head: bool = False  # each head gets its own output layer (initialised from the base model's)
     draft_vocab_size: int = 0  # 0: the whole vocabulary
+    exit_layer: int = 0  # k > 0: train one exit head on layer k for self-speculative drafting
     extra: dict = field(default_factory=dict)
 
 
@@ -71,9 +73,10 @@ class TrainConfig:
 
 @torch.inference_mode()
 def last_hidden_states(
-    model, sequences: list[Tensor], batch_tokens: int = 4096, desc: str = "hidden"
+    model, sequences: list[Tensor], batch_tokens: int = 4096, desc: str = "hidden", layer: int = 0
 ) -> list[Tensor]:
-    """The base model's final-norm hidden state at every position: list of [T_i, H] (model dtype)."""
+    """The base model's final-norm hidden state at every position: list of [T_i, H] (model dtype).
+    With `layer` k > 0: the final norm of the residual stream after the first k layers instead."""
     out: list[Tensor | None] = [None] * len(sequences)
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     batches, batch = [], []
@@ -90,7 +93,10 @@ def last_hidden_states(
         ids = torch.zeros(len(batch), width, dtype=torch.long)  # right padding: causal, so it is never seen
         for row, i in enumerate(batch):
             ids[row, : len(sequences[i])] = sequences[i]
-        hidden = base(input_ids=ids.to(model.device)).last_hidden_state  # [b, width, H]
+        if layer:
+            hidden = layer_hidden_states(model, ids.to(model.device), layer)  # [b, width, H]
+        else:
+            hidden = base(input_ids=ids.to(model.device)).last_hidden_state  # [b, width, H]
         for row, i in enumerate(batch):
             out[i] = hidden[row, : len(sequences[i])].cpu()
     return out  # type: ignore[return-value]
@@ -118,16 +124,29 @@ def head_examples(
 
 
 def cached_examples(
-    model, data_folder: str | Path, cache_folder: Path, split: str, num_heads: int, batch_tokens: int
+    model,
+    data_folder: str | Path,
+    cache_folder: Path,
+    split: str,
+    num_heads: int,
+    batch_tokens: int,
+    exit_layer: int = 0,
 ):
-    """Hidden states of one split, computed once and kept in `cache_folder` (safetensors)."""
-    path = cache_folder / f"{split}-{HIDDEN_NAME}"
+    """Hidden states of one split, computed once and kept in `cache_folder` (safetensors).
+
+    exit_layer k > 0: examples for an exit head, x = norm(layer-k state at t+1) and y[:, 1] = x_{t+2},
+    i.e. the token right after the state's own position (head 0 of Medusa heads is one token further).
+    """
+    layer_tag = f"layer{exit_layer}-" if exit_layer else ""
+    path = cache_folder / f"{split}-{layer_tag}{HIDDEN_NAME}"
     data = load_distill_data(data_folder, split)
     if path.is_file():
         tensors = load_file(path)
         if tensors["x"].shape[0] > 0 and int(tensors["num_sequences"]) == len(data.sequences):
             return tensors["x"], tensors["y"][:, : num_heads + 1]
-    hidden = last_hidden_states(model, data.sequences, batch_tokens, desc=f"hidden states ({split})")
+    hidden = last_hidden_states(model, data.sequences, batch_tokens, f"hidden states ({split})", exit_layer)
+    if exit_layer:
+        hidden = [torch.cat([h[1:], h[-1:]]) for h in hidden]  # [T, H]: row t holds position t+1
     x, y = head_examples(hidden, data.sequences, data.prompt_lengths, max(num_heads, 8))
     cache_folder.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -256,6 +275,8 @@ def train_heads(cfg: TrainConfig, model=None, resume: bool = False, accelerator=
 
     from .models import load_model
 
+    if cfg.exit_layer and (cfg.num_heads != 1 or cfg.sequential):
+        raise ValueError("an exit head (exit_layer > 0) is a single head: use num_heads=1, not sequential")
     accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
     out = Path(cfg.out)
     if model is None:
@@ -264,10 +285,16 @@ def train_heads(cfg: TrainConfig, model=None, resume: bool = False, accelerator=
     cache = out / "cache"
     if accelerator.is_main_process:
         for split in ("train", "eval"):
-            cached_examples(model, cfg.data, cache, split, cfg.num_heads, cfg.hidden_batch_tokens)
+            cached_examples(
+                model, cfg.data, cache, split, cfg.num_heads, cfg.hidden_batch_tokens, cfg.exit_layer
+            )
     accelerator.wait_for_everyone()
-    x, y = cached_examples(model, cfg.data, cache, "train", cfg.num_heads, cfg.hidden_batch_tokens)
-    x_eval, y_eval = cached_examples(model, cfg.data, cache, "eval", cfg.num_heads, cfg.hidden_batch_tokens)
+    x, y = cached_examples(
+        model, cfg.data, cache, "train", cfg.num_heads, cfg.hidden_batch_tokens, cfg.exit_layer
+    )
+    x_eval, y_eval = cached_examples(
+        model, cfg.data, cache, "eval", cfg.num_heads, cfg.hidden_batch_tokens, cfg.exit_layer
+    )
     if cfg.max_positions:
         x, y = x[: cfg.max_positions], y[: cfg.max_positions]
     weight_dtype = torch.bfloat16 if cfg.bf16 else torch.float32
@@ -286,6 +313,7 @@ def train_heads(cfg: TrainConfig, model=None, resume: bool = False, accelerator=
         sequential=cfg.sequential,
         own_lm_head=cfg.own_lm_head,
         draft_vocab=draft_vocab,
+        exit_layer=cfg.exit_layer,
     ).float()
     lm_weight = heads.output_weight(lm_weight)  # [V', H] gathered once
     heads.base_model = model_identity(model)

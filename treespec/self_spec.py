@@ -1,0 +1,151 @@
+"""Self-speculative drafting: the base model's first k layers and a trained exit head draft a chain.
+
+No second model and no second cache: drafting runs the lower layers [0, k) of the base model itself, one
+token at a time, writing their K/V into the base model's own TreeKVCache at the positions the
+verification will use. Verification then runs only the upper layers [k, L) over the drafted tokens,
+starting from the layer-k hidden states kept from drafting, so the lower-layer work of every drafted
+token is done once:
+
+    draft:   x_0 = root; for i in 0..gamma:  h_k[i] = layers[0:k](x_i at position c + i)   (K/V -> cache)
+                                            x_{i+1} = argmax exit_head(norm(h_k[i]))       (i < gamma)
+    verify:  hidden = norm(layers[k:L](h_k[0..gamma], positions c..c+gamma))             (K/V -> cache)
+
+The lower layers see exactly the tokens and positions a full forward would, so the result equals a full
+verification up to float rounding (tested); greedy output equals the base model's. The exit head is a
+`MedusaHeads` with `exit_layer=k` and one head, trained by the same self-distillation pipeline
+(`scripts/train_heads.py --exit-layer k`). The model must be a Llama-style transformers decoder
+(`model.model.layers`, `rotary_emb`, `norm`): Llama, Qwen2, Mistral.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .draft_model import DraftStats, chain_tree
+from .heads import MedusaHeads
+
+
+def decoder_parts(model):
+    """(embedding, decoder layers, rotary embedding, final norm) of a Llama-style HF causal LM."""
+    inner = model.base_model
+    parts = [getattr(inner, name, None) for name in ("embed_tokens", "layers", "rotary_emb", "norm")]
+    if any(p is None for p in parts):
+        raise ValueError(
+            f"self-speculative drafting runs the decoder layer by layer and needs a Llama-style model "
+            f"(embed_tokens, layers, rotary_emb, norm); {type(model).__name__} is not one"
+        )
+    return parts
+
+
+def run_layers(model, hidden, positions, cache, start: int, stop: int, tree_mask=None, kernel: str = "sdpa"):
+    """Decoder layers [start, stop) over hidden [1, n, H] at positions [1, n] -> [1, n, H] (pre-norm).
+
+    With a cache the layers read and write their K/V there (treespec attention must be enabled);
+    without one they attend causally within the block (plain prefill, used for training data).
+    """
+    _, layers, rotary, _ = decoder_parts(model)
+    position_embeddings = rotary(hidden, position_ids=positions)
+    extra = {} if cache is None else {"tree_mask": tree_mask, "tree_kernel": kernel}
+    for layer in layers[start:stop]:
+        hidden = layer(
+            hidden,
+            attention_mask=None,
+            position_embeddings=position_embeddings,
+            position_ids=positions,
+            cache=cache,
+            use_cache=cache is not None,
+            **extra,
+        )
+    return hidden
+
+
+@torch.inference_mode()
+def layer_hidden_states(model, ids: torch.Tensor, layer: int) -> torch.Tensor:
+    """norm(residual stream after the first `layer` layers): ids [B, T] -> [B, T, H] (causal, no cache)."""
+    embed, _, _, norm = decoder_parts(model)
+    positions = torch.arange(ids.shape[1], device=ids.device)[None]  # [1, T]
+    return norm(run_layers(model, embed(ids), positions, None, 0, layer))  # [B, T, H]
+
+
+class SelfSpeculativeDrafter:
+    """Chain drafter over the base model's first `exit_head.exit_layer` layers; verification reuses them."""
+
+    def __init__(self, model, exit_head: MedusaHeads, gamma: int = 4):
+        k = exit_head.exit_layer
+        embed, layers, _, norm = decoder_parts(model)
+        if not 0 < k < len(layers):
+            raise ValueError(
+                f"these heads have exit_layer={k}; an exit head for self-speculative drafting needs "
+                f"1 <= exit_layer < {len(layers)} (train one with scripts/train_heads.py --exit-layer K)"
+            )
+        exit_head.check_compatible(model)
+        self.model, self.exit_head, self.gamma, self.exit_layer = model, exit_head, gamma, k
+        self.num_layers = len(layers)
+        self.embed, self.norm = embed, norm
+        self.tree = chain_tree(gamma)
+        self.weight = exit_head.output_weight(model.get_output_embeddings())  # [V', H]
+        self.cache = None  # the target's TreeKVCache, given by generate through reset()
+        self.kernel = "sdpa"
+        self.lower: torch.Tensor | None = None  # [1, gamma + 1, H] layer-k states of the drafted chain
+        self.drafts: list[int] = []
+        self.stats = DraftStats()
+        self.last_probs: torch.Tensor | None = None
+
+    def reset(self, tokens: list[int], target_cache=None, kernel: str = "sdpa", **_) -> None:
+        """Start a sequence (generate calls this after the prefill): draft into `target_cache`."""
+        if target_cache is None:
+            raise ValueError(
+                "SelfSpeculativeDrafter writes into the target's cache: reset(..., target_cache=)"
+            )
+        self.cache, self.kernel = target_cache, kernel
+        self.stats = DraftStats()
+        hidden = self.embed.weight
+        self.lower = hidden.new_empty(1, self.gamma + 1, hidden.shape[1])  # allocated once per generation
+
+    @torch.inference_mode()
+    def draft(self, hidden: torch.Tensor, root: int) -> torch.Tensor:
+        if self.cache is None:
+            raise RuntimeError("SelfSpeculativeDrafter.reset(...) must run before draft()")
+        t0 = time.perf_counter()
+        cache, c = self.cache, self.cache.committed
+        tokens = [root]
+        probs = [1.0]
+        for i in range(self.gamma + 1):
+            ids = torch.tensor([[tokens[i]]], device=hidden.device)  # [1, 1]
+            positions = torch.tensor([[c + i]], device=hidden.device)  # [1, 1]
+            h = run_layers(
+                self.model, self.embed(ids), positions, cache, 0, self.exit_layer, None, self.kernel
+            )
+            cache.commit_all()  # the write pointer moves on; the upper layers' slots stay empty for now
+            self.lower[:, i] = h[:, 0]
+            if i < self.gamma:
+                state = self.exit_head.head_hidden(self.norm(h), num_heads=1)  # [1, 1, 1, H]
+                p = self.exit_head.logits(state, self.weight)[0, 0, 0].float().softmax(-1)  # [V']
+                best = p.max(-1)
+                tokens.append(int(self.exit_head.token_ids(best.indices)))
+                probs.append(float(best.values))
+        cache.rollback(c)  # lower-layer K/V of the chain stay in place for the verification to read
+        self.drafts = tokens[1:]
+        self.last_probs = torch.tensor(probs)
+        self.stats.seconds += time.perf_counter() - t0
+        self.stats.drafted += self.gamma
+        return torch.tensor(tokens, device=hidden.device)  # [gamma + 1]
+
+    def verify_forward(self, model, ids, positions, cache, tree_mask, kernel) -> torch.Tensor:
+        """The upper layers over the drafted chain, from the kept layer-k states: -> [N, H] (final norm).
+
+        Same contract as generate's full forward; `ids` were embedded and run through the lower layers
+        while drafting (the chain mask is causal, which is what `tree_mask` says for a chain)."""
+        n = ids.shape[1]
+        h = run_layers(
+            model, self.lower[:, :n], positions, cache, self.exit_layer, self.num_layers, tree_mask, kernel
+        )
+        return self.norm(h)[0]  # [N, H]
+
+    def observe(self, tokens: list[int]) -> None:
+        accepted = 0
+        while accepted < min(len(tokens) - 1, self.gamma) and tokens[accepted] == self.drafts[accepted]:
+            accepted += 1
+        self.stats.accepted += accepted
