@@ -238,3 +238,23 @@ def test_an_exit_head_trains_on_a_lower_layer_and_drafts_exactly(tiny_setup):
     assert res.token_ids == plain.token_ids
     with pytest.raises(ValueError, match="single head"):
         train_heads(_config(root, "bad", num_heads=2, exit_layer=1), model=model)
+
+
+def test_cli_tune_writes_the_choice_and_generate_uses_it(tiny_setup, tmp_path, capsys):
+    """`treespec tune` with a draft model (here: a copy of the tiny target) on the held-out prompts."""
+    from treespec import cli
+    from treespec.tune import TuneResult
+
+    root, model = tiny_setup
+    draft = tmp_path / "draft"
+    shutil.copytree(root / "model", draft)
+    argv = ["--model", str(root / "model"), "--draft-model", str(draft), "--dtype", "float32"]
+    status = cli.main(["tune", *argv, "--data", str(root / "data"), "--prompts", "2", "--max-gamma", "3"])
+    assert status == 0
+    out = capsys.readouterr().out
+    assert "predicted speedup" in out and "measured at gamma=" in out
+    result = TuneResult.load(draft)
+    assert 1 <= result.gamma <= 3 and [r.gamma for r in result.table] == [1, 2, 3]
+    assert result.acceptance == [1.0, 1.0, 1.0]  # the draft model is the target: everything accepted
+    assert cli.main(["generate", "hello", *argv, "--max-new-tokens", "6"]) == 0
+    assert cli.main(["tune", *argv[:2], "--draft-model", str(tmp_path / "missing")]) == 2

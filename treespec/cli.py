@@ -65,9 +65,70 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(commands)
     _add_viz(commands)
+    _add_tune(commands)
     for name, (_, help_text) in SCRIPTS.items():
         commands.add_parser(name, help=help_text, description=f"{help_text}; options: treespec {name} --help")
     return parser
+
+
+# ----- treespec tune -----
+
+
+def _add_tune(commands) -> None:
+    p = commands.add_parser(
+        "tune",
+        help="choose gamma for a draft model or exit head on this machine",
+        description="Measure this machine's step costs and the drafter's acceptance on held-out "
+        "self-distillation prompts (never Spec-Bench), choose the gamma with the most tokens per second, "
+        "print predicted and measured speedups, and store the choice as tune.json in the drafter's folder.",
+    )
+    p.add_argument("--model", default=None, help="HF model id or folder (default: embedded SmolLM2-135M)")
+    _add_chain_drafter_options(p, required=True)
+    p.add_argument(
+        "--data",
+        default=str(REPO_ROOT / "data" / "distill" / "smollm2-135m-instruct"),
+        help="self-distillation folder whose eval prompts are used (default: the repository's)",
+    )
+    p.add_argument("--prompts", type=int, default=8, help="held-out prompts to measure on (default 8)")
+    p.add_argument("--max-gamma", type=int, default=8, help="largest gamma tried (default 8)")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=64, help="tokens per measured generation (default 64)"
+    )
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--no-save", action="store_true", help="print the choice without writing tune.json")
+    p.set_defaults(run=cmd_tune)
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from .distill import load_distill_data
+    from .tune import tune_drafter
+
+    if args.max_gamma < 1 or args.prompts < 1:
+        raise ValueError("--max-gamma and --prompts must be >= 1")
+    data = load_distill_data(args.data, "eval")
+    prompts = [s[:p].tolist() for s, p in zip(data.sequences, data.prompt_lengths, strict=True)][
+        : args.prompts
+    ]
+    model, _ = treespec.load_model(args.model, dtype=args.dtype)
+    chain_drafter(args, model, gamma=1)  # fails early on a bad folder
+
+    def run(drafter, ids, max_new_tokens):
+        return treespec.generate(
+            model, None, ids, max_new_tokens=max_new_tokens, drafter=drafter, eos_token_id=[]
+        )
+
+    result = tune_drafter(
+        lambda gamma: chain_drafter(args, model, gamma),
+        run,
+        prompts,
+        max_gamma=args.max_gamma,
+        max_new_tokens=args.max_new_tokens,
+        progress=lambda line: print(line, file=sys.stderr),
+    )
+    print(result.format())
+    if not args.no_save:
+        print(f"written to {result.save(args.draft_model or args.exit_head)}")
+    return 0
 
 
 # ----- treespec generate -----
@@ -105,7 +166,55 @@ def _add_generate(commands) -> None:
     p.add_argument(
         "--lookup", type=int, default=0, help="add a prompt-lookup branch of N nodes (default 0: none)"
     )
+    _add_chain_drafter_options(p)
     p.set_defaults(run=cmd_generate)
+
+
+def _add_chain_drafter_options(p, required: bool = False) -> None:
+    """--draft-model / --exit-head (instead of Medusa heads), --gamma, --storage."""
+    which = p.add_mutually_exclusive_group(required=required)
+    which.add_argument(
+        "--draft-model", metavar="FOLDER", help="draft with this HF causal LM (same tokenizer)"
+    )
+    which.add_argument(
+        "--exit-head",
+        metavar="FOLDER",
+        help="self-speculative: draft with the model's first layers and this exit head "
+        "(train_heads.py --exit-layer)",
+    )
+    p.add_argument(
+        "--gamma",
+        type=int,
+        default=None,
+        help="tokens drafted per step (default: the folder's tune.json, else 4)",
+    )
+    p.add_argument(
+        "--storage",
+        default="model",
+        choices=["model", "float32", "bfloat16", "float16", "int8"],
+        help="precision of the draft model's speculative KV cache (default: the model's dtype)",
+    )
+
+
+def chain_drafter(args: argparse.Namespace, model, gamma: int | None = None):
+    """The draft-model or self-speculative drafter the options ask for (None when neither)."""
+    from .tune import TuneResult
+
+    folder = args.draft_model or args.exit_head
+    if folder is None:
+        return None
+    if not Path(folder).is_dir():
+        raise ValueError(f"{folder}: no such folder")
+    if gamma is None:
+        gamma = args.gamma
+    if gamma is None:
+        gamma = TuneResult.load(folder).gamma if (Path(folder) / "tune.json").is_file() else 4
+    if args.draft_model:
+        from .draft_model import load_draft_model
+
+        return treespec.DraftModelDrafter(load_draft_model(folder, model), gamma, storage=args.storage)
+    head = treespec.MedusaHeads.from_pretrained(folder, model=model)
+    return treespec.SelfSpeculativeDrafter(model, head, gamma)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -113,10 +222,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     from transformers import TextStreamer
 
-    folder = heads_folder(args.heads, default_ok=args.model is None)
-    tree = load_tree(args.tree, folder)  # a bad tree file fails before the model loads
+    chained = args.draft_model or args.exit_head
+    folder = None if chained else heads_folder(args.heads, default_ok=args.model is None)
+    tree = None if chained else load_tree(args.tree, folder)  # a bad tree file fails before the model loads
     model, tokenizer = treespec.load_model(args.model, dtype=args.dtype, device=args.device)
-    heads = load_heads(folder, model, args.num_heads)
+    drafter = chain_drafter(args, model)
+    heads = None if chained else load_heads(folder, model, args.num_heads)
     if isinstance(tree, int):
         tree = treespec.default_tree(tree, heads.num_heads)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if args.stream else None
@@ -134,6 +245,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         streamer=streamer,
         trace=want_trace,
         lookup=args.lookup,
+        drafter=drafter,
     )
     if streamer is None:
         print(result.text)

@@ -60,6 +60,17 @@ class DraftStats:
         }
 
 
+def load_draft_model(folder, target_model, dtype=None):
+    """A draft model from an HF folder (safetensors), on the target's device and dtype; the vocabulary
+    must be the target's."""
+    from transformers import AutoModelForCausalLM
+
+    param = next(target_model.parameters())
+    draft = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or param.dtype).to(param.device).eval()
+    check_vocabularies(draft, target_model)
+    return draft
+
+
 def check_vocabularies(draft_model, target_model) -> None:
     """A draft model must score the target's token ids: same vocabulary size (and the same tokenizer)."""
     v_draft = draft_model.get_output_embeddings().weight.shape[0]
