@@ -10,6 +10,13 @@ Methods (all run in the same process on the same prompt token ids):
     treespec          `treespec.generate` with Medusa heads and a candidate tree
     lookup            `treespec.generate` with no heads and a prompt-lookup branch (`--lookup` nodes)
     treespec_lookup   heads, tree and the prompt-lookup branch together
+    draft_model       `treespec.generate` with a DraftModelDrafter (`--draft-model`, chain of gamma tokens);
+                      draft_model_bf16 / _fp16 / _int8 store its speculative KV cache in that precision
+    self_spec         `treespec.generate` with a SelfSpeculativeDrafter (`--exit-head`)
+    hf_assisted       HF `model.generate(assistant_model=<--draft-model>)`, num_assistant_tokens = gamma
+                      with the constant schedule (the same chain length as draft_model)
+
+gamma per drafter: `--gamma`, else the drafter folder's tune.json (`treespec tune`), else 4.
 
 Prompts: the first turn of each Spec-Bench question, through the chat template. `--num-prompts N`
 takes a stratified subset: round-robin over the categories in file order (first question of each
@@ -47,7 +54,24 @@ from treespec.generate import encode_prompt
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = REPO_ROOT.parent / "shared" / "data" / "spec_bench_question.jsonl"
 DEFAULT_HEADS = REPO_ROOT / "heads" / "smollm2-135m-instruct"
-METHODS = ("hf", "hf_prompt_lookup", "baseline", "treespec", "lookup", "treespec_lookup")
+STORAGE_METHODS = {
+    "draft_model": "model",
+    "draft_model_bf16": "bfloat16",
+    "draft_model_fp16": "float16",
+    "draft_model_int8": "int8",
+}
+METHODS = (
+    "hf",
+    "hf_prompt_lookup",
+    "baseline",
+    "treespec",
+    "lookup",
+    "treespec_lookup",
+    *STORAGE_METHODS,
+    "self_spec",
+    "hf_assisted",
+)
+SPECULATIVE = ("treespec", "lookup", "treespec_lookup", *STORAGE_METHODS, "self_spec")
 DEFAULT_METHODS = ("hf", "hf_prompt_lookup", "baseline", "treespec")
 REFERENCE = "hf"
 WARMUP_PROMPT = "Say hello in one short sentence."
@@ -79,6 +103,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--methods", default=",".join(DEFAULT_METHODS), help=f"comma list from {','.join(METHODS)}"
     )
     p.add_argument("--lookup", type=int, default=8, help="prompt-lookup branch length (lookup methods)")
+    p.add_argument("--draft-model", default=None, help="HF draft model folder (draft_model*, hf_assisted)")
+    p.add_argument(
+        "--exit-head", default=None, help="exit head folder (self_spec; train_heads.py --exit-layer)"
+    )
+    p.add_argument(
+        "--gamma", type=int, default=None, help="tokens drafted per step (default: tune.json, else 4)"
+    )
     p.add_argument("--data", default=None, help=f"Spec-Bench questions JSONL (default {DEFAULT_DATA})")
     p.add_argument("--out", default=None, help="results JSON (default bench_results/bench-<timestamp>.json)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave)")
@@ -89,6 +120,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be >= 1")
+    if {*STORAGE_METHODS, "hf_assisted"} & set(args.methods) and not args.draft_model:
+        p.error("the draft_model and hf_assisted methods need --draft-model FOLDER")
+    if "self_spec" in args.methods and not args.exit_head:
+        p.error("the self_spec method needs --exit-head FOLDER")
     return args
 
 
@@ -169,8 +204,39 @@ def eos_ids(model, tokenizer) -> set[int]:
     return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
 
 
-def make_runners(model, tokenizer, heads, tree, methods: list[str], lookup: int = 8) -> dict:
+def gamma_for(folder: str, gamma: int | None) -> int:
+    """--gamma, else the folder's tune.json choice, else 4."""
+    from treespec.tune import TuneResult
+
+    if gamma is not None:
+        return gamma
+    return TuneResult.load(folder).gamma if (Path(folder) / "tune.json").is_file() else 4
+
+
+def load_chain_drafters(args, model) -> dict:
+    """Drafter factories and descriptions for the draft-model, self-speculative and assisted methods."""
+    from treespec.draft_model import load_draft_model
+
+    out = {"draft": None, "exit_head": None, "desc": {}}
+    if args.draft_model:
+        gamma = gamma_for(args.draft_model, args.gamma)
+        draft = load_draft_model(args.draft_model, model)
+        out["draft"] = (draft, gamma)
+        layers = draft.config.num_hidden_layers
+        out["desc"]["draft_model"] = f"{args.draft_model} ({layers} layers), gamma {gamma}"
+    if args.exit_head:
+        gamma = gamma_for(args.exit_head, args.gamma)
+        head = treespec.MedusaHeads.from_pretrained(args.exit_head, model=model)
+        out["exit_head"] = (head, gamma)
+        out["desc"]["exit_head"] = f"{args.exit_head} (exit layer {head.exit_layer}), gamma {gamma}"
+    return out
+
+
+def make_runners(
+    model, tokenizer, heads, tree, methods: list[str], lookup: int = 8, chains: dict | None = None
+) -> dict:
     """name -> run(ids, max_new_tokens) -> dict(token_ids, steps, accepted, library_seconds)."""
+    chains = chains or {"draft": None, "exit_head": None}
     eos = eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
     device = next(model.parameters()).device
@@ -198,6 +264,8 @@ def make_runners(model, tokenizer, heads, tree, methods: list[str], lookup: int 
             "token_ids": list(res.token_ids),
             "steps": s.steps,
             "accepted": sum(s.accept_lengths),
+            "drafted": s.steps * s.max_depth,
+            "speculative_memory": s.speculative_memory,
             "library_seconds": s.time_total,
             "phase_seconds": {
                 "prefill": s.time_prefill,
@@ -227,6 +295,35 @@ def make_runners(model, tokenizer, heads, tree, methods: list[str], lookup: int 
             )
         ),
     }
+    if chains["draft"] is not None:
+        draft, gamma = chains["draft"]
+        for name, storage in STORAGE_METHODS.items():
+            runners[name] = lambda ids, m, storage=storage: from_result(
+                treespec.generate(
+                    model,
+                    None,
+                    ids,
+                    tokenizer=tokenizer,
+                    max_new_tokens=m,
+                    drafter=treespec.DraftModelDrafter(draft, gamma, storage=storage),
+                )
+            )
+        draft.generation_config.num_assistant_tokens = gamma
+        draft.generation_config.num_assistant_tokens_schedule = "constant"
+        draft.generation_config.assistant_confidence_threshold = 0.0
+        runners["hf_assisted"] = lambda ids, m: hf(ids, m, assistant_model=draft)
+    if chains["exit_head"] is not None:
+        head, gamma = chains["exit_head"]
+        runners["self_spec"] = lambda ids, m: from_result(
+            treespec.generate(
+                model,
+                None,
+                ids,
+                tokenizer=tokenizer,
+                max_new_tokens=m,
+                drafter=treespec.SelfSpeculativeDrafter(model, head, gamma),
+            )
+        )
     return {name: runners[name] for name in methods}
 
 
@@ -276,6 +373,8 @@ def make_record(q: dict, ids: list[int], results: dict, methods: list[str]) -> d
             "steps": r.get("steps"),
             "accepted": r.get("accepted"),
             "accept_length": r["accepted"] / r["steps"] if r.get("steps") else None,
+            "drafted": r.get("drafted"),
+            "speculative_memory": r.get("speculative_memory"),
             "library_seconds": r.get("library_seconds"),
             "phase_seconds": r.get("phase_seconds"),
             "identical_to_hf": None,
@@ -328,6 +427,17 @@ def summarize(records: list[dict], methods: list[str], reference: str = REFERENC
                 entry["accept_length"] = (
                     sum(x["accepted"] for x in steps) / total_steps if total_steps else None
                 )
+                drafted = sum(x.get("drafted") or 0 for x in steps)
+                entry["acceptance_rate"] = (
+                    (sum(x["accepted"] for x in steps) - total_steps) / drafted if drafted else None
+                )
+                phases = [x["phase_seconds"] for x in steps if x.get("phase_seconds")]
+                if phases and total_steps:
+                    entry["draft_ms"] = 1e3 * sum(p["draft"] for p in phases) / total_steps
+                    entry["verify_ms"] = 1e3 * sum(p["verify"] for p in phases) / total_steps
+                memory = [x["speculative_memory"] for x in steps if x.get("speculative_memory") is not None]
+                if memory:
+                    entry["speculative_memory"] = max(memory)
             if reference in methods and m != reference:
                 entry["identical_to_hf"] = sum(bool(x["identical_to_hf"]) for x in runs)
             row["methods"][m] = entry
@@ -335,6 +445,10 @@ def summarize(records: list[dict], methods: list[str], reference: str = REFERENC
             ref_tps = row["methods"][reference]["tokens_per_second"]
             for entry in row["methods"].values():
                 entry["speedup"] = entry["tokens_per_second"] / ref_tps if ref_tps else None
+        if "baseline" in methods:
+            base_tps = row["methods"]["baseline"]["tokens_per_second"]
+            for entry in row["methods"].values():
+                entry["speedup_vs_baseline"] = entry["tokens_per_second"] / base_tps if base_tps else None
         rows.append(row)
     return rows
 
@@ -346,6 +460,8 @@ HEADER_KEYS = (
     "device",
     "heads",
     "tree",
+    "draft_model",
+    "exit_head",
     "threads",
     "max_new_tokens",
     "num_prompts",
@@ -388,7 +504,7 @@ def format_tables(summary: list[dict], methods: list[str], reference: str = REFE
     title = "tokens/s" + (f" (speedup over {reference})" if has_ref else "")
     parts = [title, _grid(["category", "n", *methods], rows)]
 
-    accept = [m for m in methods if m in ("treespec", "lookup", "treespec_lookup")]
+    accept = [m for m in methods if m in SPECULATIVE]
     same = [m for m in methods if has_ref and m != reference]
     if accept or same:
         rows = []
@@ -402,6 +518,34 @@ def format_tables(summary: list[dict], methods: list[str], reference: str = REFE
             rows.append(cells)
         headers = ["category", "n", *[f"accept({m})" for m in accept], *[f"same({m})" for m in same]]
         note = f"accept: tokens committed per verify step; same(X): prompts with X's tokens == {reference}'s"
+        parts += ["", note, _grid(headers, rows)]
+    overall = summary[-1]["methods"]
+    if accept:
+        rows = []
+        for m in [m for m in methods if m in SPECULATIVE or m in ("baseline", "hf_assisted")]:
+            e = overall[m]
+
+            def fmt(key, spec, scale=1.0, e=e):
+                return "-" if e.get(key) is None else format(e[key] * scale, spec)
+
+            rows.append(
+                [
+                    m,
+                    fmt("accept_length", ".2f"),
+                    fmt("acceptance_rate", ".2f"),
+                    fmt("draft_ms", ".1f"),
+                    fmt("verify_ms", ".1f"),
+                    fmt("speculative_memory", ".2f", 2**-20),
+                    fmt("speedup", ".2f"),
+                    fmt("speedup_vs_baseline", ".2f"),
+                ]
+            )
+        headers = ["method (overall)", "accept len", "accept rate", "draft ms/step", "verify ms/step"]
+        headers += ["spec. memory MiB", "x hf", "x baseline"]
+        note = (
+            "accept rate: accepted drafted tokens / drafted depth (tree depth or gamma) per step; "
+            "spec. memory: target tree block + drafter cache"
+        )
         parts += ["", note, _grid(headers, rows)]
     return "\n".join(parts)
 
@@ -430,7 +574,8 @@ def main(argv: list[str] | None = None) -> dict:
     heads, tree, heads_desc, tree_desc = None, None, "-", "-"
     if {"treespec", "treespec_lookup"} & set(args.methods):
         heads, tree, heads_desc, tree_desc = load_heads_and_tree(args, model)
-    runners = make_runners(model, tokenizer, heads, tree, args.methods, args.lookup)
+    chains = load_chain_drafters(args, model)
+    runners = make_runners(model, tokenizer, heads, tree, args.methods, args.lookup, chains)
 
     config = {
         "command": command,
@@ -439,6 +584,8 @@ def main(argv: list[str] | None = None) -> dict:
         "device": str(device),
         "heads": heads_desc,
         "tree": tree_desc,
+        "draft_model": chains["desc"].get("draft_model", "-"),
+        "exit_head": chains["desc"].get("exit_head", "-"),
         "tree_choices": [list(c) for c in tree.choices] if tree is not None else None,
         "threads": torch.get_num_threads(),
         "max_new_tokens": args.max_new_tokens,

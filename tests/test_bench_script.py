@@ -45,3 +45,33 @@ def test_bench_smoke(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "same(treespec)" in printed and "accept(treespec_lookup)" in printed
     assert result["config"]["lookup"] == 4
+
+
+@pytest.mark.integration
+def test_bench_draft_model_self_spec_and_assisted(tmp_path, smollm2, capsys):
+    """Every chain drafter (and HF assisted generation) matches HF greedy in float32, with the metrics."""
+    import treespec
+    from treespec.draft_train import truncate_model
+
+    model, tokenizer = smollm2
+    draft = tmp_path / "draft"
+    truncate_model(model, 2).save_pretrained(draft)
+    tokenizer.save_pretrained(draft)
+    exit_head = tmp_path / "exit"
+    treespec.MedusaHeads.for_model(model, num_heads=1, exit_layer=10).save_pretrained(exit_head)
+    bench = load_bench()
+    out = tmp_path / "b.json"
+    methods = ["hf", "baseline", "draft_model", "draft_model_int8", "self_spec", "hf_assisted"]
+    argv = ["--num-prompts", "2", "--max-new-tokens", "8", "--dtype", "float32", "--gamma", "3"]
+    argv += ["--draft-model", str(draft), "--exit-head", str(exit_head), "--methods", ",".join(methods)]
+    result = bench.main([*argv, "--out", str(out)])
+    overall = result["summary"][-1]["methods"]
+    for m in methods[1:]:
+        assert overall[m]["identical_to_hf"] == 2, m
+    for m in ("draft_model", "draft_model_int8", "self_spec"):
+        assert 0.0 <= overall[m]["acceptance_rate"] <= 1.0
+        assert overall[m]["verify_ms"] > 0 and overall[m]["draft_ms"] > 0
+    assert overall["draft_model_int8"]["speculative_memory"] < overall["draft_model"]["speculative_memory"]
+    assert "gamma 3" in result["config"]["draft_model"]
+    printed = capsys.readouterr().out
+    assert "accept rate" in printed and "x baseline" in printed
