@@ -11,7 +11,7 @@ Methods (all run in the same process on the same prompt token ids):
     lookup            `treespec.generate` with no heads and a prompt-lookup branch (`--lookup` nodes)
     treespec_lookup   heads, tree and the prompt-lookup branch together
     draft_model       `treespec.generate` with a DraftModelDrafter (`--draft-model`, chain of gamma tokens);
-                      draft_model_bf16 / _fp16 / _int8 store its speculative KV cache in that precision
+                      draft_model_fp32 / _bf16 / _fp16 / _int8: its speculative KV cache in that precision
     self_spec         `treespec.generate` with a SelfSpeculativeDrafter (`--exit-head`)
     hf_assisted       HF `model.generate(assistant_model=<--draft-model>)`, num_assistant_tokens = gamma
                       with the constant schedule (the same chain length as draft_model)
@@ -56,6 +56,7 @@ DEFAULT_DATA = REPO_ROOT.parent / "shared" / "data" / "spec_bench_question.jsonl
 DEFAULT_HEADS = REPO_ROOT / "heads" / "smollm2-135m-instruct"
 STORAGE_METHODS = {
     "draft_model": "model",
+    "draft_model_fp32": "float32",
     "draft_model_bf16": "bfloat16",
     "draft_model_fp16": "float16",
     "draft_model_int8": "int8",
