@@ -296,35 +296,25 @@ def make_runners(
             )
         ),
     }
+
+    def with_drafter(make):  # no heads; a fresh drafter from make() for every call
+        return lambda ids, m: from_result(
+            treespec.generate(model, None, ids, tokenizer=tokenizer, max_new_tokens=m, drafter=make())
+        )
+
     if chains["draft"] is not None:
         draft, gamma = chains["draft"]
         for name, storage in STORAGE_METHODS.items():
-            runners[name] = lambda ids, m, storage=storage: from_result(
-                treespec.generate(
-                    model,
-                    None,
-                    ids,
-                    tokenizer=tokenizer,
-                    max_new_tokens=m,
-                    drafter=treespec.DraftModelDrafter(draft, gamma, storage=storage),
-                )
+            runners[name] = with_drafter(
+                lambda storage=storage: treespec.DraftModelDrafter(draft, gamma, storage=storage)
             )
         draft.generation_config.num_assistant_tokens = gamma
         draft.generation_config.num_assistant_tokens_schedule = "constant"
         draft.generation_config.assistant_confidence_threshold = 0.0
         runners["hf_assisted"] = lambda ids, m: hf(ids, m, assistant_model=draft)
     if chains["exit_head"] is not None:
-        head, gamma = chains["exit_head"]
-        runners["self_spec"] = lambda ids, m: from_result(
-            treespec.generate(
-                model,
-                None,
-                ids,
-                tokenizer=tokenizer,
-                max_new_tokens=m,
-                drafter=treespec.SelfSpeculativeDrafter(model, head, gamma),
-            )
-        )
+        head, gamma_exit = chains["exit_head"]
+        runners["self_spec"] = with_drafter(lambda: treespec.SelfSpeculativeDrafter(model, head, gamma_exit))
     return {name: runners[name] for name in methods}
 
 

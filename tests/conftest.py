@@ -63,6 +63,49 @@ def tiny_llama_over(tokenizer, seed: int = 0, dtype=torch.float64, **overrides) 
     return LlamaForCausalLM(LlamaConfig(**{**settings, **overrides})).to(dtype).eval()
 
 
+TINY_PROMPTS = [
+    "Hi",
+    "Write a haiku about the sea.",
+    "What is 2 + 2?",
+    "List three prime numbers.",
+    "Why is the sky blue?",
+    "Name a colour.",
+    "Translate 'cat' into French.",
+    "Say something kind.",
+    "Count to five.",
+    "What is a tree?",
+]
+
+
+def tiny_distill_setup(root: Path, **overrides):
+    """A tiny random Llama over the SmolLM2 vocabulary (tied embeddings), saved in root/model with the
+    tokenizer, and its self-distillation data in root/data (12 new tokens for each of TINY_PROMPTS)."""
+    from transformers import AutoTokenizer
+
+    from treespec.distill import make_distill_data
+
+    tokenizer = AutoTokenizer.from_pretrained(treespec.models.default_model_folder())
+    model = tiny_llama_over(tokenizer, dtype=torch.float32, **{"tie_word_embeddings": True, **overrides})
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    prompts = root / "prompts.json"
+    rows = [
+        {"id": f"p{i}", "conversations": [{"from": "human", "value": t}]} for i, t in enumerate(TINY_PROMPTS)
+    ]
+    prompts.write_text(json.dumps(rows))
+    make_distill_data(
+        root / "data",
+        model,
+        tokenizer,
+        prompts,
+        max_new_tokens=12,
+        shard_size=4,
+        eval_fraction=0.3,
+        progress=False,
+    )
+    return root, model
+
+
 def random_heads(
     model, num_heads: int = 4, seed: int = 0, std: float = 0.3, sequential: bool = False, draft_vocab=None
 ) -> treespec.MedusaHeads:

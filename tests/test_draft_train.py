@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_llama_over, tiny_model
+from conftest import tiny_distill_setup, tiny_llama_over, tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import treespec
 from treespec import draft_train
-from treespec.distill import load_distill_data, make_distill_data
+from treespec.distill import load_distill_data
 from treespec.draft_train import (
     BatchPlan,
     DraftTrainConfig,
@@ -23,18 +22,6 @@ from treespec.draft_train import (
 )
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_draft_model.py"
-PROMPTS = [
-    "Hi",
-    "Write a haiku about the sea.",
-    "What is 2 + 2?",
-    "List three prime numbers.",
-    "Why is the sky blue?",
-    "Name a colour.",
-    "Translate 'cat' into French.",
-    "Say something kind.",
-    "Count to five.",
-    "What is a tree?",
-]
 
 # -- truncation ----------------------------------------------------------------------------------------
 
@@ -124,28 +111,7 @@ def test_batch_plan_is_seeded_and_covers_every_sequence_once_per_epoch():
 def tiny_setup(tmp_path_factory):
     """A tiny random 4-layer Llama over the SmolLM2 vocabulary (tied, like SmolLM2), saved as a folder
     with its tokenizer, and its self-distillation data."""
-    root = tmp_path_factory.mktemp("draft")
-    tokenizer = AutoTokenizer.from_pretrained(treespec.models.default_model_folder())
-    model = tiny_llama_over(tokenizer, dtype=torch.float32, num_hidden_layers=4, tie_word_embeddings=True)
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    prompts = root / "prompts.json"
-    prompts.write_text(
-        json.dumps(
-            [{"id": f"p{i}", "conversations": [{"from": "human", "value": t}]} for i, t in enumerate(PROMPTS)]
-        )
-    )
-    make_distill_data(
-        root / "data",
-        model,
-        tokenizer,
-        prompts,
-        max_new_tokens=12,
-        shard_size=4,
-        eval_fraction=0.3,
-        progress=False,
-    )
-    return root, model
+    return tiny_distill_setup(tmp_path_factory.mktemp("draft"), num_hidden_layers=4)
 
 
 def _config(root: Path, out: str, **kw) -> DraftTrainConfig:

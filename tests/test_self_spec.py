@@ -53,6 +53,9 @@ def test_greedy_output_equals_the_base_models(arch, gamma):
     result = treespec.generate(model, None, prompt, max_new_tokens=40, drafter=drafter, eos_token_id=[])
     assert result.token_ids == hf_greedy(model, prompt, 40)
     assert result.stats.drafter["drafted"] == gamma * result.stats.steps
+    # no cache of its own: the speculation costs only the target's block of gamma + 1 slots
+    assert result.stats.draft_cache_memory == {}
+    assert result.stats.speculative_memory == result.stats.cache_memory["speculative"]
 
 
 def test_layer_hidden_states_are_the_models_own():

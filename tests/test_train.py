@@ -11,27 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_llama_over
-from transformers import AutoTokenizer
+from conftest import tiny_distill_setup
 
 import treespec
 from treespec import train as train_module
-from treespec.distill import make_distill_data
 from treespec.train import TrainConfig, head_examples, heads_loss, train_heads
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPTS = [
-    "Hi",
-    "Write a haiku about the sea.",
-    "What is 2 + 2?",
-    "List three prime numbers.",
-    "Why is the sky blue?",
-    "Name a colour.",
-    "Translate 'cat' into French.",
-    "Say something kind.",
-    "Count to five.",
-    "What is a tree?",
-]
 
 
 def test_head_examples_align_targets():
@@ -53,30 +39,7 @@ def test_loss_weights_heads_by_decay():
 @pytest.fixture(scope="module")
 def tiny_setup(tmp_path_factory):
     """A tiny random Llama over the SmolLM2 vocabulary, saved as a folder, and its distillation data."""
-    root = tmp_path_factory.mktemp("train")
-    tokenizer = AutoTokenizer.from_pretrained(treespec.models.default_model_folder())
-    model = tiny_llama_over(
-        tokenizer, dtype=torch.float32, max_position_embeddings=512, tie_word_embeddings=True
-    )
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    prompts = root / "prompts.json"
-    prompts.write_text(
-        json.dumps(
-            [{"id": f"p{i}", "conversations": [{"from": "human", "value": t}]} for i, t in enumerate(PROMPTS)]
-        )
-    )
-    make_distill_data(
-        root / "data",
-        model,
-        tokenizer,
-        prompts,
-        max_new_tokens=12,
-        shard_size=4,
-        eval_fraction=0.3,
-        progress=False,
-    )
-    return root, model
+    return tiny_distill_setup(tmp_path_factory.mktemp("train"), max_position_embeddings=512)
 
 
 def _config(root: Path, out: str, **kw) -> TrainConfig:

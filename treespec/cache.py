@@ -29,6 +29,16 @@ class CacheCapacityError(ValueError):
     """More tokens than the preallocated cache can hold."""
 
 
+def kv_layout(model) -> tuple[int, int, int, torch.dtype, torch.device]:
+    """(layers, KV heads, head dim, dtype, device) of a transformers causal LM's KV cache."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    num_heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    param = next(model.parameters())
+    return config.num_hidden_layers, num_kv_heads, head_dim, param.dtype, param.device
+
+
 class TreeKVLayer(CacheLayerMixin):
     """One layer's preallocated K/V; the write offset is owned by the parent TreeKVCache."""
 
@@ -95,14 +105,8 @@ class TreeKVCache(Cache):
     @classmethod
     def for_model(cls, model, max_len: int, batch_size: int = 1, spec_reserve: int = 0) -> TreeKVCache:
         """A cache shaped for `model` (a transformers causal LM) holding up to `max_len` tokens."""
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        num_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        param = next(model.parameters())
-        cache = cls(
-            config.num_hidden_layers, batch_size, num_kv_heads, head_dim, max_len, param.dtype, param.device
-        )
+        num_layers, num_kv_heads, head_dim, dtype, device = kv_layout(model)
+        cache = cls(num_layers, batch_size, num_kv_heads, head_dim, max_len, dtype, device)
         cache.spec_reserve = spec_reserve
         return cache
 

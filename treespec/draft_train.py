@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import re
 import shutil
 import time
@@ -40,6 +39,7 @@ from transformers import PreTrainedModel
 
 from .distill import META_NAME, load_distill_data
 from .heads import fingerprints_match, model_identity
+from .train import publish_folder
 
 CHECKPOINT_DIR = "checkpoint"
 MODEL_DIR = "model"
@@ -286,12 +286,7 @@ def save_checkpoint(
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")  # tensors + numbers only: weights_only load
     state = {"step": step, "config": asdict(cfg), "target": target, "log": log}
     (tmp / "state.json").write_text(json.dumps(state, indent=1))
-    old = folder / (CHECKPOINT_DIR + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    publish_folder(tmp, final)
 
 
 def load_checkpoint(

@@ -158,7 +158,9 @@ def generate(
     model's dtype and device, else "sdpa"), "compiled" (with the fused KV commit), "sdpa" or
     "reference" (torch attention and the torch commit). max_length: cache capacity (default: the
     model's max_position_embeddings). lookup: length of an extra prompt-lookup branch under the root
-    (`treespec.lookup`; 0 = none); with heads=None it is plain prompt-lookup decoding.
+    (`treespec.lookup`; 0 = none); with heads=None it is plain prompt-lookup decoding. drafter: any
+    other drafter instead of heads (pass heads=None), e.g. `DraftModelDrafter` (a small model with its
+    own speculative cache) or `SelfSpeculativeDrafter` (the model's first layers and an exit head).
     """
     if acceptance not in RULES:
         raise ValueError(f"unknown acceptance rule {acceptance!r}; choose one of {RULES}")

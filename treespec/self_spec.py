@@ -86,7 +86,8 @@ class SelfSpeculativeDrafter:
         self.embed, self.norm = embed, norm
         self.tree = chain_tree(gamma)
         self.weight = exit_head.output_weight(model.get_output_embeddings())  # [V', H]
-        self.cache = None  # the target's TreeKVCache, given by generate through reset()
+        # the target's TreeKVCache, given by generate through reset(); the drafter owns no cache of its own
+        self.target_cache = None
         self.kernel = "sdpa"
         self.lower: torch.Tensor | None = None  # [1, gamma + 1, H] layer-k states of the drafted chain
         self.drafts: list[int] = []
@@ -99,17 +100,17 @@ class SelfSpeculativeDrafter:
             raise ValueError(
                 "SelfSpeculativeDrafter writes into the target's cache: reset(..., target_cache=)"
             )
-        self.cache, self.kernel = target_cache, kernel
+        self.target_cache, self.kernel = target_cache, kernel
         self.stats = DraftStats()
         hidden = self.embed.weight
         self.lower = hidden.new_empty(1, self.gamma + 1, hidden.shape[1])  # allocated once per generation
 
     @torch.inference_mode()
     def draft(self, hidden: torch.Tensor, root: int) -> torch.Tensor:
-        if self.cache is None:
+        if self.target_cache is None:
             raise RuntimeError("SelfSpeculativeDrafter.reset(...) must run before draft()")
         t0 = time.perf_counter()
-        cache, c = self.cache, self.cache.committed
+        cache, c = self.target_cache, self.target_cache.committed
         tokens = [root]
         probs = [1.0]
         for i in range(self.gamma + 1):

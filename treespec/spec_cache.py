@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .cache import CacheCapacityError
+from .cache import CacheCapacityError, kv_layout
 
 STORAGES = ("model", "float32", "bfloat16", "float16", "int8")
 INT8_MAX = 127.0
@@ -126,15 +126,8 @@ class SpeculativeKVCache(Cache):
         cls, model, max_len: int, storage: str = "model", spec_reserve: int = 0
     ) -> SpeculativeKVCache:
         """A cache shaped for `model` (a transformers causal LM) holding up to `max_len` tokens."""
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        num_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        param = next(model.parameters())
-        return cls(
-            config.num_hidden_layers, 1, num_kv_heads, head_dim, max_len, param.dtype, param.device,
-            storage, spec_reserve,
-        )  # fmt: skip
+        num_layers, num_kv_heads, head_dim, dtype, device = kv_layout(model)
+        return cls(num_layers, 1, num_kv_heads, head_dim, max_len, dtype, device, storage, spec_reserve)
 
     # -- pointers ---------------------------------------------------------------------------------
     def _reserve(self, n: int) -> int:

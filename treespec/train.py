@@ -235,7 +235,12 @@ def save_checkpoint(
     heads.save_pretrained(tmp)
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")  # tensors + numbers only: weights_only load
     (tmp / "state.json").write_text(json.dumps({"step": step, "config": asdict(cfg), "log": log}, indent=1))
-    old = folder / (CHECKPOINT_DIR + ".old")
+    publish_folder(tmp, final)
+
+
+def publish_folder(tmp: Path, final: Path) -> None:
+    """Replace `final` by the complete folder `tmp` (the previous one is kept aside until the swap)."""
+    old = final.with_name(final.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
         os.replace(final, old)
