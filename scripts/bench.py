@@ -12,6 +12,7 @@ Methods (all run in the same process on the same prompt token ids):
     treespec_lookup   heads, tree and the prompt-lookup branch together
     draft_model       `treespec.generate` with a DraftModelDrafter (`--draft-model`, chain of gamma tokens);
                       draft_model_fp32 / _bf16 / _fp16 / _int8: its speculative KV cache in that precision
+    draft_model_tree  draft_model plus the draft's runner-up tokens as leaves (`--branching`, default 1:4)
     self_spec         `treespec.generate` with a SelfSpeculativeDrafter (`--exit-head`)
     hf_assisted       HF `model.generate(assistant_model=<--draft-model>)`, num_assistant_tokens = gamma
                       with the constant schedule (the same chain length as draft_model)
@@ -49,6 +50,7 @@ try:
 except ModuleNotFoundError:  # a checkout without `pip install -e .`: import it from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import treespec
+from treespec.draft_model import parse_branching
 from treespec.generate import encode_prompt
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -61,6 +63,7 @@ STORAGE_METHODS = {
     "draft_model_fp16": "float16",
     "draft_model_int8": "int8",
 }
+TREE_METHOD = "draft_model_tree"  # draft_model with --branching runners-up beside the chain
 METHODS = (
     "hf",
     "hf_prompt_lookup",
@@ -69,10 +72,11 @@ METHODS = (
     "lookup",
     "treespec_lookup",
     *STORAGE_METHODS,
+    TREE_METHOD,
     "self_spec",
     "hf_assisted",
 )
-SPECULATIVE = ("treespec", "lookup", "treespec_lookup", *STORAGE_METHODS, "self_spec")
+SPECULATIVE = ("treespec", "lookup", "treespec_lookup", *STORAGE_METHODS, TREE_METHOD, "self_spec")
 DEFAULT_METHODS = ("hf", "hf_prompt_lookup", "baseline", "treespec")
 REFERENCE = "hf"
 WARMUP_PROMPT = "Say hello in one short sentence."
@@ -111,6 +115,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--gamma", type=int, default=None, help="tokens drafted per step (default: tune.json, else 4)"
     )
+    p.add_argument(
+        "--branching", default="1:4", help="draft_model_tree: depth:k runners-up as leaves (default 1:4)"
+    )
     p.add_argument("--data", default=None, help=f"Spec-Bench questions JSONL (default {DEFAULT_DATA})")
     p.add_argument("--out", default=None, help="results JSON (default bench_results/bench-<timestamp>.json)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave)")
@@ -121,7 +128,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be >= 1")
-    if {*STORAGE_METHODS, "hf_assisted"} & set(args.methods) and not args.draft_model:
+    if {*STORAGE_METHODS, TREE_METHOD, "hf_assisted"} & set(args.methods) and not args.draft_model:
         p.error("the draft_model and hf_assisted methods need --draft-model FOLDER")
     if "self_spec" in args.methods and not args.exit_head:
         p.error("the self_spec method needs --exit-head FOLDER")
@@ -234,7 +241,14 @@ def load_chain_drafters(args, model) -> dict:
 
 
 def make_runners(
-    model, tokenizer, heads, tree, methods: list[str], lookup: int = 8, chains: dict | None = None
+    model,
+    tokenizer,
+    heads,
+    tree,
+    methods: list[str],
+    lookup: int = 8,
+    chains: dict | None = None,
+    branching_spec: str = "1:4",
 ) -> dict:
     """name -> run(ids, max_new_tokens) -> dict(token_ids, steps, accepted, library_seconds)."""
     chains = chains or {"draft": None, "exit_head": None}
@@ -308,6 +322,10 @@ def make_runners(
             runners[name] = with_drafter(
                 lambda storage=storage: treespec.DraftModelDrafter(draft, gamma, storage=storage)
             )
+        branching = {d: k for d, k in parse_branching(branching_spec).items() if d <= gamma}
+        runners[TREE_METHOD] = with_drafter(
+            lambda: treespec.DraftModelDrafter(draft, gamma, branching=branching)
+        )
         draft.generation_config.num_assistant_tokens = gamma
         draft.generation_config.num_assistant_tokens_schedule = "constant"
         draft.generation_config.assistant_confidence_threshold = 0.0
@@ -566,7 +584,7 @@ def main(argv: list[str] | None = None) -> dict:
     if {"treespec", "treespec_lookup"} & set(args.methods):
         heads, tree, heads_desc, tree_desc = load_heads_and_tree(args, model)
     chains = load_chain_drafters(args, model)
-    runners = make_runners(model, tokenizer, heads, tree, args.methods, args.lookup, chains)
+    runners = make_runners(model, tokenizer, heads, tree, args.methods, args.lookup, chains, args.branching)
 
     config = {
         "command": command,

@@ -61,14 +61,22 @@ def test_bench_draft_model_self_spec_and_assisted(tmp_path, smollm2, capsys):
     treespec.MedusaHeads.for_model(model, num_heads=1, exit_layer=10).save_pretrained(exit_head)
     bench = load_bench()
     out = tmp_path / "b.json"
-    methods = ["hf", "baseline", "draft_model", "draft_model_int8", "self_spec", "hf_assisted"]
+    methods = [
+        "hf",
+        "baseline",
+        "draft_model",
+        "draft_model_int8",
+        "draft_model_tree",
+        "self_spec",
+        "hf_assisted",
+    ]
     argv = ["--num-prompts", "2", "--max-new-tokens", "8", "--dtype", "float32", "--gamma", "3"]
     argv += ["--draft-model", str(draft), "--exit-head", str(exit_head), "--methods", ",".join(methods)]
     result = bench.main([*argv, "--out", str(out)])
     overall = result["summary"][-1]["methods"]
     for m in methods[1:]:
         assert overall[m]["identical_to_hf"] == 2, m
-    for m in ("draft_model", "draft_model_int8", "self_spec"):
+    for m in ("draft_model", "draft_model_int8", "draft_model_tree", "self_spec"):
         assert 0.0 <= overall[m]["acceptance_rate"] <= 1.0
         assert overall[m]["verify_ms"] > 0 and overall[m]["draft_ms"] > 0
     assert overall["draft_model_int8"]["speculative_memory"] < overall["draft_model"]["speculative_memory"]

@@ -8,7 +8,7 @@ import torch
 from conftest import hf_greedy, tiny_model
 
 import treespec
-from treespec.draft_model import DraftModelDrafter, check_vocabularies
+from treespec.draft_model import DraftModelDrafter, chain_tree, check_vocabularies, parse_branching
 from treespec.spec_cache import STORAGES, SpeculativeKVCache, dequantize_int8, quantize_int8
 
 
@@ -122,3 +122,39 @@ def test_bad_inputs_are_refused_clearly():
         SpeculativeKVCache.for_model(tiny_model("llama"), 8, storage="int4")
     with pytest.raises(ValueError, match="tokenizer"):
         check_vocabularies(tiny_model("llama", vocab_size=64), tiny_model("llama"))
+
+
+def test_branching_adds_the_draft_models_runners_up_as_leaves():
+    tree = chain_tree(3, {1: 3, 3: 2})
+    assert tree.num_nodes == 1 + 3 + 1 + 2 and tree.max_depth == 3
+    draft = tiny_model("llama", seed=1, num_hidden_layers=1)
+    drafter = DraftModelDrafter(draft, gamma=3, kernel="reference", branching={1: 3, 3: 2})
+    committed = [5, 9, 14, 2, 33, 61]
+    drafter.reset(committed, capacity=32)
+    tokens = drafter.draft(torch.zeros(48, dtype=torch.float64), committed[-1])
+    chain = drafter.drafts
+    for depth in (1, 2, 3):  # oracle: a fresh forward over committed + the chain so far
+        logits = draft(torch.tensor([committed + chain[: depth - 1]])).logits[0, -1]  # [V]
+        k = {1: 3, 2: 1, 3: 2}[depth]
+        nodes = [i for i in range(tree.num_nodes) if int(drafter.tree.depth[i]) == depth]
+        assert sorted(tokens[nodes].tolist()) == sorted(logits.topk(k).indices.tolist()), depth
+        assert chain[depth - 1] == int(logits.argmax())
+    with pytest.raises(ValueError, match="branching"):
+        chain_tree(2, {3: 2})
+    assert parse_branching("1:4, 3:2") == {1: 4, 3: 2} and parse_branching(None) == {}
+    with pytest.raises(ValueError, match="depth:k"):
+        parse_branching("1-4")
+
+
+def test_runner_up_leaves_get_accepted_and_greedy_stays_exact():
+    target = tiny_model("llama", seed=0, dtype=torch.float32)
+    draft = tiny_model("llama", seed=7, dtype=torch.float32, num_hidden_layers=1)
+    prompt = [3, 17, 5, 9, 22, 41, 7]
+    want = hf_greedy(target, prompt, 40)
+    accepted = {}
+    for name, branching in (("chain", None), ("tree", {1: 20})):
+        drafter = DraftModelDrafter(draft, gamma=2, kernel="sdpa", branching=branching)
+        result = treespec.generate(target, None, prompt, max_new_tokens=40, drafter=drafter, eos_token_id=[])
+        assert result.token_ids == want, name
+        accepted[name] = result.stats.mean_accept_length
+    assert accepted["tree"] > accepted["chain"]

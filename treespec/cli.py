@@ -189,6 +189,12 @@ def _add_chain_drafter_options(p, required: bool = False) -> None:
         help="tokens drafted per step (default: the folder's tune.json, else 4)",
     )
     p.add_argument(
+        "--branching",
+        default=None,
+        metavar="D:K,...",
+        help="draft model only: add its top-K guesses at depth D as leaves beside the chain (e.g. 1:4)",
+    )
+    p.add_argument(
         "--storage",
         default="model",
         choices=["model", "float32", "bfloat16", "float16", "int8"],
@@ -210,9 +216,13 @@ def chain_drafter(args: argparse.Namespace, model, gamma: int | None = None):
     if gamma is None:
         gamma = TuneResult.load(folder).gamma if (Path(folder) / "tune.json").is_file() else 4
     if args.draft_model:
-        from .draft_model import load_draft_model
+        from .draft_model import load_draft_model, parse_branching
 
-        return treespec.DraftModelDrafter(load_draft_model(folder, model), gamma, storage=args.storage)
+        branching = {d: k for d, k in parse_branching(args.branching).items() if d <= gamma}
+        draft = load_draft_model(folder, model)
+        return treespec.DraftModelDrafter(draft, gamma, storage=args.storage, branching=branching)
+    if args.branching:
+        raise ValueError("--branching applies to --draft-model only")
     head = treespec.MedusaHeads.from_pretrained(folder, model=model)
     return treespec.SelfSpeculativeDrafter(model, head, gamma)
 

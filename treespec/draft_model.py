@@ -12,6 +12,10 @@ max_new_tokens + gamma + 1 tokens). One step:
 
 so no token the drafter already holds is encoded twice. Drafting is greedy (argmax): the target's
 verification decides what is emitted, so greedy output equals the target's whatever the drafter says.
+
+`branching={depth: k}` turns the chain into a tree at no extra draft cost: at that depth the draft's
+k - 1 runner-up tokens become leaves beside the chain, verified in the same forward pass (when the
+chain's token is rejected there, a runner-up may still be accepted).
 """
 
 from __future__ import annotations
@@ -26,11 +30,28 @@ from .spec_cache import SpeculativeKVCache
 from .tree import Tree
 
 
-def chain_tree(gamma: int) -> Tree:
-    """The root followed by a chain of gamma drafted tokens."""
+def chain_tree(gamma: int, branching: dict[int, int] | None = None) -> Tree:
+    """The root followed by a chain of gamma drafted tokens; branching {depth: k} adds the k - 1
+    runner-up guesses at that depth (1..gamma) as leaves beside the chain."""
     if gamma < 1:
         raise ValueError(f"gamma (tokens drafted per step) must be >= 1, got {gamma}")
-    return Tree.from_choices([(0,) * d for d in range(1, gamma + 1)])
+    choices = [(0,) * d for d in range(1, gamma + 1)]
+    for depth, k in sorted((branching or {}).items()):
+        if not 1 <= depth <= gamma or k < 1:
+            raise ValueError(f"branching {{{depth}: {k}}}: need 1 <= depth <= gamma ({gamma}) and k >= 1")
+        choices += [(0,) * (depth - 1) + (r,) for r in range(1, k)]
+    return Tree.from_choices(choices)
+
+
+def parse_branching(spec: str | None) -> dict[int, int]:
+    """ "1:4,3:2" -> {1: 4, 3: 2} (top-4 at depth 1, top-2 at depth 3); None or "" -> {}."""
+    out = {}
+    for item in filter(None, (spec or "").replace(" ", "").split(",")):
+        depth, _, k = item.partition(":")
+        if not (depth.isdigit() and k.isdigit()):
+            raise ValueError(f"branching {spec!r}: write depth:k pairs, e.g. 1:4,3:2")
+        out[int(depth)] = int(k)
+    return out
 
 
 class DraftStats:
@@ -85,10 +106,27 @@ def check_vocabularies(draft_model, target_model) -> None:
 class DraftModelDrafter:
     """Chain drafter backed by a small causal LM with its own preallocated speculative KV cache."""
 
-    def __init__(self, draft_model, gamma: int = 4, storage: str = "model", kernel: str = "auto"):
+    def __init__(
+        self,
+        draft_model,
+        gamma: int = 4,
+        storage: str = "model",
+        kernel: str = "auto",
+        branching: dict[int, int] | None = None,
+    ):
         self.model = draft_model
         self.gamma = gamma
-        self.tree = chain_tree(gamma)
+        self.tree = chain_tree(gamma, branching)
+        index = {p: i + 1 for i, p in enumerate(self.tree.choices)}
+        # per depth d = 1..gamma: the chain's node, then the runner-up leaves in rank order
+        self.levels = [
+            [
+                index[(0,) * (d - 1) + (r,)]
+                for r in range(self.tree.max_rank)
+                if (0,) * (d - 1) + (r,) in index
+            ]
+            for d in range(1, gamma + 1)
+        ]
         self.storage = storage
         param = next(draft_model.parameters())
         if kernel == "auto":
@@ -140,14 +178,17 @@ class DraftModelDrafter:
                 f"the drafter expected root {self.todo[-1:]} but got {root}: call observe() each step"
             )
         t0 = time.perf_counter()
-        logits = self._encode(self.todo)  # [V]
-        self.drafts = [int(logits.argmax())]
-        for _ in range(self.gamma - 1):
-            logits = self._encode(self.drafts[-1:])  # d_i -> d_{i+1}
-            self.drafts.append(int(logits.argmax()))
+        tokens = [root] * self.tree.num_nodes  # [N], node order of self.tree
+        self.drafts = []
+        for depth, nodes in enumerate(self.levels):
+            logits = self._encode(self.todo if depth == 0 else self.drafts[-1:])  # [V]: d_depth -> next
+            top = logits.topk(len(nodes)).indices.tolist()  # chain token first, then the runners-up
+            for node, token in zip(nodes, top, strict=True):
+                tokens[node] = token
+            self.drafts.append(top[0])
         self.stats.seconds += time.perf_counter() - t0
         self.stats.drafted += self.gamma
-        return torch.tensor([root, *self.drafts], device=hidden.device)  # [gamma + 1]
+        return torch.tensor(tokens, device=hidden.device)  # [N]
 
     def observe(self, tokens: list[int]) -> None:
         """Tokens the last step committed: the accepted drafts, then the bonus token."""
