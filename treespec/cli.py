@@ -125,6 +125,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         progress=lambda line: print(line, file=sys.stderr),
     )
+    result.measured |= {"storage": args.storage, "branching": args.branching}  # the settings tuned for
     print(result.format())
     if not args.no_save:
         print(f"written to {result.save(args.draft_model or args.exit_head)}")
