@@ -120,6 +120,8 @@ def test_bad_inputs_are_refused_clearly():
         DraftModelDrafter(tiny_model("llama"), gamma=0)
     with pytest.raises(ValueError, match="storage"):
         SpeculativeKVCache.for_model(tiny_model("llama"), 8, storage="int4")
+    with pytest.raises(ValueError, match="storage"):
+        DraftModelDrafter(tiny_model("llama"), storage="fp8")
     with pytest.raises(ValueError, match="tokenizer"):
         check_vocabularies(tiny_model("llama", vocab_size=64), tiny_model("llama"))
 

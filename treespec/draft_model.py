@@ -26,7 +26,7 @@ import torch
 
 from . import ops
 from .attention import tree_attention_enabled
-from .spec_cache import SpeculativeKVCache
+from .spec_cache import STORAGES, SpeculativeKVCache
 from .tree import Tree
 
 
@@ -104,7 +104,7 @@ def check_vocabularies(draft_model, target_model) -> None:
 
 
 class DraftModelDrafter:
-    """Chain drafter backed by a small causal LM with its own preallocated speculative KV cache."""
+    """A small causal LM drafts a chain (plus optional runner-up leaves) into its own speculative cache."""
 
     def __init__(
         self,
@@ -114,6 +114,8 @@ class DraftModelDrafter:
         kernel: str = "auto",
         branching: dict[int, int] | None = None,
     ):
+        if storage not in STORAGES:
+            raise ValueError(f"unknown speculative cache storage {storage!r}; choose one of {STORAGES}")
         self.model = draft_model
         self.gamma = gamma
         self.tree = chain_tree(gamma, branching)
