@@ -155,6 +155,12 @@ KERNELS = {
 }
 
 
+def auto_kernel(device: torch.device, dtype: torch.dtype) -> str:
+    """What kernel="auto" means for a model on `device` in `dtype`: "compiled" when treespec's extension
+    builds and takes them, else "sdpa"."""
+    return "compiled" if ops.dtype_supported(device, dtype) and ops.available(device) else "sdpa"
+
+
 def treespec_attention(
     module: torch.nn.Module,
     query: torch.Tensor,

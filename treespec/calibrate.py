@@ -72,7 +72,7 @@ def forward_costs(
 
     table: the acceptance table; each budget is then timed with the tree `from_acceptance` builds for it
     (sequential heads draft depth by depth, so the tree's shape changes the drafting cost)."""
-    from . import ops
+    from .attention import auto_kernel
     from .drafters import make_drafter
     from .generate import _base_forward, _logits
 
@@ -81,7 +81,7 @@ def forward_costs(
     vocab = model.config.vocab_size
     param = next(model.parameters())
     device = param.device
-    kernel = "compiled" if ops.dtype_supported(device, param.dtype) and ops.available(device) else "sdpa"
+    kernel = auto_kernel(device, param.dtype)
     with tree_attention_enabled(model):
         cache = TreeKVCache.for_model(model, prefix + max(budgets) + 1)
         ids = torch.randint(0, vocab, (1, prefix), generator=gen).to(device)

@@ -24,8 +24,7 @@ import time
 
 import torch
 
-from . import ops
-from .attention import tree_attention_enabled
+from .attention import auto_kernel, tree_attention_enabled
 from .spec_cache import STORAGES, SpeculativeKVCache
 from .tree import Tree
 
@@ -132,11 +131,7 @@ class DraftModelDrafter:
         self.storage = storage
         param = next(draft_model.parameters())
         if kernel == "auto":
-            kernel = (
-                "compiled"
-                if ops.dtype_supported(param.device, param.dtype) and ops.available(param.device)
-                else "sdpa"
-            )
+            kernel = auto_kernel(param.device, param.dtype)
         self.kernel = kernel
         self.device = param.device
         self.cache: SpeculativeKVCache | None = None

@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import ops
-from .attention import KERNELS, tree_attention_enabled
+from .attention import KERNELS, auto_kernel, tree_attention_enabled
 from .cache import CacheCapacityError, TreeKVCache
 from .drafters import Drafter, RootOnlyDrafter, make_drafter
 from .heads import MedusaHeads
@@ -187,7 +186,7 @@ def generate(
     param = next(model.parameters())
     device = param.device
     if kernel == "auto":
-        kernel = "compiled" if ops.dtype_supported(device, param.dtype) and ops.available(device) else "sdpa"
+        kernel = auto_kernel(device, param.dtype)
     children = [tree.children(i) for i in range(tree.num_nodes)]
     tree_mask = tree.ancestor_mask.to(device)  # [N, N]
     depth = tree.depth.to(device)  # [N]
