@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import re
 import shutil
 import time
@@ -39,12 +38,13 @@ from transformers import PreTrainedModel
 
 from .distill import META_NAME, load_distill_data
 from .heads import fingerprints_match, model_identity
-from .train import publish_folder
+from .train import RESUMABLE_CHANGES as HEADS_RESUMABLE_CHANGES
+from .train import check_same_settings, lr_at, publish_folder
 
 CHECKPOINT_DIR = "checkpoint"
 MODEL_DIR = "model"
 # settings that may change between a run and its resume (they do not change the weights)
-RESUMABLE_CHANGES = ("max_steps", "eval_every", "checkpoint_every", "eval_sequences")
+RESUMABLE_CHANGES = (*HEADS_RESUMABLE_CHANGES, "eval_sequences")  # may differ on --resume
 # config attributes that list layer indices (not one entry per layer): keep the indices < k
 _LAYER_INDEX_LISTS = ("mlp_only_layers",)
 # config attributes that are a layer count / boundary: at most k
@@ -133,14 +133,6 @@ class DraftTrainConfig:
     seed: int = 0
     bf16: bool = True  # bf16 autocast; weights and optimizer stay float32
     extra: dict = field(default_factory=dict)
-
-
-def lr_at(step: int, cfg: DraftTrainConfig) -> float:
-    """Linear warm-up, then cosine decay to 10% of the peak."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
 def pack_batches(lengths: list[int], batch_tokens: int, order: list[int] | None = None) -> list[list[int]]:
@@ -295,14 +287,7 @@ def load_checkpoint(
     """Restore the trained weights, optimizer, step and log; refuses other settings or another target."""
     ckpt = folder / CHECKPOINT_DIR
     state = json.loads((ckpt / "state.json").read_text())
-    saved = {k: v for k, v in state["config"].items() if k not in RESUMABLE_CHANGES}
-    wanted = {k: v for k, v in asdict(cfg).items() if k not in RESUMABLE_CHANGES}
-    if saved != wanted:
-        diff = {k: (saved.get(k), wanted.get(k)) for k in wanted if saved.get(k) != wanted.get(k)}
-        raise ValueError(
-            f"{ckpt}: made with other settings {diff} (checkpoint's, now); "
-            "use another --out or the same settings"
-        )
+    check_same_settings(ckpt, state["config"], cfg, RESUMABLE_CHANGES)
     made_for = state.get("target", {})
     if not fingerprints_match(made_for.get("fingerprint", []), target["fingerprint"]):
         raise ValueError(

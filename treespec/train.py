@@ -39,6 +39,7 @@ from .self_spec import layer_hidden_states
 
 HIDDEN_NAME = "hidden_states-v2.safetensors"  # v2: tokens from t+1 on
 CHECKPOINT_DIR = "checkpoint"
+RESUMABLE_CHANGES = ("max_steps", "eval_every", "checkpoint_every")  # may differ on --resume
 
 
 @dataclass
@@ -248,19 +249,24 @@ def publish_folder(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def check_same_settings(ckpt: Path, saved: dict, cfg, resumable: tuple[str, ...]) -> None:
+    """Refuse to resume `ckpt` (saved with settings `saved`) under other settings than `cfg`'s, except the
+    `resumable` ones (e.g. max_steps)."""
+    saved = {k: v for k, v in saved.items() if k not in resumable}
+    wanted = {k: v for k, v in asdict(cfg).items() if k not in resumable}
+    if saved != wanted:
+        diff = {k: (saved.get(k), wanted.get(k)) for k in wanted if saved.get(k) != wanted.get(k)}
+        raise ValueError(
+            f"{ckpt}: made with other settings {diff} (checkpoint's, now); "
+            "use another --out or the same settings"
+        )
+
+
 def load_checkpoint(folder: Path, heads: MedusaHeads, optimizer, cfg: TrainConfig) -> tuple[int, list]:
     """Restore heads, optimizer, step and log; refuses a checkpoint made with other settings."""
     ckpt = folder / CHECKPOINT_DIR
     state = json.loads((ckpt / "state.json").read_text())
-    saved = {
-        k: v for k, v in state["config"].items() if k not in ("max_steps", "eval_every", "checkpoint_every")
-    }
-    wanted = {
-        k: v for k, v in asdict(cfg).items() if k not in ("max_steps", "eval_every", "checkpoint_every")
-    }
-    if saved != wanted:
-        diff = {k: (saved.get(k), wanted.get(k)) for k in wanted if saved.get(k) != wanted.get(k)}
-        raise ValueError(f"{ckpt}: made with other settings {diff}; use another --out or the same settings")
+    check_same_settings(ckpt, state["config"], cfg, RESUMABLE_CHANGES)
     loaded = MedusaHeads.from_pretrained(ckpt, dtype=torch.float32)
     heads.load_state_dict(loaded.state_dict())
     optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
