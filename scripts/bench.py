@@ -52,6 +52,7 @@ except ModuleNotFoundError:  # a checkout without `pip install -e .`: import it 
     import treespec
 from treespec.draft_model import parse_branching
 from treespec.generate import encode_prompt
+from treespec.tune import default_gamma
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = REPO_ROOT.parent / "shared" / "data" / "spec_bench_question.jsonl"
@@ -212,28 +213,19 @@ def eos_ids(model, tokenizer) -> set[int]:
     return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
 
 
-def gamma_for(folder: str, gamma: int | None) -> int:
-    """--gamma, else the folder's tune.json choice, else 4."""
-    from treespec.tune import TuneResult
-
-    if gamma is not None:
-        return gamma
-    return TuneResult.load(folder).gamma if (Path(folder) / "tune.json").is_file() else 4
-
-
 def load_chain_drafters(args, model) -> dict:
     """Drafter factories and descriptions for the draft-model, self-speculative and assisted methods."""
     from treespec.draft_model import load_draft_model
 
     out = {"draft": None, "exit_head": None, "desc": {}}
     if args.draft_model:
-        gamma = gamma_for(args.draft_model, args.gamma)
+        gamma = default_gamma(args.draft_model, args.gamma)
         draft = load_draft_model(args.draft_model, model)
         out["draft"] = (draft, gamma)
         layers = draft.config.num_hidden_layers
         out["desc"]["draft_model"] = f"{args.draft_model} ({layers} layers), gamma {gamma}"
     if args.exit_head:
-        gamma = gamma_for(args.exit_head, args.gamma)
+        gamma = default_gamma(args.exit_head, args.gamma)
         head = treespec.MedusaHeads.from_pretrained(args.exit_head, model=model)
         out["exit_head"] = (head, gamma)
         out["desc"]["exit_head"] = f"{args.exit_head} (exit layer {head.exit_layer}), gamma {gamma}"
@@ -322,7 +314,7 @@ def make_runners(
             runners[name] = with_drafter(
                 lambda storage=storage: treespec.DraftModelDrafter(draft, gamma, storage=storage)
             )
-        branching = {d: k for d, k in parse_branching(branching_spec).items() if d <= gamma}
+        branching = parse_branching(branching_spec, gamma)
         runners[TREE_METHOD] = with_drafter(
             lambda: treespec.DraftModelDrafter(draft, gamma, branching=branching)
         )

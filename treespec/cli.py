@@ -23,6 +23,7 @@ import treespec
 from .models import MissingDefaultModelError
 from .trace import Trace
 from .tree import Tree
+from .tune import default_gamma
 
 REPO_ROOT = Path(treespec.__file__).resolve().parents[1]
 SCRIPTS_DIR = REPO_ROOT / "scripts"
@@ -110,7 +111,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         : args.prompts
     ]
     model, _ = treespec.load_model(args.model, dtype=args.dtype)
-    chain_drafter(args, model, gamma=1)  # fails early on a bad folder
+    make_drafter = chain_drafter_factory(args, model)  # loads the draft model or exit head once
 
     def run(drafter, ids, max_new_tokens):
         return treespec.generate(
@@ -118,7 +119,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         )
 
     result = tune_drafter(
-        lambda gamma: chain_drafter(args, model, gamma),
+        make_drafter,
         run,
         prompts,
         max_gamma=args.max_gamma,
@@ -203,29 +204,25 @@ def _add_chain_drafter_options(p, required: bool = False) -> None:
     )
 
 
-def chain_drafter(args: argparse.Namespace, model, gamma: int | None = None):
-    """The draft-model or self-speculative drafter the options ask for (None when neither)."""
-    from .tune import TuneResult
-
+def chain_drafter_factory(args: argparse.Namespace, model) -> Callable[[int], object] | None:
+    """gamma -> the draft-model or self-speculative drafter the options ask for, its model or exit head
+    loaded once (None when neither option is given)."""
     folder = args.draft_model or args.exit_head
     if folder is None:
         return None
     if not Path(folder).is_dir():
         raise ValueError(f"{folder}: no such folder")
-    if gamma is None:
-        gamma = args.gamma
-    if gamma is None:
-        gamma = TuneResult.load(folder).gamma if (Path(folder) / "tune.json").is_file() else 4
     if args.draft_model:
         from .draft_model import load_draft_model, parse_branching
 
-        branching = {d: k for d, k in parse_branching(args.branching).items() if d <= gamma}
         draft = load_draft_model(folder, model)
-        return treespec.DraftModelDrafter(draft, gamma, storage=args.storage, branching=branching)
+        return lambda gamma: treespec.DraftModelDrafter(
+            draft, gamma, storage=args.storage, branching=parse_branching(args.branching, gamma)
+        )
     if args.branching:
         raise ValueError("--branching applies to --draft-model only")
     head = treespec.MedusaHeads.from_pretrained(folder, model=model)
-    return treespec.SelfSpeculativeDrafter(model, head, gamma)
+    return lambda gamma: treespec.SelfSpeculativeDrafter(model, head, gamma)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -237,7 +234,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     folder = None if chained else heads_folder(args.heads, default_ok=args.model is None)
     tree = None if chained else load_tree(args.tree, folder)  # a bad tree file fails before the model loads
     model, tokenizer = treespec.load_model(args.model, dtype=args.dtype, device=args.device)
-    drafter = chain_drafter(args, model)
+    make_chain = chain_drafter_factory(args, model)
+    drafter = make_chain(default_gamma(chained, args.gamma)) if make_chain else None
     heads = None if chained else load_heads(folder, model, args.num_heads)
     if isinstance(tree, int):
         tree = treespec.default_tree(tree, heads.num_heads)

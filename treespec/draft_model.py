@@ -42,15 +42,25 @@ def chain_tree(gamma: int, branching: dict[int, int] | None = None) -> Tree:
     return Tree.from_choices(choices)
 
 
-def parse_branching(spec: str | None) -> dict[int, int]:
-    """ "1:4,3:2" -> {1: 4, 3: 2} (top-4 at depth 1, top-2 at depth 3); None or "" -> {}."""
+def parse_branching(spec: str | None, gamma: int | None = None) -> dict[int, int]:
+    """Branching from text: "1:4,3:2" -> {1: 4, 3: 2} (top-4 at depth 1, top-2 at depth 3); None or ""
+    -> {}. With gamma, depths beyond it are dropped (one spec serves every gamma that tuning tries)."""
     out = {}
     for item in filter(None, (spec or "").replace(" ", "").split(",")):
         depth, _, k = item.partition(":")
         if not (depth.isdigit() and k.isdigit()):
             raise ValueError(f"branching {spec!r}: write depth:k pairs, e.g. 1:4,3:2")
-        out[int(depth)] = int(k)
+        if gamma is None or int(depth) <= gamma:
+            out[int(depth)] = int(k)
     return out
+
+
+def accepted_prefix(tokens: list[int], drafts: list[int]) -> int:
+    """How many drafts a step's committed tokens (accepted ones, then the bonus) start with."""
+    n = 0
+    while n < min(len(tokens) - 1, len(drafts)) and tokens[n] == drafts[n]:
+        n += 1
+    return n
 
 
 class DraftStats:
@@ -189,9 +199,7 @@ class DraftModelDrafter:
 
     def observe(self, tokens: list[int]) -> None:
         """Tokens the last step committed: the accepted drafts, then the bonus token."""
-        accepted = 0
-        while accepted < min(len(tokens) - 1, self.gamma) and tokens[accepted] == self.drafts[accepted]:
-            accepted += 1
+        accepted = accepted_prefix(tokens, self.drafts)
         self.stats.accepted += accepted
         held = min(accepted, self.gamma - 1)  # accepted drafts already encoded
         self.cache.accept(len(self.todo) + held)  # the encoded todo tokens, then those drafts

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from .draft_model import DraftStats, chain_tree
+from .draft_model import DraftStats, accepted_prefix, chain_tree
 from .heads import MedusaHeads
 
 
@@ -146,7 +146,5 @@ class SelfSpeculativeDrafter:
         return self.norm(h)[0]  # [N, H]
 
     def observe(self, tokens: list[int]) -> None:
-        accepted = 0
-        while accepted < min(len(tokens) - 1, self.gamma) and tokens[accepted] == self.drafts[accepted]:
-            accepted += 1
-        self.stats.accepted += accepted
+        """Tokens the last step committed: counts the accepted drafts (the cache is the target's)."""
+        self.stats.accepted += accepted_prefix(tokens, self.drafts)

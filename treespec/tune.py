@@ -25,6 +25,13 @@ from pathlib import Path
 TUNE_NAME = "tune.json"
 
 
+def default_gamma(folder: str | os.PathLike, gamma: int | None = None) -> int:
+    """`gamma` when given, else the choice in <folder>/tune.json, else 4."""
+    if gamma is not None:
+        return gamma
+    return TuneResult.load(folder).gamma if (Path(folder) / TUNE_NAME).is_file() else 4
+
+
 def conditional_acceptance(accepted_drafts: Sequence[int], gamma: int) -> list[float]:
     """a_j for j = 1..gamma from the number of drafts each step accepted (each in [0, gamma]).
 
