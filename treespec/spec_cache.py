@@ -75,7 +75,7 @@ class SpeculativeKVLayer(CacheLayerMixin):
             self.keys[:, :, start:end], self.key_scales[:, :, start:end] = q, s
             q, s = quantize_int8(value_states)
             self.values[:, :, start:end], self.value_scales[:, :, start:end] = q, s
-        return self.owner._readable(self, end, key_states.dtype)  # [B, Hkv, end, D] each
+        return self.owner._readable(self, end)  # [B, Hkv, end, D] each
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.owner.length + query_length, 0
@@ -165,7 +165,7 @@ class SpeculativeKVCache(Cache):
         self.committed = self.length = 0
 
     # -- reading ----------------------------------------------------------------------------------
-    def _readable(self, layer: SpeculativeKVLayer, end: int, dtype: torch.dtype):
+    def _readable(self, layer: SpeculativeKVLayer, end: int):
         """K/V [B, Hkv, end, D] in the model's dtype: views of the storage, or its dequantized copy."""
         if self.scratch is None:
             return layer.keys[:, :, :end], layer.values[:, :, :end]
