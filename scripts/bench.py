@@ -8,6 +8,8 @@ Methods (all run in the same process on the same prompt token ids):
     hf_prompt_lookup  the same with `prompt_lookup_num_tokens=10`
     baseline          `treespec.generate_baseline`: 1 token per step on treespec's cache and attention
     treespec          `treespec.generate` with Medusa heads and a candidate tree
+    treespec_sdpa     the same with kernel="sdpa": torch SDPA with a dense tree mask and the torch commit
+                      instead of the compiled ops (csrc/); baseline_sdpa likewise for baseline
     lookup            `treespec.generate` with no heads and a prompt-lookup branch (`--lookup` nodes)
     treespec_lookup   heads, tree and the prompt-lookup branch together
     draft_model       `treespec.generate` with a DraftModelDrafter (`--draft-model`, chain of gamma tokens);
@@ -69,7 +71,9 @@ METHODS = (
     "hf",
     "hf_prompt_lookup",
     "baseline",
+    "baseline_sdpa",
     "treespec",
+    "treespec_sdpa",
     "lookup",
     "treespec_lookup",
     *STORAGE_METHODS,
@@ -77,7 +81,15 @@ METHODS = (
     "self_spec",
     "hf_assisted",
 )
-SPECULATIVE = ("treespec", "lookup", "treespec_lookup", *STORAGE_METHODS, TREE_METHOD, "self_spec")
+SPECULATIVE = (
+    "treespec",
+    "treespec_sdpa",
+    "lookup",
+    "treespec_lookup",
+    *STORAGE_METHODS,
+    TREE_METHOD,
+    "self_spec",
+)
 DEFAULT_METHODS = ("hf", "hf_prompt_lookup", "baseline", "treespec")
 REFERENCE = "hf"
 WARMUP_PROMPT = "Say hello in one short sentence."
@@ -288,9 +300,17 @@ def make_runners(
         "baseline": lambda ids, m: from_result(
             treespec.generate_baseline(model, ids, tokenizer=tokenizer, max_new_tokens=m)
         ),
+        "baseline_sdpa": lambda ids, m: from_result(
+            treespec.generate_baseline(model, ids, tokenizer=tokenizer, max_new_tokens=m, kernel="sdpa")
+        ),
         "treespec": lambda ids, m: from_result(
             treespec.generate(
                 model, heads, ids, tokenizer=tokenizer, tree=tree, max_new_tokens=m, temperature=0.0
+            )
+        ),
+        "treespec_sdpa": lambda ids, m: from_result(
+            treespec.generate(
+                model, heads, ids, tokenizer=tokenizer, tree=tree, max_new_tokens=m, kernel="sdpa"
             )
         ),
         "lookup": lambda ids, m: from_result(
@@ -573,7 +593,7 @@ def main(argv: list[str] | None = None) -> dict:
     model, tokenizer = treespec.load_model(args.model, dtype=args.dtype, device=args.device)
     device = next(model.parameters()).device
     heads, tree, heads_desc, tree_desc = None, None, "-", "-"
-    if {"treespec", "treespec_lookup"} & set(args.methods):
+    if {"treespec", "treespec_sdpa", "treespec_lookup"} & set(args.methods):
         heads, tree, heads_desc, tree_desc = load_heads_and_tree(args, model)
     chains = load_chain_drafters(args, model)
     runners = make_runners(model, tokenizer, heads, tree, args.methods, args.lookup, chains, args.branching)

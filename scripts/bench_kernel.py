@@ -21,6 +21,13 @@ Reported per configuration: median ms of each, the ratios sdpa_mask / treespec a
 treespec, and the K/V bytes the kernel read per second next to the copy rate of a 256 MB
 `dst.copy_(src)` measured in the same run (bytes copied per second; a copy also writes them).
 
+Roofline, also measured in the same run: the rate of a 2048 x 2048 x 2048 `torch.mm` in each dtype
+(MKL / oneDNN, the best matrix-product rate torch reaches on this CPU with these threads). The op's
+arithmetic is 4 * H * n * L * D flops (Q.K^T and P.V over every key); divided by that GEMM rate it gives
+the least time any kernel needs for the products alone, softmax free. "ceiling vs sdpa" is SDPA's time
+over that floor: no kernel on this CPU can beat SDPA by more, and where it is under 2 the 2x target is out
+of reach. Likewise "ceiling K/V / memcpy" is the K/V read rate at that floor.
+
 --e2e: SmolLM2 (`treespec.load_model`, --e2e-dtype) with untrained identity heads on a few Spec-Bench
 prompts; `treespec.generate` (tree) and `treespec.generate_baseline` (one token per step) with
 kernel="compiled" (kernel + fused commit) and kernel="sdpa" (torch attention + torch commit),
@@ -98,6 +105,14 @@ def memcpy_rate(repeats: int = 5) -> float:
     return src.numel() * 4 / statistics.median(timed(lambda: dst.copy_(src)) for _ in range(repeats))
 
 
+def gemm_rate(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
+    """Flops per second of a size^3 torch.mm in dtype (the matrix-product roofline of this run)."""
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    a @ b  # warm-up
+    return 2 * size**3 / statistics.median(timed(lambda: a @ b) for _ in range(repeats))
+
+
 def bench_config(shape, dtype_name, prefix, tree_size, repeats, reference) -> dict:
     H, Hkv, D = SHAPES[shape]
     dtype = DTYPES[dtype_name]
@@ -135,6 +150,7 @@ def bench_config(shape, dtype_name, prefix, tree_size, repeats, reference) -> di
             times[name].append(timed(methods[name]))
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     kv_bytes = 2 * Hkv * L * D * k.element_size()
+    flops = 4 * H * n * L * D  # Q.K^T and P.V over every key
     return {
         "shape": shape,
         "heads": H,
@@ -149,15 +165,30 @@ def bench_config(shape, dtype_name, prefix, tree_size, repeats, reference) -> di
         "speedup_vs_reference": ms["reference"] / ms["treespec"] if "reference" in ms else None,
         "kv_bytes": kv_bytes,
         "kv_gbps": kv_bytes / (ms["treespec"] * 1e-3) / 1e9,
+        "flops": flops,
+        "gflops": flops / (ms["treespec"] * 1e-3) / 1e9,
         "max_abs_err": err,
     }
 
 
-def kernel_table(rows: list[dict], copy_gbps: float) -> str:
+def add_roofline(row: dict, gemm_gflops: float, copy_gbps: float) -> dict:
+    """The row with the roofline figures of this run: GEMM share, ceilings vs SDPA and memcpy."""
+    floor_ms = row["flops"] / (gemm_gflops * 1e9) * 1e3  # the products alone at the GEMM rate
+    return {
+        **row,
+        "gemm_gflops": gemm_gflops,
+        "of_gemm": row["gflops"] / gemm_gflops,
+        "ceiling_vs_sdpa": row["ms"]["sdpa_mask"] / floor_ms,
+        "kv_of_memcpy": row["kv_gbps"] / copy_gbps,
+        "ceiling_kv_of_memcpy": row["kv_bytes"] / (floor_ms * 1e-3) / 1e9 / copy_gbps,
+    }
+
+
+def kernel_table(rows: list[dict]) -> str:
     lines = [
         "| shape | dtype | prefix | tree | treespec ms | sdpa+mask ms | reference ms | vs sdpa | vs ref "
-        "| K/V GB/s | K/V / memcpy |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| GFLOP/s | of GEMM | ceiling vs sdpa | K/V GB/s | K/V / memcpy | ceiling K/V / memcpy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ref_ms = f"{r['ms']['reference']:.2f}" if "reference" in r["ms"] else "-"
@@ -165,12 +196,14 @@ def kernel_table(rows: list[dict], copy_gbps: float) -> str:
         lines.append(
             f"| {r['shape']} | {r['dtype']} | {r['prefix']} | {r['tree']} | {r['ms']['treespec']:.3f} "
             f"| {r['ms']['sdpa_mask']:.3f} | {ref_ms} | {r['speedup_vs_sdpa']:.2f}x | {vs_ref} "
-            f"| {r['kv_gbps']:.2f} | {r['kv_gbps'] / copy_gbps:.2f} |"
+            f"| {r['gflops']:.0f} | {r['of_gemm']:.2f} | {r['ceiling_vs_sdpa']:.2f}x "
+            f"| {r['kv_gbps']:.2f} | {r['kv_of_memcpy']:.2f} | {r['ceiling_kv_of_memcpy']:.2f} |"
         )
     return "\n".join(lines)
 
 
 def target_summary(rows: list[dict], copy_gbps: float) -> list[str]:
+    """One line per shape and dtype and target: measured, met or missed, and the roofline ceiling."""
     out = []
     for shape in dict.fromkeys(r["shape"] for r in rows):
         for dtype in dict.fromkeys(r["dtype"] for r in rows):
@@ -182,17 +215,22 @@ def target_summary(rows: list[dict], copy_gbps: float) -> list[str]:
                     f"{shape} {dtype}: vs SDPA+mask at prefix >= 1024: min {worst['speedup_vs_sdpa']:.2f}x "
                     f"(prefix {worst['prefix']}, tree {worst['tree']}), "
                     f"median {statistics.median(r['speedup_vs_sdpa'] for r in long):.2f}x "
-                    f"[target >= 2x: {'met' if worst['speedup_vs_sdpa'] >= 2 else 'missed'}]"
+                    f"[target >= 2x: {'met' if worst['speedup_vs_sdpa'] >= 2 else 'missed'}; "
+                    f"GEMM-rate ceiling min {min(r['ceiling_vs_sdpa'] for r in long):.2f}x, "
+                    f"reachable in {sum(r['ceiling_vs_sdpa'] >= 2 for r in long)} of {len(long)}]"
                 )
             big = [r for r in sel if r["prefix"] == max(x["prefix"] for x in sel)]
             if big:
-                rates = {r["tree"]: r["kv_gbps"] / copy_gbps for r in big}
+                rates = {r["tree"]: r["kv_of_memcpy"] for r in big}
+                ceilings = {r["tree"]: r["ceiling_kv_of_memcpy"] for r in big}
                 met = [tree for tree, rate in rates.items() if rate >= 0.5]
                 verdict = "met" if len(met) == len(rates) else f"met for trees {met}" if met else "missed"
                 out.append(
                     f"{shape} {dtype}: K/V read rate at prefix {big[0]['prefix']}: "
                     + ", ".join(f"tree {t}: {rate:.2f}x" for t, rate in rates.items())
-                    + f" of memcpy ({copy_gbps:.2f} GB/s) [target >= 0.5x: {verdict}]"
+                    + f" of memcpy ({copy_gbps:.2f} GB/s) [target >= 0.5x: {verdict}; GEMM-rate ceiling "
+                    + ", ".join(f"tree {t}: {c:.2f}x" for t, c in ceilings.items())
+                    + "]"
                 )
     return out
 
@@ -286,6 +324,7 @@ def main(argv=None) -> dict:
     if not ops.load():
         raise SystemExit(f"the compiled extension is not available: {ops.build_info()['error']}")
     copy_before = memcpy_rate()
+    gemm_before = {d: gemm_rate(DTYPES[d]) for d in args.dtypes}
     configs = [
         (shape, dtype, prefix, tree)
         for shape in args.shapes
@@ -298,6 +337,8 @@ def main(argv=None) -> dict:
         for cfg in tqdm(configs, desc="configurations")
     ]
     copy_gbps = (copy_before + memcpy_rate()) / 2 / 1e9
+    gemm_gflops = {d: (gemm_before[d] + gemm_rate(DTYPES[d])) / 2 / 1e9 for d in args.dtypes}
+    rows = [add_roofline(r, gemm_gflops[r["dtype"]], copy_gbps) for r in rows]
     result = {
         "command": " ".join(
             ["python", "scripts/bench_kernel.py", *(argv if argv is not None else sys.argv[1:])]
@@ -308,10 +349,14 @@ def main(argv=None) -> dict:
         "cpu": platform.processor() or platform.machine(),
         "extension": ops.build_info(),
         "memcpy_gbps": copy_gbps,
+        "gemm_gflops": gemm_gflops,
         "kernel": rows,
     }
-    print(f"\nthreads {torch.get_num_threads()}, memcpy (256 MB copy) {copy_gbps:.2f} GB/s\n")
-    print(kernel_table(rows, copy_gbps))
+    gemm_text = ", ".join(f"{d} {g:.0f} GFLOP/s" for d, g in gemm_gflops.items())
+    print(
+        f"\nthreads {torch.get_num_threads()}, memcpy (256 MB copy) {copy_gbps:.2f} GB/s, GEMM {gemm_text}\n"
+    )
+    print(kernel_table(rows))
     print()
     for line in target_summary(rows, copy_gbps):
         print(line)

@@ -24,7 +24,7 @@ def test_bench_smoke(tmp_path, capsys):
     bench = load_bench()
     out = tmp_path / "b.json"
     argv = ["--num-prompts", "2", "--max-new-tokens", "8", "--dtype", "float32"]
-    methods = ["hf", "baseline", "treespec", "lookup", "treespec_lookup"]
+    methods = ["hf", "baseline", "baseline_sdpa", "treespec", "treespec_sdpa", "lookup", "treespec_lookup"]
     bench.main([*argv, "--out", str(out), "--methods", ",".join(methods), "--lookup", "4"])
 
     result = json.loads(out.read_text())
@@ -39,6 +39,7 @@ def test_bench_smoke(tmp_path, capsys):
             assert p["methods"][m]["identical_to_hf"], (m, p)
     overall = result["summary"][-1]["methods"]
     assert overall["treespec"]["identical_to_hf"] == 2
+    assert overall["treespec_sdpa"]["accept_length"] == overall["treespec"]["accept_length"]
     assert overall["treespec"]["accept_length"] >= 1.0
     assert overall["hf"]["speedup"] == pytest.approx(1.0)
     assert overall["treespec_lookup"]["accept_length"] >= 1.0
