@@ -595,6 +595,36 @@ inline void amx_gemm_blocks(int row_blocks, int col_blocks, const char* a, int64
   }
 }
 
+// C[32 rows][col_blocks x 16 cols] = A[32 rows][64 bf16] . B for K = 64 (two k steps), A kept in four tile
+// registers for all column blocks: per 16 columns two B loads, four products and two stores (the
+// general 2 x 2 blocking reloads A for every second column block). rows2: whether the second 16 rows
+// exist.
+inline void amx_gemm_k64_a_resident(bool rows2, int col_blocks, const char* a, int64_t a_ld, const char* b,
+                                    int64_t b_ld, int64_t b_kstep, char* c, int64_t c_ld) {
+  _tile_loadd(4, a, a_ld);
+  _tile_loadd(5, a + 64, a_ld);
+  if (rows2) {
+    _tile_loadd(6, a + 16 * a_ld, a_ld);
+    _tile_loadd(7, a + 16 * a_ld + 64, a_ld);
+  }
+  for (int cb = 0; cb < col_blocks; ++cb) {
+    const char* bc = b + cb * 64;
+    char* cc = c + cb * 64;
+    _tile_loadd(2, bc, b_ld);
+    _tile_loadd(3, bc + b_kstep, b_ld);
+    _tile_zero(0);
+    _tile_dpbf16ps(0, 4, 2);
+    _tile_dpbf16ps(0, 5, 3);
+    if (rows2) {
+      _tile_zero(1);
+      _tile_dpbf16ps(1, 6, 2);
+      _tile_dpbf16ps(1, 7, 3);
+      _tile_stored(1, cc + 16 * c_ld, c_ld);
+    }
+    _tile_stored(0, cc, c_ld);
+  }
+}
+
 // In-register transpose of a 16 x 16 block of 32-bit values.
 inline void transpose16(__m512i r[16]) {
   __m512i t[16], u[16];
@@ -718,6 +748,15 @@ struct AmxEngine {
 
   // S[r][key] = Q[r] . K[key]  (A: Q rows, 32 d per step; B: K^T pairs, 16 keys per block)
   void qk(const KeyTile& kt, const uint32_t* kvp, float* scp) {
+    if (pl.D == 64) {  // Q fits four tile registers: keep it there (about 5% faster than 2 x 2 blocks)
+      const int row_blocks = R16 / 16, col_blocks = (kt.nk + 15) / 16;
+      for (int rb = 0; rb < row_blocks; rb += 2)
+        amx_gemm_k64_a_resident(rb + 1 < row_blocks, col_blocks,
+                                reinterpret_cast<const char*>(qb.data() + static_cast<int64_t>(rb) * 16 * 64), 128,
+                                reinterpret_cast<const char*>(kvp), 4 * kT, 16 * 4 * kT,
+                                reinterpret_cast<char*>(scp + static_cast<int64_t>(rb) * 16 * kT), 4 * kT);
+      return;
+    }
     amx_gemm_blocks(R16 / 16, (kt.nk + 15) / 16, reinterpret_cast<const char*>(qb.data()), 2 * pl.D, 64,
                     reinterpret_cast<const char*>(kvp), 4 * kT, 16 * 4 * kT, pl.D / 32,
                     reinterpret_cast<char*>(scp), 4 * kT, false);
