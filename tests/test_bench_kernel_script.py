@@ -29,8 +29,9 @@ def test_roofline_figures():
         "kv_bytes": 1e7,
         "gflops": 100.0,
         "kv_gbps": 0.5,
+        "gemm_gflops": 200.0,
     }
-    r = bench.add_roofline(row, gemm_gflops=200.0, copy_gbps=5.0)
+    r = bench.add_roofline(row, copy_gbps=5.0)
     # the products alone at 200 GFLOP/s take 10 ms: SDPA (30 ms) can be beaten by 3x at most
     assert r["ceiling_vs_sdpa"] == pytest.approx(3.0)
     assert r["of_gemm"] == pytest.approx(0.5)
@@ -48,7 +49,7 @@ def test_bench_kernel_smoke(tmp_path, capsys):
     result = json.loads(out.read_text())
     (row,) = result["kernel"]
     assert row["max_abs_err"] < 2e-5  # the op against the reference on this run's inputs
-    assert row["gemm_gflops"] == result["gemm_gflops"]["float32"] > 0
+    assert row["gemm_gflops"] > 0 and row["ms"]["gemm"] > 0
     assert row["ceiling_vs_sdpa"] > 0 and row["ceiling_kv_of_memcpy"] > 0
     assert any("GEMM-rate ceiling" in line for line in result["targets"])
     assert "| ceiling vs sdpa |" in capsys.readouterr().out
