@@ -160,7 +160,13 @@ def _add_generate(commands) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["float32", "bfloat16", "float16"],
+        help="default bfloat16, the fast one on CPU (the shipped tree is calibrated for it); float32 gives "
+        "HF's float32 tokens exactly but measured slower than plain decoding on a CPU (see BENCHMARKS.md)",
+    )
     p.add_argument("--device", default=None, help="torch device (default cpu)")
     p.add_argument("--stream", action="store_true", help="print the text as it is generated")
     p.add_argument("--show-tree", action="store_true", help="print each step's tree, path highlighted")
