@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from transformers import (
 import treespec
 
 SPEC_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "spec_bench_question.jsonl"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 TINY = dict(
     vocab_size=96,
@@ -36,6 +38,14 @@ ARCHS = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
 }
+
+
+def load_script(name: str):
+    """scripts/ is not a package: import scripts/<name>.py from its path as a module."""
+    spec = importlib.util.spec_from_file_location(f"script_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def tiny_model(arch: str = "llama", dtype=torch.float64, seed: int = 0, **overrides):

@@ -2,27 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 from treespec import ops
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_kernel.py"
-
-
-def load_bench_kernel():
-    """scripts/ is not a package: import bench_kernel.py from its path."""
-    spec = importlib.util.spec_from_file_location("bench_kernel_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_roofline_figures():
-    bench = load_bench_kernel()
+    bench = load_script("bench_kernel")
     row = {
         "flops": 2e9,
         "ms": {"sdpa_mask": 30.0, "treespec": 20.0},
@@ -42,7 +31,7 @@ def test_roofline_figures():
 def test_bench_kernel_smoke(tmp_path, capsys):
     if not ops.load():
         pytest.skip(f"compiled extension unavailable: {ops.build_info()['error']}")
-    bench = load_bench_kernel()
+    bench = load_script("bench_kernel")
     out = tmp_path / "k.json"
     argv = ["--shapes", "smollm2", "--prefixes", "128", "--trees", "16", "--dtypes", "float32"]
     bench.main([*argv, "--repeats", "2", "--out", str(out)])

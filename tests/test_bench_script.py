@@ -2,26 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
-
-
-def load_bench():
-    """scripts/ is not a package: import bench.py from its path."""
-    spec = importlib.util.spec_from_file_location("bench_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_script
 
 
 @pytest.mark.integration
 def test_bench_smoke(tmp_path, capsys):
-    bench = load_bench()
+    bench = load_script("bench")
     out = tmp_path / "b.json"
     argv = ["--num-prompts", "2", "--max-new-tokens", "8", "--dtype", "float32"]
     methods = ["hf", "baseline", "baseline_sdpa", "treespec", "treespec_sdpa", "lookup", "treespec_lookup"]
@@ -60,7 +49,7 @@ def test_bench_draft_model_self_spec_and_assisted(tmp_path, smollm2, capsys):
     tokenizer.save_pretrained(draft)
     exit_head = tmp_path / "exit"
     treespec.MedusaHeads.for_model(model, num_heads=1, exit_layer=10).save_pretrained(exit_head)
-    bench = load_bench()
+    bench = load_script("bench")
     out = tmp_path / "b.json"
     methods = [
         "hf",

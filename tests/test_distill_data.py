@@ -6,7 +6,6 @@ A tiny random Llama with the real SmolLM2 tokenizer (for its chat template) keep
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import random
 import shutil
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_llama_over
+from conftest import load_script, tiny_llama_over
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 import treespec
@@ -31,7 +30,6 @@ from treespec.distill import (
 )
 from treespec.generate import encode_prompt
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_distill_data.py"
 EOS = 2
 SETTINGS = dict(max_new_tokens=6, max_prompt_chars=300, batch_size=3, shard_size=2, eval_fraction=0.3)
 TEXTS = [
@@ -273,9 +271,7 @@ def test_cli(tmp_path, tokenizer, prompts_file, capsys):
     model_dir = tmp_path / "tiny"
     tiny_model(tokenizer).to(torch.float32).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    spec = importlib.util.spec_from_file_location("make_distill_data", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("make_distill_data")
     out = tmp_path / "out"
     args = [
         "--model",

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_distill_setup, tiny_llama_over, tiny_model
+from conftest import load_script, tiny_distill_setup, tiny_llama_over, tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from treespec import draft_train
@@ -20,8 +19,6 @@ from treespec.draft_train import (
     train_draft_model,
     truncate_model,
 )
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_draft_model.py"
 
 # -- truncation ----------------------------------------------------------------------------------------
 
@@ -193,9 +190,7 @@ def test_resume_gives_the_weights_of_an_uninterrupted_run(tiny_setup, monkeypatc
 
 def test_script_writes_a_model_and_tokenizer_that_load_offline(tiny_setup, monkeypatch, tmp_path):
     root, _ = tiny_setup
-    spec = importlib.util.spec_from_file_location("make_draft_model", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("make_draft_model")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = tmp_path / "draft"
     argv = ["--data", str(root / "data"), "--out", str(out), "--model", str(root / "model")]
