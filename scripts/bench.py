@@ -67,21 +67,7 @@ STORAGE_METHODS = {
     "draft_model_int8": "int8",
 }
 TREE_METHOD = "draft_model_tree"  # draft_model with --branching runners-up beside the chain
-METHODS = (
-    "hf",
-    "hf_prompt_lookup",
-    "baseline",
-    "baseline_sdpa",
-    "treespec",
-    "treespec_sdpa",
-    "lookup",
-    "treespec_lookup",
-    *STORAGE_METHODS,
-    TREE_METHOD,
-    "self_spec",
-    "hf_assisted",
-)
-SPECULATIVE = (
+SPECULATIVE = (  # the methods that draft and verify
     "treespec",
     "treespec_sdpa",
     "lookup",
@@ -90,6 +76,7 @@ SPECULATIVE = (
     TREE_METHOD,
     "self_spec",
 )
+METHODS = ("hf", "hf_prompt_lookup", "baseline", "baseline_sdpa", *SPECULATIVE, "hf_assisted")
 DEFAULT_METHODS = ("hf", "hf_prompt_lookup", "baseline", "treespec")
 REFERENCE = "hf"
 WARMUP_PROMPT = "Say hello in one short sentence."
