@@ -52,12 +52,12 @@ try:
 except ModuleNotFoundError:  # a checkout without `pip install -e .`: import it from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import treespec
-from treespec.draft_model import parse_branching
-from treespec.generate import encode_prompt
-from treespec.tune import default_gamma
+from treespec.core.generate import encode_prompt
+from treespec.drafters.draft_model import parse_branching
+from treespec.training.tune import default_gamma
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_DATA = REPO_ROOT.parent / "shared" / "data" / "spec_bench_question.jsonl"
+DEFAULT_DATA = REPO_ROOT / "data" / "spec_bench_question.jsonl"
 DEFAULT_HEADS = REPO_ROOT / "heads" / "smollm2-135m-instruct"
 STORAGE_METHODS = {
     "draft_model": "model",
@@ -214,7 +214,7 @@ def eos_ids(model, tokenizer) -> set[int]:
 
 def load_chain_drafters(args, model) -> dict:
     """Drafter factories and descriptions for the draft-model, self-speculative and assisted methods."""
-    from treespec.draft_model import load_draft_model
+    from treespec.drafters.draft_model import load_draft_model
 
     out = {"draft": None, "exit_head": None, "desc": {}}
     if args.draft_model:

@@ -16,7 +16,7 @@ Methods, timed on the same inputs, interleaved call by call with a rotating orde
                does), output written as [B, n, H, D]
     sdpa_mask  F.scaled_dot_product_attention(attn_mask = dense float [n, L] mask, enable_gqa=True),
                then .transpose(1, 2).contiguous() to the [B, n, H, D] layout transformers wants
-    reference  treespec.attention.tree_attention_reference (float32 matmul + softmax), same transpose
+    reference  treespec.core.attention.tree_attention_reference (float32 matmul + softmax), same transpose
     gemm       one torch.mm with the same flops (the roofline below)
 
 Reported per configuration: median ms of each, the ratios sdpa_mask / treespec and reference /
@@ -62,12 +62,12 @@ except ModuleNotFoundError:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO_ROOT))
     import treespec
 from treespec import ops  # noqa: E402
-from treespec.attention import tree_attention_reference  # noqa: E402
-from treespec.tree import pack_bits  # noqa: E402
+from treespec.core.attention import tree_attention_reference  # noqa: E402
+from treespec.core.tree import pack_bits  # noqa: E402
 
 SHAPES = {"smollm2": (9, 3, 64), "7b": (32, 8, 128)}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-SPEC_BENCH = REPO_ROOT.parent / "shared" / "data" / "spec_bench_question.jsonl"
+SPEC_BENCH = REPO_ROOT / "data" / "spec_bench_question.jsonl"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -237,7 +237,7 @@ def target_summary(rows: list[dict], copy_gbps: float) -> list[str]:
 
 
 def run_e2e(args) -> dict:
-    from treespec.generate import encode_prompt
+    from treespec.core.generate import encode_prompt
 
     model, tokenizer = treespec.load_model(dtype=args.e2e_dtype)
     heads = treespec.MedusaHeads.for_model(model, num_heads=4)  # untrained: identity blocks

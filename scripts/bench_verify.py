@@ -25,8 +25,8 @@ try:
 except ModuleNotFoundError:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import treespec
-from treespec.cache import TreeKVCache
-from treespec.generate import _base_forward, _logits
+from treespec.core.cache import TreeKVCache
+from treespec.core.generate import _base_forward, _logits
 
 PROMPT = "Explain how a refrigerator works, step by step, for a curious twelve-year-old."
 

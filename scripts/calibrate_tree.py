@@ -24,9 +24,9 @@ try:
 except ModuleNotFoundError:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import treespec
-from treespec.calibrate import acceptance_table, choose_budget, forward_costs
-from treespec.distill import load_distill_data
-from treespec.train import cached_examples
+from treespec.training.calibrate import acceptance_table, choose_budget, forward_costs
+from treespec.training.distill import load_distill_data
+from treespec.training.heads_train import cached_examples
 
 
 def main(argv: list[str] | None = None) -> int:

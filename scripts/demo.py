@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     prompts = [args.prompt] if args.prompt else PROMPTS
 
-    print(f"loading {treespec.models.DEFAULT_MODEL_NAME} ({args.dtype}) ...", flush=True)
+    print(f"loading {treespec.tools.models.DEFAULT_MODEL_NAME} ({args.dtype}) ...", flush=True)
     model, tokenizer = treespec.load_model(dtype=args.dtype)
     heads, tree, heads_note = load_heads(model, args.heads)
     tree = tree or treespec.default_tree(32, heads.num_heads)

@@ -4,10 +4,10 @@
     nice -n 10 python scripts/make_distill_data.py --threads 1                 # all prompts, resumable
     python scripts/make_distill_data.py --limit 32 --max-new-tokens 64 --out /tmp/distill-smoke
 
-Prompts: ShareGPT first turns in ../shared/data/sharegpt_prompts.json (the TRAINING set; Spec-Bench is
+Prompts: ShareGPT first turns in data/sharegpt_prompts.json (the TRAINING set; Spec-Bench is
 for evaluation only). Output: token-id shards + meta.json in --out (see treespec/distill.py). Rerun the
 same command after an interruption: finished shards are kept. Read with
-`treespec.distill.load_distill_data(folder, split="train" | "eval")`.
+`treespec.training.distill.load_distill_data(folder, split="train" | "eval")`.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ try:
 except ModuleNotFoundError:  # a checkout without `pip install -e .`: import it from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import treespec
-from treespec.distill import DistillDataError, make_distill_data
+from treespec.training.distill import DistillDataError, make_distill_data
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_PROMPTS = REPO_ROOT.parent / "shared" / "data" / "sharegpt_prompts.json"
+DEFAULT_PROMPTS = REPO_ROOT / "data" / "sharegpt_prompts.json"
 DEFAULT_OUT = REPO_ROOT / "data" / "distill" / "smollm2-135m-instruct"
 DEFAULT_SOURCE = (
     "ShareGPT first-turn English prompts (ml-energy/leaderboard-v2, "

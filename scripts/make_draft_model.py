@@ -20,7 +20,7 @@ try:
 except ModuleNotFoundError:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from treespec.draft_train import MODEL_DIR, DraftTrainConfig, train_draft_model
+from treespec.training.draft_train import MODEL_DIR, DraftTrainConfig, train_draft_model
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[DraftTrainConfig, argparse.Namespace]:

@@ -23,7 +23,7 @@ try:
 except ModuleNotFoundError:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from treespec.train import TrainConfig, train_heads
+from treespec.training.heads_train import TrainConfig, train_heads
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Namespace]:

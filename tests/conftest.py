@@ -19,7 +19,7 @@ from transformers import (
 
 import treespec
 
-SPEC_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "spec_bench_question.jsonl"
+SPEC_BENCH = Path(__file__).resolve().parents[1] / "data" / "spec_bench_question.jsonl"
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 TINY = dict(
@@ -92,9 +92,9 @@ def tiny_distill_setup(root: Path, **overrides):
     tokenizer, and its self-distillation data in root/data (12 new tokens for each of TINY_PROMPTS)."""
     from transformers import AutoTokenizer
 
-    from treespec.distill import make_distill_data
+    from treespec.training.distill import make_distill_data
 
-    tokenizer = AutoTokenizer.from_pretrained(treespec.models.default_model_folder())
+    tokenizer = AutoTokenizer.from_pretrained(treespec.tools.models.default_model_folder())
     model = tiny_llama_over(tokenizer, dtype=torch.float32, **{"tie_word_embeddings": True, **overrides})
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import treespec
-from treespec.attention import tree_attention_reference, tree_attention_sdpa
+from treespec.core.attention import tree_attention_reference, tree_attention_sdpa
 
 
 def _random_tree_mask(n: int, gen: torch.Generator) -> torch.Tensor:

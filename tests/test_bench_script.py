@@ -41,7 +41,7 @@ def test_bench_smoke(tmp_path, capsys):
 def test_bench_draft_model_self_spec_and_assisted(tmp_path, smollm2, capsys):
     """Every chain drafter (and HF assisted generation) matches HF greedy in float32, with the metrics."""
     import treespec
-    from treespec.draft_train import truncate_model
+    from treespec.training.draft_train import truncate_model
 
     model, tokenizer = smollm2
     draft = tmp_path / "draft"

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import treespec
-from treespec.attention import tree_attention_enabled
-from treespec.cache import CacheCapacityError, TreeKVCache
+from treespec.core.attention import tree_attention_enabled
+from treespec.core.cache import CacheCapacityError, TreeKVCache
 
 
 def _forward(model, cache, ids, positions, tree_mask=None, kernel="sdpa"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import treespec
-from treespec.calibrate import acceptance_table, choose_budget
+from treespec.training.calibrate import acceptance_table, choose_budget
 
 
 def test_acceptance_table_counts_ranks_given_the_parent():

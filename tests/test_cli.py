@@ -8,9 +8,9 @@ import xml.etree.ElementTree as ET
 import pytest
 
 import treespec
-from treespec import cli
-from treespec.cli import main
-from treespec.trace import Step, Trace
+from treespec.tools import cli
+from treespec.tools.cli import main
+from treespec.tools.trace import Step, Trace
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -107,7 +107,7 @@ def test_viz_tree_png(tmp_path, capsys):
 
 def test_viz_default_size_with_acceptance_svg(tmp_path, capsys):
     table = tmp_path / "acceptance.json"
-    table.write_text(json.dumps({"acceptance": treespec.tree.prior_acceptance(4)}))
+    table.write_text(json.dumps({"acceptance": treespec.core.tree.prior_acceptance(4)}))
     svg = tmp_path / "tree.svg"
     code, _, err = run(["viz", "32", "--acceptance", table, "-o", svg], capsys)
     assert code == 0, err

@@ -17,7 +17,8 @@ from conftest import load_script, tiny_llama_over
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 import treespec
-from treespec.distill import (
+from treespec.core.generate import encode_prompt
+from treespec.training.distill import (
     DistillDataError,
     Prompt,
     is_eval,
@@ -28,7 +29,6 @@ from treespec.distill import (
     read_shard,
     trim_response,
 )
-from treespec.generate import encode_prompt
 
 EOS = 2
 SETTINGS = dict(max_new_tokens=6, max_prompt_chars=300, batch_size=3, shard_size=2, eval_fraction=0.3)
@@ -60,7 +60,7 @@ def unbatched_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return AutoTokenizer.from_pretrained(treespec.models.default_model_folder())
+    return AutoTokenizer.from_pretrained(treespec.tools.models.default_model_folder())
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,7 @@ def test_load_prompts_skips_items_without_human_text(prompts_file):
 def test_shards_hold_prompt_plus_unbatched_greedy_response(made, model, tokenizer):
     meta = json.loads((made / "meta.json").read_text())
     assert meta["complete"] and meta["settings"]["dtype"] == "float64"
-    assert meta["model"] == treespec.heads.model_identity(model)
+    assert meta["model"] == treespec.drafters.heads.model_identity(model)
     assert meta["data"]["skipped"] == ["empty", "banner"] and meta["data"]["prompts"] == len(TEXTS)
     files = sorted(p.name for p in made.glob("*.safetensors"))
     assert all(p.stat().st_mode & 0o777 == 0o644 for p in made.iterdir())

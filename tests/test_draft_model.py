@@ -8,8 +8,8 @@ import torch
 from conftest import hf_greedy, tiny_model
 
 import treespec
-from treespec.draft_model import DraftModelDrafter, chain_tree, check_vocabularies, parse_branching
-from treespec.spec_cache import STORAGES, SpeculativeKVCache, dequantize_int8, quantize_int8
+from treespec.core.spec_cache import STORAGES, SpeculativeKVCache, dequantize_int8, quantize_int8
+from treespec.drafters.draft_model import DraftModelDrafter, chain_tree, check_vocabularies, parse_branching
 
 
 def _fresh_kv(model, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -10,9 +10,9 @@ import torch
 from conftest import load_script, tiny_distill_setup, tiny_llama_over, tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from treespec import draft_train
-from treespec.distill import load_distill_data
-from treespec.draft_train import (
+from treespec.training import draft_train
+from treespec.training.distill import load_distill_data
+from treespec.training.draft_train import (
     BatchPlan,
     DraftTrainConfig,
     make_batch,

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from treespec.heads import (
+from treespec.drafters.heads import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     HeadsLoadError,

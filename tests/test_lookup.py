@@ -9,8 +9,8 @@ import torch
 from conftest import ARCHS, hf_greedy, random_heads, tiny_model
 
 import treespec
-from treespec.lookup import LookupDrafter, NgramIndex
-from treespec.verify import accept_greedy
+from treespec.core.acceptance import accept_greedy
+from treespec.drafters.lookup import LookupDrafter, NgramIndex
 
 
 def _oracle(tokens: list[int], max_ngram: int, length: int) -> list[int]:

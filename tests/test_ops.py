@@ -28,9 +28,9 @@ from hypothesis import strategies as st
 
 import treespec
 from treespec import ops
-from treespec.attention import tree_attention_compiled, tree_attention_reference, tree_attention_sdpa
-from treespec.cache import TreeKVCache
-from treespec.tree import pack_bits
+from treespec.core.attention import tree_attention_compiled, tree_attention_reference, tree_attention_sdpa
+from treespec.core.cache import TreeKVCache
+from treespec.core.tree import pack_bits
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}

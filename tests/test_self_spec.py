@@ -8,9 +8,9 @@ import torch
 from conftest import ARCHS, hf_greedy, tiny_model
 
 import treespec
-from treespec.cache import TreeKVCache
-from treespec.generate import _base_forward
-from treespec.self_spec import SelfSpeculativeDrafter, layer_hidden_states
+from treespec.core.cache import TreeKVCache
+from treespec.core.generate import _base_forward
+from treespec.drafters.self_spec import SelfSpeculativeDrafter, layer_hidden_states
 
 
 def _exit_head(model, layer: int, seed: int = 0, std: float = 0.3) -> treespec.MedusaHeads:

@@ -10,7 +10,7 @@ import torch
 from conftest import ARCHS, hf_greedy, random_heads, tiny_model
 
 import treespec
-from treespec.heads import HeadsLoadError
+from treespec.drafters.heads import HeadsLoadError
 
 
 def _draft_vocab(vocab_size: int, size: int, seed: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 from conftest import hf_greedy, random_heads, spec_bench_prompts
 
 import treespec
-from treespec import models
+from treespec.tools import models
 
 pytestmark = pytest.mark.integration
 
@@ -57,7 +57,7 @@ SHIPPED_EXIT_HEAD = Path(__file__).resolve().parents[1] / "heads" / "smollm2-135
 def test_shipped_exit_head_drafts_exactly_and_beats_an_untrained_one(smollm2):
     """Self-speculative decoding with the trained layer-10 exit head, and a draft model (a truncated copy
     of the target) with int8 speculative storage: both equal HF greedy in float32."""
-    from treespec.draft_train import truncate_model
+    from treespec.training.draft_train import truncate_model
 
     model, tokenizer = smollm2
     head = treespec.MedusaHeads.from_pretrained(SHIPPED_EXIT_HEAD, model=model)

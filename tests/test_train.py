@@ -14,8 +14,8 @@ import torch
 from conftest import tiny_distill_setup
 
 import treespec
-from treespec import train as train_module
-from treespec.train import TrainConfig, head_examples, heads_loss, train_heads
+from treespec.training import heads_train as train_module
+from treespec.training.heads_train import TrainConfig, head_examples, heads_loss, train_heads
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,7 +82,7 @@ def test_sequential_heads_with_a_draft_vocabulary_train_and_load(tiny_setup):
     # the draft vocabulary is the most frequent answer tokens of the training split
     expected = train_module.draft_vocabulary(root / "data", 128, model.config.vocab_size)
     assert torch.equal(heads.draft_vocab, expected)
-    data = treespec.distill.load_distill_data(root / "data", "train")
+    data = treespec.training.distill.load_distill_data(root / "data", "train")
     answer_tokens = torch.cat([s[p:] for s, p in zip(data.sequences, data.prompt_lengths, strict=True)])
     most_common = torch.bincount(answer_tokens).argmax()
     assert most_common in heads.draft_vocab[:1]
@@ -189,10 +189,10 @@ def test_an_exit_head_trains_on_a_lower_layer_and_drafts_exactly(tiny_setup):
     head = treespec.MedusaHeads.from_pretrained(root / "exit" / "heads", model=model)
     assert head.exit_layer == 1 and head.num_heads == 1
     # the examples pair the layer-1 state at position t+1 with the token right after it (x_{t+2})
-    data = treespec.distill.load_distill_data(root / "data", "eval")
+    data = treespec.training.distill.load_distill_data(root / "data", "eval")
     seq, p = data.sequences[0], data.prompt_lengths[0]
     x, y = train_module.cached_examples(model, root / "data", root / "exit" / "cache", "eval", 1, 4096, 1)
-    states = treespec.self_spec.layer_hidden_states(model, seq[None], 1)[0]  # [T, H]
+    states = treespec.drafters.self_spec.layer_hidden_states(model, seq[None], 1)[0]  # [T, H]
     torch.testing.assert_close(x[1], states[p + 1].to(x.dtype))  # row 1: t = p, state at p + 1
     assert y[1, 1] == seq[p + 2]
     drafter = treespec.SelfSpeculativeDrafter(model, head, gamma=3)
@@ -205,8 +205,8 @@ def test_an_exit_head_trains_on_a_lower_layer_and_drafts_exactly(tiny_setup):
 
 def test_cli_tune_writes_the_choice_and_generate_uses_it(tiny_setup, tmp_path, capsys):
     """`treespec tune` with a draft model (here: a copy of the tiny target) on the held-out prompts."""
-    from treespec import cli
-    from treespec.tune import TuneResult
+    from treespec.tools import cli
+    from treespec.training.tune import TuneResult
 
     root, model = tiny_setup
     draft = tmp_path / "draft"

@@ -1,4 +1,4 @@
-"""Tests for treespec.tree: construction, validation, derived tensors, serialisation, tree search."""
+"""Tests for treespec.core.tree: construction, validation, derived tensors, serialisation, tree search."""
 
 import itertools
 import json
@@ -11,7 +11,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treespec.tree import DEFAULT_TREE_SIZES, Tree, default_tree, pack_bits, prior_acceptance, unpack_bits
+from treespec.core.tree import (
+    DEFAULT_TREE_SIZES,
+    Tree,
+    default_tree,
+    pack_bits,
+    prior_acceptance,
+    unpack_bits,
+)
 
 MEDUSA_CHOICES = [[0], [0, 0], [1], [0, 1], [2], [0, 0, 0]]
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from treespec.tune import (
+from treespec.training.tune import (
     TuneResult,
     choose_gamma,
     conditional_acceptance,

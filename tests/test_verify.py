@@ -9,7 +9,7 @@ import torch
 from conftest import random_heads, tiny_model
 
 import treespec
-from treespec.verify import SamplingConfig, accept_greedy, accept_sampling, accept_typical
+from treespec.core.acceptance import SamplingConfig, accept_greedy, accept_sampling, accept_typical
 
 # root with 3 children (tokens 2, 0, 5); child 1 has 2 children, child 2 has 1
 TREE = treespec.Tree.from_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0]])

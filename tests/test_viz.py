@@ -11,9 +11,9 @@ import torch
 from conftest import random_heads, tiny_model
 
 import treespec
-from treespec import viz
-from treespec.trace import Trace
-from treespec.tree import prior_acceptance
+from treespec.core.tree import prior_acceptance
+from treespec.tools import viz
+from treespec.tools.trace import Trace
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PIECES = ["a", " b", "\n", "\t", "c d", "$x$", "é", "</script><b>"]  # whitespace, mathtext, HTML

@@ -1,19 +1,19 @@
 """treespec: tree-speculative decoding for Hugging Face causal LMs (same output, fewer forward passes)."""
 
-from .attention import tree_attention_enabled, tree_attention_reference, tree_attention_sdpa
-from .cache import CacheCapacityError, TreeKVCache
-from .draft_model import DraftModelDrafter
-from .drafters import MedusaDrafter, RootOnlyDrafter, SequentialDrafter, make_drafter
-from .generate import GenerationResult, encode_prompt, generate, generate_baseline
-from .heads import HeadsLoadError, MedusaHeads
-from .lookup import LookupDrafter
-from .models import load_model
-from .self_spec import SelfSpeculativeDrafter
-from .spec_cache import SpeculativeKVCache
-from .stats import GenerationStats
-from .trace import Trace
-from .tree import DEFAULT_TREE_SIZES, Tree, default_tree
-from .verify import SamplingConfig
+from .core.acceptance import SamplingConfig
+from .core.attention import tree_attention_enabled, tree_attention_reference, tree_attention_sdpa
+from .core.cache import CacheCapacityError, TreeKVCache
+from .core.generate import GenerationResult, encode_prompt, generate, generate_baseline
+from .core.spec_cache import SpeculativeKVCache
+from .core.stats import GenerationStats
+from .core.tree import DEFAULT_TREE_SIZES, Tree, default_tree
+from .drafters.draft_model import DraftModelDrafter
+from .drafters.heads import HeadsLoadError, MedusaHeads
+from .drafters.lookup import LookupDrafter
+from .drafters.medusa import MedusaDrafter, RootOnlyDrafter, SequentialDrafter, make_drafter
+from .drafters.self_spec import SelfSpeculativeDrafter
+from .tools.models import load_model
+from .tools.trace import Trace
 
 __version__ = "0.1.0"
 

@@ -15,7 +15,7 @@ Ops (namespace `torch.ops.treespec`, traceable by torch.compile through the fake
     tree_attention(q, k, v, bits, scale) -> out
         q: [B, H, n, D]; k, v: [B, Hkv, L, D] (views of the cache, any strides with a contiguous last
         dim; H a multiple of Hkv, never expanded); bits: [n, ceil(n/64)] int64 ancestor words
-        (treespec.tree.pack_bits) or None for causal; out: [B, n, H, D] contiguous, q's dtype.
+        (treespec.core.tree.pack_bits) or None for causal; out: [B, n, H, D] contiguous, q's dtype.
         Keys [0, L - n) are visible to every query; the last n keys are the tree block.
     tree_attention_out(q, k, v, bits, scale, out) -> None
         The same, written into a caller's contiguous [B, n, H, D] buffer (no allocation).

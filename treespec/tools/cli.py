@@ -20,10 +20,10 @@ from pathlib import Path
 
 import treespec
 
+from ..core.tree import Tree
+from ..training.tune import default_gamma
 from .models import MissingDefaultModelError
 from .trace import Trace
-from .tree import Tree
-from .tune import default_gamma
 
 REPO_ROOT = Path(treespec.__file__).resolve().parents[1]
 SCRIPTS_DIR = REPO_ROOT / "scripts"
@@ -101,8 +101,8 @@ def _add_tune(commands) -> None:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from .distill import load_distill_data
-    from .tune import tune_drafter
+    from ..training.distill import load_distill_data
+    from ..training.tune import tune_drafter
 
     if args.max_gamma < 1 or args.prompts < 1:
         raise ValueError("--max-gamma and --prompts must be >= 1")
@@ -219,7 +219,7 @@ def chain_drafter_factory(args: argparse.Namespace, model) -> Callable[[int], ob
     if not Path(folder).is_dir():
         raise ValueError(f"{folder}: no such folder")
     if args.draft_model:
-        from .draft_model import load_draft_model, parse_branching
+        from ..drafters.draft_model import load_draft_model, parse_branching
 
         draft = load_draft_model(folder, model)
         return lambda gamma: treespec.DraftModelDrafter(

@@ -10,8 +10,8 @@ from typing import Protocol
 
 import torch
 
+from ..core.tree import Tree
 from .heads import MedusaHeads
-from .tree import Tree
 
 
 class Drafter(Protocol):

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import ops
+from .. import ops
 
 
 class CacheCapacityError(ValueError):

@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..drafters.heads import MedusaHeads
+from ..drafters.lookup import LookupDrafter
+from ..drafters.medusa import Drafter, RootOnlyDrafter, make_drafter
+from .acceptance import RULES, SamplingConfig, verify
 from .attention import KERNELS, auto_kernel, tree_attention_enabled
 from .cache import CacheCapacityError, TreeKVCache
-from .drafters import Drafter, RootOnlyDrafter, make_drafter
-from .heads import MedusaHeads
-from .lookup import LookupDrafter
 from .stats import GenerationStats
 from .tree import Tree, default_tree
-from .verify import RULES, SamplingConfig, verify
 
 
 @dataclass
@@ -157,7 +157,7 @@ def generate(
     model's dtype and device, else "sdpa"), "compiled" (with the fused KV commit), "sdpa" or
     "reference" (torch attention and the torch commit). max_length: cache capacity (default: the
     model's max_position_embeddings). lookup: length of an extra prompt-lookup branch under the root
-    (`treespec.lookup`; 0 = none); with heads=None it is plain prompt-lookup decoding. drafter: any
+    (`treespec.drafters.lookup`; 0 = none); with heads=None it is plain prompt-lookup decoding. drafter: any
     other drafter instead of heads (pass heads=None), e.g. `DraftModelDrafter` (a small model with its
     own speculative cache) or `SelfSpeculativeDrafter` (the model's first layers and an exit head).
     """

@@ -3,7 +3,7 @@
 `truncate_model(target, k)` copies the target's embedding, its first k decoder layers, its final norm and
 its output layer into a new model of the same class (a shallow copy of the target: at k layers its hidden
 state after layer j < k equals the target's exactly). `train_draft_model` then trains the decoder layers
-and the final norm on the target's own greedy answers (`treespec.distill`), so that the draft's next-token
+and the final norm on the target's own greedy answers (`training.distill`), so that the draft's next-token
 guess agrees with the target's as often as possible. The embedding and the output layer stay frozen (and
 equal to the target's, tied if the target's are).
 
@@ -36,10 +36,10 @@ from torch import Tensor
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
+from ..drafters.heads import fingerprints_match, model_identity
 from .distill import META_NAME, load_distill_data
-from .heads import fingerprints_match, model_identity
-from .train import RESUMABLE_CHANGES as HEADS_RESUMABLE_CHANGES
-from .train import check_same_settings, lr_at, publish_folder
+from .heads_train import RESUMABLE_CHANGES as HEADS_RESUMABLE_CHANGES
+from .heads_train import check_same_settings, lr_at, publish_folder
 
 CHECKPOINT_DIR = "checkpoint"
 MODEL_DIR = "model"
@@ -314,7 +314,7 @@ def train_draft_model(cfg: DraftTrainConfig, target_model=None, resume: bool = F
 
     Returns the training record: settings, steps, seconds, eval history and the final held-out top-1.
     """
-    from .models import load_model
+    from ..tools.models import load_model
 
     out = Path(cfg.out)
     if target_model is None:

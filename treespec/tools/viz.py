@@ -26,8 +26,8 @@ from matplotlib.colors import LogNorm, Normalize, to_rgb
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from ..core.tree import Tree
 from .trace import Trace
-from .tree import Tree
 
 PICTURE_FORMATS = (".png", ".svg")
 VISIBLE = {" ": "␣", "\n": "↵", "\t": "⇥"}

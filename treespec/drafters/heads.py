@@ -140,7 +140,7 @@ class MedusaHeads(nn.Module):
         dtype: torch.dtype | None = None,
     ):
         """exit_layer 0: heads on the base model's final hidden state (Medusa). exit_layer k > 0: an
-        exit head for self-speculative drafting (`treespec.self_spec`): head 0 reads the residual stream
+        exit head for self-speculative drafting (`drafters.self_spec`): head 0 reads the residual stream
         after the base model's first k layers, through the final norm, and predicts the *next* token."""
         super().__init__()
         for field, value, low in (

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .tree import Tree
+from ..core.tree import Tree
 
 
 class NgramIndex:

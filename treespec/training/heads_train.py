@@ -1,6 +1,6 @@
 """Train Medusa heads on a frozen base model (Medusa-1 style), by self-distillation.
 
-The data are the base model's own answers (`treespec.distill`). At a response position t the base
+The data are the base model's own answers (`treespec.training.distill`). At a response position t the base
 model's output layer predicts token t+1; head k learns token t+2+k from the same last hidden state
 (sequential heads also see the true tokens x_{t+1..t+1+k} before it: teacher forcing).
 The loss is sum_k 0.8**k * CE_k, so nearer heads, whose guesses are checked first, weigh more.
@@ -33,9 +33,9 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 from tqdm import tqdm
 
+from ..drafters.heads import MedusaHeads, model_identity
+from ..drafters.self_spec import layer_hidden_states
 from .distill import load_distill_data
-from .heads import MedusaHeads, model_identity
-from .self_spec import layer_hidden_states
 
 HIDDEN_NAME = "hidden_states-v2.safetensors"  # v2: tokens from t+1 on
 CHECKPOINT_DIR = "checkpoint"
@@ -62,7 +62,7 @@ class TrainConfig:
     bf16: bool = True
     hidden_batch_tokens: int = 4096
     max_positions: int | None = None  # cap on training positions (None: all)
-    sequential: bool = False  # Hydra-style heads (see treespec.heads)
+    sequential: bool = False  # Hydra-style heads (see treespec.drafters.heads)
     own_lm_head: bool = False  # each head gets its own output layer (initialised from the base model's)
     draft_vocab_size: int = 0  # 0: the whole vocabulary
     exit_layer: int = 0  # k > 0: train one exit head on layer k for self-speculative drafting
@@ -284,7 +284,7 @@ def train_heads(cfg: TrainConfig, model=None, resume: bool = False, accelerator=
     """
     from accelerate import Accelerator
 
-    from .models import load_model
+    from ..tools.models import load_model
 
     if cfg.exit_layer and (cfg.num_heads != 1 or cfg.sequential):
         raise ValueError("an exit head (exit_layer > 0) is a single head: use num_heads=1, not sequential")

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from . import ops
+from .. import ops
 from .tree import pack_bits
 
 ATTN_IMPLEMENTATION = "treespec"

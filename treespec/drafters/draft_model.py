@@ -24,9 +24,9 @@ import time
 
 import torch
 
-from .attention import auto_kernel, tree_attention_enabled
-from .spec_cache import STORAGES, SpeculativeKVCache
-from .tree import Tree
+from ..core.attention import auto_kernel, tree_attention_enabled
+from ..core.spec_cache import STORAGES, SpeculativeKVCache
+from ..core.tree import Tree
 
 
 def chain_tree(gamma: int, branching: dict[int, int] | None = None) -> Tree:

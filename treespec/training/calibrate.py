@@ -17,10 +17,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .attention import tree_attention_enabled
-from .cache import TreeKVCache
-from .heads import MedusaHeads
-from .tree import Tree
+from ..core.attention import tree_attention_enabled
+from ..core.cache import TreeKVCache
+from ..core.tree import Tree
+from ..drafters.heads import MedusaHeads
 
 
 @torch.no_grad()
@@ -72,9 +72,9 @@ def forward_costs(
 
     table: the acceptance table; each budget is then timed with the tree `from_acceptance` builds for it
     (sequential heads draft depth by depth, so the tree's shape changes the drafting cost)."""
-    from .attention import auto_kernel
-    from .drafters import make_drafter
-    from .generate import _base_forward, _logits
+    from ..core.attention import auto_kernel
+    from ..core.generate import _base_forward, _logits
+    from ..drafters.medusa import make_drafter
 
     costs = {}
     gen = torch.Generator().manual_seed(0)

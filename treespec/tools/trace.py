@@ -3,7 +3,7 @@
 `treespec.generate(..., trace=True)` returns raw per-step dicts (token ids, draft probabilities,
 accepted path, bonus token). `Trace.from_result` adds everything a picture needs without the
 tokenizer (each token's text, the text generated so far) so that `Trace.save` / `Trace.load`
-round-trip through one JSON file and `treespec.viz` can draw it anywhere.
+round-trip through one JSON file and `treespec.tools.viz` can draw it anywhere.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .tree import Tree
+from ..core.tree import Tree
 
 FORMAT = "treespec.trace"
 VERSION = 1
@@ -77,7 +77,7 @@ class Trace:
         decoded on its own, the running text with special tokens skipped (as ``result.text``).
         """
         if result.tree is None:
-            raise ValueError("the result has no tree: was it produced by treespec.generate?")
+            raise ValueError("the result has no tree: was it produced by treespec.core.generate?")
         if result.stats.steps and not result.trace:
             raise ValueError("the result has no trace: call treespec.generate(..., trace=True)")
 

@@ -46,8 +46,8 @@ from torch import Tensor
 from tqdm import tqdm
 from transformers import GenerationConfig
 
-from .generate import encode_prompt
-from .heads import fingerprints_match, model_identity
+from ..core.generate import encode_prompt
+from ..drafters.heads import fingerprints_match, model_identity
 
 FORMAT = "treespec.distill_data"
 VERSION = 1
