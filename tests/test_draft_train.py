@@ -11,6 +11,7 @@ from conftest import load_script, tiny_distill_setup, tiny_llama_over, tiny_mode
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from treespec.training import draft_train
+from treespec.training.batching import length_batches
 from treespec.training.distill import load_distill_data
 from treespec.training.draft_train import (
     BatchPlan,
@@ -85,6 +86,17 @@ def test_batches_target_the_response_tokens_only():
     ids, targets = make_batch(seqs, [4, 2])
     assert ids.tolist() == [[10, 11, 12, 13, 14, 15], [20, 21, 22, 23, 0, 0]]
     assert targets.tolist() == [[-100, -100, -100, 14, 15, -100], [-100, 22, 23, -100, -100, -100]]
+
+
+def test_length_batches_sort_and_cap_rows_or_padded_tokens():
+    lengths = [5, 3, 9, 3, 40, 7]
+    assert length_batches(lengths, max_rows=2) == [[1, 3], [0, 5], [2, 4]]  # by (length, index)
+    assert length_batches(lengths, max_tokens=20) == [[1, 3, 0], [5, 2], [4]]  # 40 > 20: alone
+    assert length_batches(lengths, max_tokens=20, max_rows=2) == [[1, 3], [0, 5], [2], [4]]
+    assert length_batches(lengths, max_tokens=100, order=[4, 2, 0]) == [[0, 2], [4]]
+    assert length_batches([], max_rows=3) == []
+    with pytest.raises(ValueError, match=">= 1"):
+        length_batches(lengths, max_rows=0)
 
 
 def test_batch_plan_is_seeded_and_covers_every_sequence_once_per_epoch():

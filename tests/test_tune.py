@@ -8,6 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from treespec.training.calibrate import choose_budget
+from treespec.training.objective import best_rate, tokens_per_second
 from treespec.training.tune import (
     TuneResult,
     choose_gamma,
@@ -54,6 +56,25 @@ def test_choose_gamma_follows_a_drop_in_acceptance():
     costs = {g: 1.0 + 0.01 * g for g in range(1, 9)}
     result = choose_gamma([0.9, 0.9, 0.9, 0, 0, 0, 0, 0], costs, 1.0)
     assert result.gamma == 3
+
+
+def test_one_objective_for_gamma_and_tree_budget():
+    """Tuning and calibration rank options by the same expected tokens per second (ties: smallest)."""
+    assert best_rate({1: 2.0, 2: 3.0, 3: 3.0}, {1: 1.0, 2: 1.0, 3: 1.0}) == (2, {1: 2.0, 2: 3.0, 3: 3.0})
+    assert tokens_per_second(3.0, 1.5) == 2.0
+    with pytest.raises(ValueError, match="positive"):
+        tokens_per_second(1.0, 0.0)
+    with pytest.raises(ValueError, match="step costs"):
+        best_rate({1: 1.0}, {2: 1.0})
+    # a chain is a one-node-per-depth tree: both choices give the same rates for the same numbers
+    acceptance = [0.9, 0.6, 0.3]
+    costs = {1: 1.0, 2: 1.3, 3: 1.8}
+    chain = choose_gamma(acceptance, costs, 1.0)
+    # one rank per head: a tree of n nodes is the root and a chain of n - 1 drafts
+    best, report = choose_budget([[a] for a in acceptance], {g + 1: t for g, t in costs.items()})
+    assert best == chain.gamma + 1
+    for row in chain.table:
+        assert report[row.gamma + 1]["tokens_per_s"] == pytest.approx(row.tokens_per_second)
 
 
 def test_reference_formula():

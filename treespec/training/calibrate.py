@@ -6,7 +6,8 @@
 2. `Tree.from_acceptance(table, n)` builds, for a node budget n, the tree that maximises the expected
    accepted length (greedy expansion by path probability).
 3. `forward_costs` measures this machine's cost of one verification step over n tree nodes, and
-   `choose_budget` picks the n that maximises expected tokens per second = E[accepted](n) / cost(n).
+   `choose_budget` picks the n that maximises expected tokens per second = E[accepted](n) / cost(n)
+   (`training.objective`, the objective `tune` maximises too).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ..core.attention import tree_attention_enabled
 from ..core.cache import TreeKVCache
 from ..core.tree import Tree
 from ..drafters.heads import MedusaHeads
+from .objective import best_rate
 
 
 @torch.no_grad()
@@ -111,15 +113,12 @@ def _tree_for_budget(n: int, num_heads: int) -> Tree:
 def choose_budget(
     table: list[list[float]], costs: dict[int, float]
 ) -> tuple[int, dict[int, dict[str, float]]]:
-    """The node budget with the most expected tokens per second, and the numbers behind it."""
-    report = {}
-    for n, seconds in sorted(costs.items()):
-        tree = Tree.from_acceptance(table, n)
-        expected = tree.expected_accept_length(table)
-        report[n] = {
-            "expected_accept_length": expected,
-            "step_seconds": seconds,
-            "tokens_per_s": expected / seconds,
-        }
-    best = max(report, key=lambda n: report[n]["tokens_per_s"])
+    """The node budget with the most expected tokens per second (`training.objective`, as in tuning;
+    ties to the smaller tree), and the numbers behind it."""
+    expected = {n: Tree.from_acceptance(table, n).expected_accept_length(table) for n in costs}
+    best, rates = best_rate(expected, costs)
+    report = {
+        n: {"expected_accept_length": expected[n], "step_seconds": costs[n], "tokens_per_s": rate}
+        for n, rate in rates.items()
+    }
     return best, report

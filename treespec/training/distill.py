@@ -21,7 +21,7 @@ split. `limit=N` keeps the first N prompts of that order: an unbiased sample, an
 smaller one (its full shards are reused; only a shorter last shard is redone). Within a shard prompts are
 generated in batches sorted by token length, so batches pad little.
 
-Generation is resumable: each shard appears atomically (tmp file + os.replace) and `meta.json` is
+Generation is resumable: each shard appears atomically (`treespec.io.atomic_write`) and `meta.json` is
 rewritten atomically after each one; a rerun keeps every valid shard and redoes only missing ones. It
 refuses a folder made for another model, other settings, or another prompts file.
 """
@@ -47,7 +47,10 @@ from tqdm import tqdm
 from transformers import GenerationConfig
 
 from ..core.generate import encode_prompt
+from ..core.tokens import eos_token_ids
 from ..drafters.heads import fingerprints_match, model_identity
+from ..io import atomic_write, atomic_write_json, remove_temps
+from .batching import length_batches
 
 FORMAT = "treespec.distill_data"
 VERSION = 1
@@ -141,13 +144,13 @@ def plan_shards(
 # ---------------------------------------------------------------------------------------------------------
 
 
-def eos_token_ids(model, tokenizer) -> list[int]:
-    """End-of-sequence ids: the model's generation config and the tokenizer's eos, together."""
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    ids = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """Where a response ends: the model's eos ids and the tokenizer's eos, together (a chat answer may end
+    with the tokenizer's end-of-turn token even where the generation config names another)."""
+    ids = set(eos_token_ids(model, tokenizer))
     if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return sorted(int(i) for i in ids)
+        ids.update(eos_token_ids(model, tokenizer, tokenizer.eos_token_id))
+    return sorted(ids)
 
 
 def trim_response(tokens: list[int], eos_ids: list[int]) -> list[int]:
@@ -193,18 +196,6 @@ def _sha256_file(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _write_atomic(path: Path, write) -> None:
-    """Call write(tmp_path), then move the result onto `path` in one step."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 def write_shard(
     path: Path,
     prompt_ids: list[str],
@@ -222,7 +213,7 @@ def write_shard(
         "prompt_lengths": torch.tensor(prompt_lengths, dtype=torch.int32),  # [n]
     }
     metadata = {"format": FORMAT, "prompt_ids": json.dumps(prompt_ids), "settings_hash": settings_hash}
-    _write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
 def read_shard(path: Path, vocab_size: int | None = None) -> Shard:
@@ -317,8 +308,7 @@ def _read_meta(folder: Path) -> dict:
 
 
 def _write_meta(folder: Path, meta: dict) -> None:
-    text = json.dumps(meta, indent=1) + "\n"
-    _write_atomic(folder / META_NAME, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    atomic_write_json(folder / META_NAME, meta, indent=1)
 
 
 def _shard_entry(plan: ShardPlan, shard: Shard, path: Path, seconds: float | None) -> dict:
@@ -405,7 +395,7 @@ def make_distill_data(
     by_id = {p.id: p for p in prompts}
 
     identity = model_identity(model)
-    eos_ids = eos_token_ids(model, tokenizer)
+    eos_ids = stop_token_ids(model, tokenizer)
     if not eos_ids:
         raise ValueError("the model and tokenizer define no eos token: responses could not stop")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
@@ -434,7 +424,8 @@ def make_distill_data(
     if old_meta is not None:
         _check_meta(old_meta, settings, identity, data, folder)
     old_entries = {e["file"]: e for e in (old_meta or {}).get("shards", [])}
-    for stale in folder.glob(".*.tmp-*"):  # left by a killed run
+    remove_temps(folder)  # left by a killed run
+    for stale in folder.glob(".*.tmp-*"):  # the same, from treespec versions before treespec.io
         stale.unlink()
 
     full_plan = plan_shards(prompts, shard_size, eval_fraction)
@@ -510,10 +501,8 @@ def make_distill_data(
         encoded = [
             encode_prompt(by_id[i].text[:max_prompt_chars], tokenizer) for i in plan.prompt_ids
         ]  # n x [P_i]
-        by_length = sorted(range(len(encoded)), key=lambda k: (len(encoded[k]), k))
         responses: list[list[int]] = [[] for _ in encoded]
-        for b in range(0, len(by_length), batch_size):
-            rows = by_length[b : b + batch_size]
+        for rows in length_batches([len(e) for e in encoded], max_rows=batch_size):
             batch = generate_batch(model, [encoded[r] for r in rows], config, eos_ids)
             for row, response in zip(rows, batch, strict=True):
                 responses[row] = response

@@ -7,9 +7,10 @@ Model of one step with gamma drafted tokens:
     T(gamma)    = draft(gamma) + verify(gamma) + commit        seconds per step, measured on this machine
     speedup     = (E(gamma) / T(gamma)) / (1 / T_plain)        against one-token-at-a-time decoding
 
-`choose_gamma` maximises E/T. The reference text's formula, Speedup = 1 / (1/gamma + C_verification /
-C_autoregressive) with C_verification = T(gamma) and C_autoregressive = gamma * T_plain, is printed
-beside it: it assumes every drafted token is accepted, so it is an upper bound, not a forecast.
+`choose_gamma` maximises E/T (`training.objective`, the objective tree calibration uses too). The
+reference text's formula, Speedup = 1 / (1/gamma + C_verification / C_autoregressive) with
+C_verification = T(gamma) and C_autoregressive = gamma * T_plain, is printed beside it: it assumes
+every drafted token is accepted, so it is an upper bound, not a forecast.
 `tune_drafter` measures everything (acceptance from one generation pass at the largest gamma, step
 costs from short runs at every gamma) and then checks the prediction with a real run at the choice.
 """
@@ -21,6 +22,9 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from ..io import atomic_write_json
+from .objective import best_rate, expected_tokens
 
 TUNE_NAME = "tune.json"
 
@@ -38,15 +42,6 @@ def conditional_acceptance(accepted_drafts: Sequence[int], gamma: int) -> list[f
     a_j = #steps with >= j accepted / #steps with >= j - 1 accepted (0 when no step got that far)."""
     reached = [sum(1 for a in accepted_drafts if a >= j) for j in range(gamma + 1)]  # reached[0] = steps
     return [reached[j] / reached[j - 1] if reached[j - 1] else 0.0 for j in range(1, gamma + 1)]
-
-
-def expected_tokens(acceptance: Sequence[float], gamma: int) -> float:
-    """E(gamma) = 1 + sum_i prod_{j<=i} a_j: tokens one step commits, the bonus token included."""
-    total, run = 1.0, 1.0
-    for a in acceptance[:gamma]:
-        run *= a
-        total += run
-    return total
 
 
 def reference_speedup(gamma: int, c_verification: float, c_autoregressive: float) -> float:
@@ -81,11 +76,7 @@ class TuneResult:
 
     def save(self, folder: str | os.PathLike) -> Path:
         """Write <folder>/tune.json (atomically) beside the drafter's config."""
-        path = Path(folder) / TUNE_NAME
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
-        os.replace(tmp, path)
-        return path
+        return atomic_write_json(Path(folder) / TUNE_NAME, asdict(self), indent=2)
 
     @classmethod
     def load(cls, folder: str | os.PathLike) -> TuneResult:
@@ -133,21 +124,20 @@ def choose_gamma(
         raise ValueError(
             f"acceptance covers {len(acceptance)} positions but gamma goes to {max(step_seconds)}"
         )
-    table = []
-    for gamma in sorted(step_seconds):
-        e, t = expected_tokens(acceptance, gamma), step_seconds[gamma]
-        table.append(
-            GammaRow(
-                gamma=gamma,
-                expected_tokens=e,
-                step_seconds=t,
-                tokens_per_second=e / t,
-                predicted_speedup=e * plain_step_seconds / t,
-                reference_speedup=reference_speedup(gamma, t, gamma * plain_step_seconds),
-            )
+    expected = {gamma: expected_tokens(acceptance, gamma) for gamma in step_seconds}
+    best, rates = best_rate(expected, step_seconds)
+    table = [
+        GammaRow(
+            gamma=gamma,
+            expected_tokens=expected[gamma],
+            step_seconds=step_seconds[gamma],
+            tokens_per_second=rate,
+            predicted_speedup=expected[gamma] * plain_step_seconds / step_seconds[gamma],
+            reference_speedup=reference_speedup(gamma, step_seconds[gamma], gamma * plain_step_seconds),
         )
-    best = max(table, key=lambda r: r.tokens_per_second)
-    return TuneResult(best.gamma, plain_step_seconds, list(acceptance), table)
+        for gamma, rate in rates.items()
+    ]
+    return TuneResult(best, plain_step_seconds, list(acceptance), table)
 
 
 def tune_drafter(
