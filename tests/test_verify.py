@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 import pytest
@@ -9,7 +10,14 @@ import torch
 from conftest import random_heads, tiny_model
 
 import treespec
-from treespec.core.acceptance import SamplingConfig, accept_greedy, accept_sampling, accept_typical
+from treespec.core.acceptance import (
+    RULES,
+    SamplingConfig,
+    accept_greedy,
+    accept_sampling,
+    accept_typical,
+    verify,
+)
 
 # root with 3 children (tokens 2, 0, 5); child 1 has 2 children, child 2 has 1
 TREE = treespec.Tree.from_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0]])
@@ -141,3 +149,177 @@ def test_end_to_end_sampling_matches_the_base_model():
     bound = 0.06  # noise at n=1500 over 10 tokens is ~0.025
     assert _tv(first, p1) < bound
     assert _tv(second, p2) < bound
+
+
+# ---- devices ---------------------------------------------------------------------------------------
+# CUDA is not available to the unit tests, so a second device is simulated: `FakeCudaMode` (a
+# TorchFunctionMode) lets tensors marked as "on cuda" report device cuda:0 while they compute on the CPU,
+# and raises what real CUDA raises when an op mixes them with CPU tensors (other than 0-dim ones, which
+# CUDA ops accept) or draws from a generator of the other device. `.to("cuda")` / creation with
+# device="cuda" marks, `.to("cpu")` / `.cpu()` unmarks, results of ops on marked tensors are marked.
+
+_FAKE = "_treespec_fake_cuda"
+
+
+def _is_cuda_device(d) -> bool:
+    return d is not None and not isinstance(d, torch.dtype) and torch.device(d).type == "cuda"
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors(y)
+
+
+class FakeCudaGenerator(torch.Generator):
+    """A CPU generator that says it is a CUDA one (what `torch.Generator(device="cuda")` would be)."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+class FakeCudaMode(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    @staticmethod
+    def mark(t: torch.Tensor) -> torch.Tensor:
+        setattr(t, _FAKE, True)
+        return t
+
+    @staticmethod
+    def marked(t: torch.Tensor) -> bool:
+        return getattr(t, _FAKE, False)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        self.calls += 1
+        getter = getattr(func, "__self__", None)  # property getters arrive as descriptor.__get__
+        if getter is torch.Tensor.device:
+            return torch.device("cuda", 0) if self.marked(args[0]) else func(*args)
+        if getter is torch.Tensor.is_cuda:
+            return self.marked(args[0])
+        # where does this op run? an explicit device (creation ops, .to, .cuda, .cpu), else its inputs'
+        target = None
+        if "device" in kwargs:
+            target = _is_cuda_device(kwargs["device"])
+            kwargs["device"] = "cpu" if kwargs["device"] is not None else None
+        if func in (torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu):
+            if func is torch.Tensor.cuda:
+                target = True
+            elif func is torch.Tensor.cpu:
+                target = False
+            rest = []
+            for a in args[1:]:
+                if isinstance(a, (str, torch.device)):
+                    target, a = _is_cuda_device(a), "cpu"
+                elif isinstance(a, torch.Tensor):
+                    target = self.marked(a)
+                rest.append(a)
+            args = (args[0], *rest)
+            if func is torch.Tensor.cuda:
+                func, args, target = torch.Tensor.clone, args[:1], True
+        inputs = list(_tensors(args)) + list(_tensors(kwargs))
+        on_cuda = any(self.marked(t) for t in inputs) if target is None else target
+        if target is None and on_cuda:
+            for t in inputs:
+                if not self.marked(t) and t.dim() > 0:
+                    raise RuntimeError(
+                        f"{getattr(func, '__name__', func)}: expected all tensors to be on the same device, "
+                        "but found at least two devices, cuda:0 and cpu!"
+                    )
+        generator = kwargs.get("generator")
+        if generator is not None and (generator.device.type == "cuda") != on_cuda:
+            raise RuntimeError(
+                f"{getattr(func, '__name__', func)}: expected a '{'cuda' if on_cuda else 'cpu'}' device "
+                f"type for generator but found '{generator.device.type}'"
+            )
+        out = func(*args, **kwargs)
+        if func in (torch.Tensor.to, torch.Tensor.cpu) and out is args[0] and self.marked(out) != on_cuda:
+            out = out.clone()  # returned self (everything is on the CPU here); a real device move copies
+        for t in _tensors(out if isinstance(out, (tuple, list)) else [out]):
+            if on_cuda:
+                self.mark(t)
+            elif self.marked(t):
+                delattr(t, _FAKE)
+        return out
+
+
+def _on_fake_cuda(t: torch.Tensor) -> torch.Tensor:
+    return FakeCudaMode.mark(t.clone())
+
+
+def test_fake_cuda_mode_catches_what_cuda_rejects():
+    """The detector has power: the mismatches the rules used to make raise under it, fixes do not."""
+    probs = _on_fake_cuda(torch.rand(4, 8).softmax(-1))
+    gen = torch.Generator().manual_seed(0)
+    with FakeCudaMode():
+        assert probs.device.type == "cuda" and probs[0].device.type == "cuda"
+        with pytest.raises(RuntimeError, match="generator"):
+            torch.multinomial(probs[0], 1, generator=gen)  # a CPU generator on CUDA probabilities
+        with pytest.raises(RuntimeError, match="generator"):
+            torch.rand((), generator=FakeCudaGenerator(), device="cpu")
+        with pytest.raises(RuntimeError, match="same device"):
+            probs.gather(1, torch.tensor([1, 2]).view(1, -1).expand(4, -1))  # a CPU index
+        index = torch.tensor([1, 2], device=probs.device)
+        assert FakeCudaMode.marked(index) and FakeCudaMode.marked(probs.gather(1, index.expand(4, -1)))
+        row = probs[0].to("cpu")
+        assert row.device.type == "cpu" and not FakeCudaMode.marked(row)
+        assert FakeCudaMode.marked(probs) and probs.cpu() is not probs  # a move copies
+
+
+def _verify_rule(rule, tokens, children, logits, generator, config):
+    return verify(rule, tokens, children, logits, config, generator)
+
+
+def _rules(config):
+    """Every entry point that turns logits into tokens, as f(tokens, children, logits, generator)."""
+    return {
+        "greedy": lambda t, ch, lg, g: accept_greedy(t, ch, lg),
+        "typical": lambda t, ch, lg, g: accept_typical(t, ch, lg, config, generator=g),
+        "sampling": lambda t, ch, lg, g: accept_sampling(t, ch, lg, config, g),
+        **{f"verify_{r}": functools.partial(_verify_rule, r, config=config) for r in RULES},
+        "sample": lambda t, ch, lg, g: config.sample(lg[0], g),
+    }
+
+
+@pytest.mark.parametrize("generator", [None, "cpu", "cuda"])
+@pytest.mark.parametrize("config", [SamplingConfig(1.0), SamplingConfig(0.7, top_k=5, top_p=0.9)])
+def test_rules_keep_to_the_logits_device(config, generator):
+    """Logits on a (simulated) CUDA device: no op mixes devices, whatever the generator's device, and a
+    seeded generator gives the same tokens as with the logits on the CPU (the draws happen on the
+    generator's device, or on the CPU without one)."""
+    logits, tokens, children = _setup(3)
+    make = {
+        None: lambda s: None,
+        "cpu": lambda s: torch.Generator().manual_seed(s),
+        "cuda": lambda s: FakeCudaGenerator().manual_seed(s),
+    }[generator]
+    for name, rule in _rules(config).items():
+        for seed in range(20):
+            expected = rule(tokens, children, logits, torch.Generator().manual_seed(seed))
+            mode = FakeCudaMode()
+            if generator is None:
+                torch.manual_seed(seed)
+            with mode:
+                got = rule(tokens, children, _on_fake_cuda(logits), make(seed))
+            assert mode.calls > 0
+            if generator is not None:
+                assert got == expected, (name, seed)
+
+
+def test_sampling_rule_reproducible_with_a_seed():
+    logits, tokens, children = _setup(4)
+    config = SamplingConfig(1.0)
+    runs = [
+        [accept_sampling(tokens, children, logits, config, gen) for _ in range(50)]
+        for gen in (torch.Generator().manual_seed(7), torch.Generator().manual_seed(7))
+    ]
+    assert runs[0] == runs[1]

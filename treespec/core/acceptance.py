@@ -12,6 +12,13 @@ token after the last accepted node (it becomes the next step's root).
   the children are tried in order; child x is accepted with probability p(x); on rejection x is
   removed from p and p renormalised; if every child is rejected the bonus is drawn from what remains.
   Each child is a deterministic draft, so this keeps the output distribution exactly p.
+
+Devices: the logits may live on any device; everything derived from them stays there. Random draws
+happen on the device of the `generator` passed (a CPU generator: the [V] probability row that a draw
+needs is copied to the CPU first, so a seed gives the same draws for a model on the CPU or on CUDA);
+without a generator they happen on the CPU with torch's default CPU generator (`torch.manual_seed`).
+The sampling rule's child-by-child loop reads single probabilities, so it runs on the draw device
+(one [V] copy per visited node instead of a device sync per child).
 """
 
 from __future__ import annotations
@@ -21,6 +28,11 @@ from dataclasses import dataclass
 import torch
 
 RULES = ("greedy", "typical", "sampling")
+
+
+def draw_device(generator: torch.Generator | None) -> torch.device:
+    """Where the rules make random draws: the generator's device, or the CPU without a generator."""
+    return torch.device("cpu") if generator is None else generator.device
 
 
 @dataclass(frozen=True)
@@ -59,10 +71,12 @@ class SamplingConfig:
         return logits.softmax(dim=-1)
 
     def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> int:
-        """One next token from logits [V]: argmax when greedy, else a draw from `probs`."""
+        """One next token from logits [V] (any device): argmax when greedy, else a draw from `probs`
+        on the generator's device (`draw_device`)."""
         if self.greedy:
             return int(logits.argmax())
-        return int(torch.multinomial(self.probs(logits), 1, generator=generator))
+        probs = self.probs(logits).to(draw_device(generator))  # [V]
+        return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def accept_greedy(
@@ -98,27 +112,30 @@ def accept_typical(
     alpha: float = 0.3,
     generator: torch.Generator | None = None,
 ) -> tuple[list[int], int]:
-    """Medusa's typical acceptance; falls back to greedy when temperature is 0."""
+    """Medusa's typical acceptance; falls back to greedy when temperature is 0.
+
+    logits: [N, V] on any device; the bonus token is drawn on the generator's device (`draw_device`).
+    """
     if config.greedy:
         return accept_greedy(tokens, children, logits)
-    probs = config.probs(logits)  # [N, V]
+    probs = config.probs(logits)  # [N, V] on the logits' device
     entropy = -(probs * probs.clamp_min(1e-30).log()).sum(dim=-1)  # [N]
     cutoff = torch.clamp(alpha * torch.exp(-entropy), max=threshold).tolist()  # [N]
-    p_token = probs.gather(
-        1, torch.tensor(tokens).view(1, -1).expand(len(tokens), -1)
-    )  # [N, N]: p_u(token_c)
+    index = torch.tensor(tokens, device=probs.device).view(1, -1).expand(len(tokens), -1)  # [N, N]
+    p_token = probs.gather(1, index).tolist()  # [N][N]: p_u(token_c), read once (one sync)
 
     def deepest(node: int) -> list[int]:
         best: list[int] = [node]
         for c in children[node]:
-            if p_token[node, c] > cutoff[node]:
+            if p_token[node][c] > cutoff[node]:
                 sub = [node] + deepest(c)
                 if len(sub) > len(best):
                     best = sub
         return best
 
     path = deepest(0)
-    bonus = int(torch.multinomial(probs[path[-1]], 1, generator=generator))
+    last = probs[path[-1]].to(draw_device(generator))  # [V]
+    bonus = int(torch.multinomial(last, 1, generator=generator))
     return path, bonus
 
 
@@ -129,15 +146,20 @@ def accept_sampling(
     config: SamplingConfig,
     generator: torch.Generator | None = None,
 ) -> tuple[list[int], int]:
-    """Lossless multi-candidate speculative sampling over the tree (see module docstring)."""
+    """Lossless multi-candidate speculative sampling over the tree (see module docstring).
+
+    logits: [N, V] on any device; each visited node's [V] distribution moves to the draw device
+    (`draw_device`: the generator's, the CPU without one) and the draws happen there.
+    """
+    device = draw_device(generator)
     node, path = 0, [0]
     while True:
-        p = config.probs(logits[node])  # [V] target distribution at this node
+        p = config.probs(logits[node]).to(device)  # [V] target distribution at this node
         accepted = None
         for c in children[node]:
             x = tokens[c]
             px = float(p[x])
-            if px > 0 and float(torch.rand((), generator=generator)) < px:
+            if px > 0 and float(torch.rand((), generator=generator, device=device)) < px:
                 accepted = c
                 break
             if px > 0:
