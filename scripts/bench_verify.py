@@ -13,6 +13,7 @@ interleaved; also the largest difference between the two logits (they compute th
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -25,8 +26,7 @@ try:
 except ModuleNotFoundError:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import treespec
-from treespec.core.cache import TreeKVCache
-from treespec.core.generate import _base_forward, _logits
+from treespec.core.decoder import full_forward
 
 PROMPT = "Explain how a refrigerator works, step by step, for a curious twelve-year-old."
 
@@ -43,34 +43,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     head = treespec.MedusaHeads.from_pretrained(args.exit_head, model=model)
     prompt = treespec.encode_prompt(PROMPT, tokenizer)
     rows = []
-    with torch.inference_mode(), treespec.tree_attention_enabled(model):
-        for gamma in [int(g) for g in args.gammas.split(",")]:
-            drafter = treespec.SelfSpeculativeDrafter(model, head, gamma)
-            cache = TreeKVCache.for_model(model, len(prompt) + gamma + 2)
-            ids = torch.tensor([prompt])
-            hidden = _base_forward(model, ids, torch.arange(len(prompt))[None], cache, None, "sdpa")[-1]
-            cache.commit_all()
-            root = int(_logits(model, hidden[None])[0].argmax())
-            drafter.reset(prompt + [root], target_cache=cache, kernel="sdpa")
-            tokens = drafter.draft(hidden, root)[None]  # [1, gamma + 1]
-            tree = drafter.tree
-            positions = (len(prompt) + tree.depth)[None]
-            mask = tree.ancestor_mask
-            times = {"upper": [], "full": []}
-            outputs = {}
-            for _ in range(args.repeats):
-                for name in ("upper", "full"):
-                    t0 = time.perf_counter()
-                    if name == "upper":
-                        h = drafter.verify_forward(model, tokens, positions, cache, mask, "sdpa")
-                    else:
-                        h = _base_forward(model, tokens, positions, cache, mask, "sdpa")
-                    outputs[name] = _logits(model, h).float()  # [gamma + 1, V]
-                    times[name].append(time.perf_counter() - t0)
-                    cache.pending = 0  # nothing is committed: the next call writes the same block
-            upper, full = (1e3 * statistics.median(times[n]) for n in ("upper", "full"))
-            diff = (outputs["upper"] - outputs["full"]).abs().max().item()
-            rows.append({"gamma": gamma, "upper_ms": upper, "full_ms": full, "max_logit_diff": diff})
+    for gamma in [int(g) for g in args.gammas.split(",")]:
+        drafter = treespec.SelfSpeculativeDrafter(model, head, gamma)
+        decoder = treespec.Decoder(model, drafter, acceptance="greedy", kernel="sdpa")
+        decoder.prefill(prompt, max_new_tokens=gamma + 2)
+        with torch.inference_mode():
+            tokens = drafter.propose(decoder.hidden, decoder.roots).tokens  # [1, gamma + 1]
+        scorers = {"upper": drafter.scorer(), "full": functools.partial(full_forward, model)}
+        times = {"upper": [], "full": []}
+        outputs = {}
+        for _ in range(args.repeats):
+            for name, scorer in scorers.items():
+                t0 = time.perf_counter()
+                outputs[name] = decoder.score(tokens, scorer)[0].float()  # [gamma + 1, V]; nothing committed
+                times[name].append(time.perf_counter() - t0)
+        upper, full = (1e3 * statistics.median(times[n]) for n in ("upper", "full"))
+        diff = (outputs["upper"] - outputs["full"]).abs().max().item()
+        rows.append({"gamma": gamma, "upper_ms": upper, "full_ms": full, "max_logit_diff": diff})
     k, n = head.exit_layer, model.config.num_hidden_layers
     what = f"({args.dtype}, median of {args.repeats})"
     print(f"verification of gamma + 1 tokens, layers [{k}, {n}) vs all {n} {what}")

@@ -98,7 +98,10 @@ def test_tree_mask_reaches_the_attention_of_every_layer():
         cache.commit_all()
         positions = (len(prefix) + tree.depth)[None]
         logits = model(
-            input_ids=tokens[None], position_ids=positions, cache=cache, tree_mask=tree.ancestor_mask
+            input_ids=tokens[None],
+            position_ids=positions,
+            cache=cache,
+            tree_attention=treespec.AttentionPlan("sdpa", tree.ancestor_mask),
         ).logits[0]
     with torch.inference_mode():
         for node in range(tree.num_nodes):

@@ -19,8 +19,7 @@ def _forward(model, cache, ids, positions, tree_mask=None, kernel="sdpa"):
         position_ids=torch.tensor([positions]),
         cache=cache,
         use_cache=True,
-        tree_mask=tree_mask,
-        tree_kernel=kernel,
+        tree_attention=treespec.AttentionPlan(kernel, tree_mask),
     ).last_hidden_state[0]
 
 
@@ -101,4 +100,9 @@ def test_memory_report_splits_committed_and_speculative():
     )  # K+V, D=8, fp32
     assert cache.bytes_per_token() == per_token
     mem = cache.memory_bytes()
-    assert mem == {"committed": 0, "speculative": 32 * per_token, "allocated": 100 * per_token}
+    assert mem == {
+        "per_token": per_token,
+        "committed": 0,
+        "speculative": 32 * per_token,
+        "allocated": 100 * per_token,
+    }

@@ -17,7 +17,10 @@ def _fresh_kv(model, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor
     cache = SpeculativeKVCache.for_model(model, len(tokens) + 1)
     with treespec.tree_attention_enabled(model):
         model.base_model(
-            input_ids=torch.tensor([tokens]), cache=cache, use_cache=True, tree_kernel="reference"
+            input_ids=torch.tensor([tokens]),
+            cache=cache,
+            use_cache=True,
+            tree_attention=treespec.AttentionPlan("reference"),
         )
     cache.advance(len(tokens))
     return [cache.kv(i) for i in range(len(cache.layers))]
@@ -46,16 +49,16 @@ def test_drafter_cache_equals_a_freshly_encoded_one_after_every_step(storage):
     drafter = DraftModelDrafter(draft, gamma=3, storage=storage, kernel="reference")
     gen = torch.Generator().manual_seed(5)
     committed = torch.randint(0, 96, (7,), generator=gen).tolist()  # prompt + root
-    drafter.reset(committed, capacity=64)
+    drafter.start(treespec.SequenceStart(committed, 64, None, "reference"))
     hidden = torch.zeros(target.config.hidden_size, dtype=torch.float64)
     for step in range(12):
-        tokens = drafter.draft(hidden, committed[-1]).tolist()
+        tokens = drafter.propose(hidden[None], torch.tensor([committed[-1]])).tokens[0].tolist()
         accepted = [0, 3, 1, 2][step % 4]  # all, none, some
         if step % 5 == 4:  # a committed token the drafter did not propose (e.g. a lookup branch won)
             new = [(tokens[1] + 1) % 96, int(torch.randint(0, 96, (1,), generator=gen))]
         else:
             new = tokens[1 : 1 + accepted] + [int(torch.randint(0, 96, (1,), generator=gen))]
-        drafter.observe(new)
+        drafter.observe([new])
         committed += new
         cache = drafter.cache
         held = len(committed) - len(drafter.todo)  # the tokens the drafter has encoded
@@ -132,8 +135,10 @@ def test_branching_adds_the_draft_models_runners_up_as_leaves():
     draft = tiny_model("llama", seed=1, num_hidden_layers=1)
     drafter = DraftModelDrafter(draft, gamma=3, kernel="reference", branching={1: 3, 3: 2})
     committed = [5, 9, 14, 2, 33, 61]
-    drafter.reset(committed, capacity=32)
-    tokens = drafter.draft(torch.zeros(48, dtype=torch.float64), committed[-1])
+    drafter.start(treespec.SequenceStart(committed, 32, None, "reference"))
+    tokens = drafter.propose(
+        torch.zeros(48, dtype=torch.float64)[None], torch.tensor([committed[-1]])
+    ).tokens[0]
     chain = drafter.drafts
     for depth in (1, 2, 3):  # oracle: a fresh forward over committed + the chain so far
         logits = draft(torch.tensor([committed + chain[: depth - 1]])).logits[0, -1]  # [V]

@@ -46,20 +46,24 @@ def test_lookup_drafter_places_the_inner_tree_and_the_chain():
     tree = drafter.tree
     assert tree.num_nodes == inner.tree.num_nodes + 5
     assert [len(tree.path_to(int(i))) - 1 for i in drafter.chain_nodes] == [1, 2, 3, 4, 5]  # one chain
-    drafter.reset([5, 6, 7, 8, 5, 6])  # suffix "5 6" occurred before, followed by "7 8 5 6"
+    drafter.start(
+        treespec.SequenceStart([5, 6, 7, 8, 5, 6], 64, None, "sdpa")
+    )  # suffix "5 6" occurred before, followed by "7 8 5 6"
     hidden = torch.randn(model.config.hidden_size, dtype=torch.float64)
-    tokens = drafter.draft(hidden, 6)
+    tokens = drafter.propose(hidden[None], torch.tensor([6])).tokens[0]
     assert tokens[drafter.chain_nodes].tolist() == [7, 8, 5, 6, 6]  # padded with its last token
-    assert torch.equal(tokens[drafter.inner_nodes], inner.draft(hidden, 6))
-    drafter.reset([1, 2, 3])  # nothing repeats: the chain copies the inner tree's top branch
-    tokens = drafter.draft(hidden, 3)
+    assert torch.equal(tokens[drafter.inner_nodes], inner.propose(hidden[None], torch.tensor([6])).tokens[0])
+    drafter.start(
+        treespec.SequenceStart([1, 2, 3], 64, None, "sdpa")
+    )  # nothing repeats: the chain copies the inner tree's top branch
+    tokens = drafter.propose(hidden[None], torch.tensor([3])).tokens[0]
     choices = inner.tree.choices
     depth = max(d for d in range(1, 6) if all((0,) * e in choices for e in range(1, d + 1)))
     top = tokens[drafter.inner_nodes][[choices.index((0,) * d) + 1 for d in range(1, depth + 1)]].tolist()
     assert tokens[drafter.chain_nodes].tolist() == (top + [top[-1]] * 5)[:5]
     short = LookupDrafter(inner, length=2)  # shorter than the inner top branch: the filler is cut
-    short.reset([1, 2, 3])
-    assert short.draft(hidden, 3)[short.chain_nodes].tolist() == top[:2]
+    short.start(treespec.SequenceStart([1, 2, 3], 64, None, "sdpa"))
+    assert short.propose(hidden[None], torch.tensor([3])).tokens[0][short.chain_nodes].tolist() == top[:2]
     with pytest.raises(ValueError, match="length"):
         LookupDrafter(inner, length=0)
 

@@ -3,13 +3,14 @@ runs only the upper layers; it equals a full verification and keeps greedy outpu
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from conftest import ARCHS, hf_greedy, tiny_model
 
 import treespec
-from treespec.core.cache import TreeKVCache
-from treespec.core.generate import _base_forward
+from treespec.core.decoder import full_forward
 from treespec.drafters.self_spec import SelfSpeculativeDrafter, layer_hidden_states
 
 
@@ -27,17 +28,14 @@ def test_upper_layer_verification_equals_a_full_verification(arch):
     model = tiny_model(arch, num_hidden_layers=4)
     drafter = SelfSpeculativeDrafter(model, _exit_head(model, 2), gamma=3)
     prompt = [5, 9, 14, 2, 33, 61, 7, 8]
-    cache = TreeKVCache.for_model(model, 64)
-    tree = drafter.tree
-    with treespec.tree_attention_enabled(model), torch.inference_mode():
-        hidden = _base_forward(model, torch.tensor([prompt]), torch.arange(8)[None], cache, None, "sdpa")
-        cache.commit_all()
-        drafter.reset(prompt + [1], target_cache=cache, kernel="sdpa")
-        tokens = drafter.draft(hidden[-1], 1)  # [4]
-        positions = (8 + tree.depth)[None]
-        ours = drafter.verify_forward(model, tokens[None], positions, cache, tree.ancestor_mask, "sdpa")
+    decoder = treespec.Decoder(model, drafter, kernel="sdpa", acceptance="greedy")
+    decoder.prefill(prompt, max_new_tokens=8)
+    cache = decoder.cache
+    with torch.inference_mode():
+        tokens = drafter.propose(decoder.hidden, decoder.roots).tokens  # [1, 4]
+        ours = decoder.score(tokens, drafter.scorer())
         ours_kv = [[t[:, :, :12].clone() for t in (layer.keys, layer.values)] for layer in cache.layers]
-        full = _base_forward(model, tokens[None], positions, cache, tree.ancestor_mask, "sdpa")
+        full = decoder.score(tokens, functools.partial(full_forward, model))
         full_kv = [[t[:, :, :12] for t in (layer.keys, layer.values)] for layer in cache.layers]
     torch.testing.assert_close(ours, full, atol=1e-10, rtol=1e-10)
     for a, b in zip(ours_kv, full_kv, strict=True):  # every layer's K/V of the chain, lower and upper

@@ -56,11 +56,12 @@ def test_drafted_tree_matches_the_per_node_oracle(sequential, draft_size):
             assert isinstance(drafter, treespec.SequentialDrafter if sequential else treespec.MedusaDrafter)
             hidden = torch.randn(model.config.hidden_size, generator=gen, dtype=torch.float64)
             root = int(torch.randint(vocab, (1,), generator=gen))
-            tokens = drafter.draft(hidden, root).tolist()
+            proposal = drafter.propose(hidden[None], torch.tensor([root]))
+            tokens = proposal.tokens[0].tolist()
             assert tokens == _oracle_tokens(heads, tree, hidden, root, lm_weight, embed_weight)
             if draft is not None:
                 assert set(tokens[1:]) <= set(draft.tolist())
-            probs = drafter.last_probs
+            probs = proposal.probs[0]
             assert probs.shape == (tree.num_nodes,) and torch.all((probs > 0) & (probs <= 1))
 
 

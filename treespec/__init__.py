@@ -1,16 +1,23 @@
 """treespec: tree-speculative decoding for Hugging Face causal LMs (same output, fewer forward passes)."""
 
 from .core.acceptance import SamplingConfig
-from .core.attention import tree_attention_enabled, tree_attention_reference, tree_attention_sdpa
-from .core.cache import CacheCapacityError, TreeKVCache
+from .core.attention import (
+    AttentionPlan,
+    tree_attention_enabled,
+    tree_attention_reference,
+    tree_attention_sdpa,
+)
+from .core.cache import CacheCapacityError, KVCacheBase, TreeKVCache
+from .core.decoder import Decoder, StepResult
 from .core.generate import GenerationResult, encode_prompt, generate, generate_baseline
 from .core.spec_cache import SpeculativeKVCache
 from .core.stats import GenerationStats
 from .core.tree import DEFAULT_TREE_SIZES, Tree, default_tree
+from .drafters.base import BaseDrafter, Drafter, DrafterReport, Proposal, RootOnlyDrafter, SequenceStart
 from .drafters.draft_model import DraftModelDrafter
 from .drafters.heads import HeadsLoadError, MedusaHeads
 from .drafters.lookup import LookupDrafter
-from .drafters.medusa import MedusaDrafter, RootOnlyDrafter, SequentialDrafter, make_drafter
+from .drafters.medusa import MedusaDrafter, SequentialDrafter, make_drafter
 from .drafters.self_spec import SelfSpeculativeDrafter
 from .tools.models import load_model
 from .tools.trace import Trace
@@ -18,6 +25,15 @@ from .tools.trace import Trace
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionPlan",
+    "BaseDrafter",
+    "Decoder",
+    "Drafter",
+    "DrafterReport",
+    "KVCacheBase",
+    "Proposal",
+    "SequenceStart",
+    "StepResult",
     "CacheCapacityError",
     "DEFAULT_TREE_SIZES",
     "DraftModelDrafter",

@@ -5,8 +5,10 @@ visible to every new token; inside the new block [c, L) token i sees token j onl
 `tree_mask[i, j]` (j is i or one of its ancestors). With no tree mask the block is causal (a chain),
 which covers prefill (c = 0), chunked prefill and one-token decoding (n = 1) with the same code.
 
-The tree mask travels as the `tree_mask=` keyword of the model's forward: transformers passes
-unknown keywords down to the attention function, so no state is hung on the HF modules.
+The per-call state travels as the `tree_attention=` keyword of the model's forward, an `AttentionPlan`
+(kernel, tree mask, its packed bits), built once per tree (FlashInfer's plan/run split: host metadata once
+per step, the kernel per layer). transformers passes unknown keywords down to the attention function, so
+no state is hung on the HF modules and two decoders on one model never see each other's settings.
 
 - `tree_attention_reference`: explicit matmul + softmax in float32; the oracle every faster path is
   tested against.
@@ -22,17 +24,42 @@ unknown keywords down to the attention function, so no state is hung on the HF m
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
+import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from .. import ops
-from .tree import pack_bits
+from .tree import Tree, pack_bits
 
 ATTN_IMPLEMENTATION = "treespec"
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """What one forward's attention needs besides q/k/v: the kernel and the visibility of the new block.
+
+    mask: [n, n] bool (node i sees node j) or None for a causal block (prefill, a chain, one token);
+    bits: the same mask packed as [n, ceil(n / 64)] int64 words (the compiled kernel reads these).
+    """
+
+    kernel: str = "sdpa"
+    mask: torch.Tensor | None = None
+    bits: torch.Tensor | None = None
+
+    @classmethod
+    def for_tree(cls, tree: Tree | None, kernel: str, device) -> AttentionPlan:
+        """The plan of a forward over `tree`'s nodes (None or a root-only tree: causal)."""
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {sorted(KERNELS)}")
+        if tree is None or tree.num_nodes == 1:
+            return cls(kernel)
+        return cls(kernel, tree.ancestor_mask.to(device), tree.ancestor_bits.to(device))
 
 
 def block_mask(tree_mask: torch.Tensor | None, n: int, kv_len: int, device) -> torch.Tensor:
@@ -86,19 +113,6 @@ def tree_attention_sdpa(
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
 
 
-_bits_cache: list = [None, None]  # [tree_mask, its packed bits]: packed once per mask, not per layer
-_fallbacks_warned: set[str] = set()
-
-
-def _packed_bits(tree_mask: torch.Tensor) -> torch.Tensor:
-    """[n, n] bool -> [n, ceil(n / 64)] int64 words, cached for the mask object (one per generate run)."""
-    if _bits_cache[0] is tree_mask:
-        return _bits_cache[1]
-    bits = pack_bits(tree_mask.cpu()).to(tree_mask.device)
-    _bits_cache[0], _bits_cache[1] = tree_mask, bits
-    return bits
-
-
 def _causal_prefill(query, key, value, scaling):
     """Plain causal attention over a block that starts at position 0: flash-attn (CUDA) or SDPA."""
     if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
@@ -120,8 +134,10 @@ def tree_attention_compiled(
     value: torch.Tensor,
     tree_mask: torch.Tensor | None,
     scaling: float,
+    bits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as `tree_attention_reference`, through the compiled op of treespec.ops.
+    bits: `tree_mask` packed (`Tree.ancestor_bits`); packed here when not given.
 
     Returns [B, H, n, D] as a transposed view of the op's contiguous [B, n, H, D] output, so
     `treespec_attention` hands that buffer to transformers without a copy.
@@ -135,15 +151,15 @@ def tree_attention_compiled(
             return tree_attention_sdpa(query, key, value, tree_mask, scaling)
         reason = f"{query.device.type} tensors (the extension was built without {query.device.type} support)"
     if reason is not None:
-        if reason not in _fallbacks_warned:
-            _fallbacks_warned.add(reason)
-            warnings.warn(
-                f"treespec: the compiled tree attention does not take {reason}; using SDPA for these calls",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        # warnings' default filter shows each distinct reason once
+        warnings.warn(
+            f"treespec: the compiled tree attention does not take {reason}; using SDPA for these calls",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return tree_attention_sdpa(query, key, value, tree_mask, scaling)
-    bits = None if tree_mask is None else _packed_bits(tree_mask)
+    if tree_mask is not None and bits is None:
+        bits = pack_bits(tree_mask.cpu()).to(tree_mask.device)
     out = torch.ops.treespec.tree_attention(query, key, value, bits, float(scaling))  # [B, n, H, D]
     return out.transpose(1, 2)
 
@@ -169,36 +185,52 @@ def treespec_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    tree_mask: torch.Tensor | None = None,
-    tree_kernel: str = "sdpa",
+    tree_attention: AttentionPlan | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """The function registered as attn_implementation "treespec".
 
-    transformers calls it with q [B, H, n, D], k/v [B, Hkv, L, D] and expects [B, n, H, D].
-    treespec builds no HF mask (this implementation has no mask function): visibility comes
-    from `tree_mask` only, so padded batches are not supported here.
+    transformers calls it with q [B, H, n, D], k/v [B, Hkv, L, D] and expects [B, n, H, D]. It builds
+    no HF mask for this implementation: visibility comes from the `tree_attention` plan only (no plan:
+    a causal block through SDPA), so padded batches are not supported here.
     """
     if attention_mask is not None:
-        raise ValueError("treespec attention takes no HF attention mask: pass tree_mask= (or nothing)")
+        raise ValueError("treespec attention takes no HF attention mask: pass tree_attention= (or nothing)")
+    plan = tree_attention or AttentionPlan()
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    out = KERNELS[tree_kernel](query, key, value, tree_mask, scaling)  # [B, H, n, D]
+    if plan.kernel == "compiled":
+        out = tree_attention_compiled(query, key, value, plan.mask, scaling, plan.bits)  # [B, H, n, D]
+    else:
+        out = KERNELS[plan.kernel](query, key, value, plan.mask, scaling)  # [B, H, n, D]
     return out.transpose(1, 2).contiguous(), None  # no copy for "compiled": already [B, n, H, D]
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, treespec_attention)
 
 
+_users: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> [previous impl, users]
+_users_lock = threading.Lock()
+
+
 @contextlib.contextmanager
 def tree_attention_enabled(model) -> Iterator[None]:
-    """Run `model` with treespec attention inside the block; its previous implementation is restored after."""
-    previous = model.config._attn_implementation
-    if previous == ATTN_IMPLEMENTATION:
-        yield
-        return
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    """Run `model` with treespec attention inside the block. Counted per model: nested or overlapping
+    users (two decoders on one model) keep it on until the last one leaves, and the model's previous
+    implementation comes back then."""
+    with _users_lock:
+        entry = _users.get(model)
+        if entry is None:
+            entry = _users[model] = [model.config._attn_implementation, 0]
+            if entry[0] != ATTN_IMPLEMENTATION:
+                model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        entry[1] += 1
     try:
         yield
     finally:
-        model.set_attn_implementation(previous)
+        with _users_lock:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _users[model]
+                if entry[0] != ATTN_IMPLEMENTATION:
+                    model.set_attn_implementation(entry[0])

@@ -39,12 +39,12 @@ def kv_layout(model) -> tuple[int, int, int, torch.dtype, torch.device]:
     return config.num_hidden_layers, num_kv_heads, head_dim, param.dtype, param.device
 
 
-class TreeKVLayer(CacheLayerMixin):
-    """One layer's preallocated K/V; the write offset is owned by the parent TreeKVCache."""
+class PreallocatedLayer(CacheLayerMixin):
+    """One layer's preallocated K/V, written by position index; the pointers live in the owning cache."""
 
     is_sliding = False
 
-    def __init__(self, owner: TreeKVCache, keys: torch.Tensor, values: torch.Tensor):
+    def __init__(self, owner: KVCacheBase, keys: torch.Tensor, values: torch.Tensor):
         super().__init__()
         self.owner = owner
         self.keys = keys  # [B, Hkv, max_len, D]
@@ -55,25 +55,91 @@ class TreeKVLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         pass  # allocated up front
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        # key_states, value_states: [B, Hkv, n, D] for the n new tokens
-        start, n = self.owner.committed, key_states.shape[2]
-        end = self.owner._reserve(n)
-        self.keys[:, :, start:end] = key_states
-        self.values[:, :, start:end] = value_states
-        return self.keys[:, :, :end], self.values[:, :, :end]  # [B, Hkv, c + n, D] views, no copy
-
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.committed + query_length, 0
+        return self.owner._write_start() + query_length, 0
 
     def get_seq_length(self) -> int:
-        return self.owner.committed
+        return self.owner.get_seq_length()
 
     def get_max_length(self) -> int:
         return self.owner.max_len
 
 
-class TreeKVCache(Cache):
+class KVCacheBase(Cache):
+    """The pointer scheme every treespec KV cache shares (one per decoding run, allocated once):
+
+        [0, committed)        final tokens
+        [committed, length)   written by forwards but not accepted yet (speculative)
+        [length, max_len)     free
+
+    A forward over n tokens writes [start, start + n) with start = `_write_start()` (subclasses say
+    where), after `_reserve(n)` checked the capacity. Rollback moves pointers only; nothing is cleared.
+    """
+
+    def __init__(self, layers: list[CacheLayerMixin], max_len: int, spec_reserve: int = 0):
+        super().__init__(layers=layers)
+        self.max_len = max_len
+        self.committed = 0
+        self.length = 0
+        self.spec_reserve = spec_reserve  # tokens kept free for speculation (for the memory report)
+
+    def _write_start(self) -> int:
+        raise NotImplementedError
+
+    def _reserve(self, n: int) -> int:
+        """Capacity check for a forward over n tokens; returns the end of its block."""
+        end = self._write_start() + n
+        if end > self.max_len:
+            raise CacheCapacityError(
+                f"the {type(self).__name__} holds {self.max_len} tokens; {self.committed} are committed and "
+                f"the forward needs positions up to {end}: create the cache with a larger max_len "
+                "(prompt + max_new_tokens + speculation size)"
+            )
+        return end
+
+    def rollback(self, length: int) -> None:
+        """Forget everything from position `length` on (pointer only, nothing is cleared)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length}: {self.length} tokens are held")
+        self.length = length
+        self.committed = min(self.committed, length)
+
+    def crop(self, max_length: int) -> None:
+        """transformers-style crop: a negative value removes that many tokens."""
+        self.rollback(self.length + max_length if max_length < 0 else min(max_length, self.length))
+
+    def reset(self) -> None:
+        self.committed = self.length = 0
+
+    def bytes_per_token(self) -> int:
+        """Bytes one token occupies across all layers (K + V, plus any scales)."""
+        raise NotImplementedError
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Cache memory: per token, committed prefix, speculative reserve, everything allocated."""
+        per_token = self.bytes_per_token()
+        return {
+            "per_token": per_token,
+            "committed": self.committed * per_token,
+            "speculative": self.spec_reserve * per_token,
+            "allocated": self.max_len * per_token,
+        }
+
+
+class TreeKVLayer(PreallocatedLayer):
+    """The target's layer: each forward (over a tree block or prompt tokens) writes at the committed end."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # key_states, value_states: [B, Hkv, n, D] for the n new tokens
+        start, n = self.owner.committed, key_states.shape[2]
+        end = self.owner._reserve(n)
+        self.owner.length = end
+        self.keys[:, :, start:end] = key_states
+        self.values[:, :, start:end] = value_states
+        return self.keys[:, :, :end], self.values[:, :, :end]  # [B, Hkv, c + n, D] views, no copy
+
+
+class TreeKVCache(KVCacheBase):
     """Preallocated per-layer K/V for one decoding run: committed prefix + speculative block."""
 
     def __init__(
@@ -89,17 +155,16 @@ class TreeKVCache(Cache):
     ):
         """fused_commit: None (default) uses the fused commit op when the extension is available,
         True requires it, False always uses the torch reference."""
-        layers = []
-        for _ in range(num_layers):
-            shape = (batch_size, num_kv_heads, max_len, head_dim)
-            keys = torch.zeros(shape, dtype=dtype, device=device)
-            values = torch.zeros(shape, dtype=dtype, device=device)
-            layers.append(TreeKVLayer(self, keys, values))
-        super().__init__(layers=layers)
-        self.max_len = max_len
-        self.committed = 0  # c: tokens [0, c) are final
-        self.pending = 0  # n: tokens [c, c + n) were written by the last forward, not yet committed
-        self.spec_reserve = 0  # tokens kept free for the tree block (for the memory report)
+        shape = (batch_size, num_kv_heads, max_len, head_dim)
+        layers = [
+            TreeKVLayer(
+                self,
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+            for _ in range(num_layers)
+        ]
+        super().__init__(layers, max_len)
         self.fused_commit = fused_commit
 
     @classmethod
@@ -110,19 +175,15 @@ class TreeKVCache(Cache):
         cache.spec_reserve = spec_reserve
         return cache
 
-    # -- writing ---------------------------------------------------------------------------------
-    def _reserve(self, n: int) -> int:
-        """Called by each layer's update: the block [c, c + n) becomes the pending block."""
-        end = self.committed + n
-        if end > self.max_len:
-            raise CacheCapacityError(
-                f"the KV cache holds {self.max_len} tokens but {self.committed} are committed and the "
-                f"forward adds {n}; create the cache with a larger max_len "
-                "(prompt + max_new_tokens + tree size)."
-            )
-        self.pending = n
-        return end
+    def _write_start(self) -> int:
+        return self.committed
 
+    @property
+    def pending(self) -> int:
+        """n: tokens [c, c + n) written by the last forward, not committed yet."""
+        return self.length - self.committed
+
+    # -- writing ---------------------------------------------------------------------------------
     def commit(self, path: Sequence[int] | torch.Tensor) -> None:
         """Keep pending nodes `path` (indices into the block, in order) as the next committed tokens.
 
@@ -145,8 +206,7 @@ class TreeKVCache(Cache):
                 ops.commit_kv(keys, [layer.values for layer in self.layers], src, dst)
             else:
                 self._commit_reference(src, dst)
-        self.committed = c + len(path)
-        self.pending = 0
+        self.committed = self.length = c + len(path)
 
     def _use_fused(self, device: torch.device) -> bool:
         if self.fused_commit is False:
@@ -169,23 +229,7 @@ class TreeKVCache(Cache):
 
     def commit_all(self) -> None:
         """Accept the whole pending block as written (prefill, plain decoding)."""
-        self.committed += self.pending
-        self.pending = 0
-
-    def rollback(self, length: int) -> None:
-        """Forget everything from position `length` on (pointer only, nothing is cleared)."""
-        if not 0 <= length <= self.committed:
-            raise ValueError(f"cannot roll back to {length}: {self.committed} tokens are committed")
-        self.committed = length
-        self.pending = 0
-
-    def crop(self, max_length: int) -> None:
-        """transformers-style crop: a negative value removes that many tokens."""
-        self.rollback(self.committed + max_length if max_length < 0 else min(max_length, self.committed))
-
-    def reset(self) -> None:
-        self.committed = 0
-        self.pending = 0
+        self.committed = self.length
 
     # -- reading ---------------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -201,12 +245,3 @@ class TreeKVCache(Cache):
         keys = self.layers[0].keys
         per_layer = 2 * keys.shape[0] * keys.shape[1] * keys.shape[3] * keys.element_size()
         return per_layer * len(self.layers)
-
-    def memory_bytes(self) -> dict[str, int]:
-        """Cache memory: committed prefix, speculative tree block, and everything allocated."""
-        per_token = self.bytes_per_token()
-        return {
-            "committed": self.committed * per_token,
-            "speculative": self.spec_reserve * per_token,
-            "allocated": self.max_len * per_token,
-        }

@@ -1,32 +1,27 @@
-"""The decoding loop: draft a tree, verify it in one forward pass, commit the longest accepted branch.
+"""`generate`: the Python API over the decoder core (prompt encoding, drafter choice, stopping, streaming).
 
-    prefill(prompt) -> hidden at the last prompt token -> root token (the base model's own choice)
-    loop:
-        tokens = drafter.draft(hidden, root)                      # [N] candidate tree
-        hidden = base(tokens, positions c + depth, tree_mask)     # [N, H], K/V written at [c, c+N)
-        path, bonus = verify(tokens, logits = lm_head(hidden))    # accepted nodes, base's next token
-        cache.commit(path)                                        # c += len(path), rest rolled back
-        emit tokens[path][1:] + [bonus]; root = bonus; hidden = hidden[path[-1]]
+    prompt -> ids -> Decoder.prefill -> first token
+    until a stop: Decoder.step() -> committed tokens -> stop conditions -> streamer
 
-With heads=None the tree is the root alone: the same loop is plain one-token-at-a-time decoding
-on the same cache and attention (the baseline that benchmarks compare against).
+With heads=None and no drafter the tree is the root alone: the same loop is plain one-token-at-a-time
+decoding on the same cache and attention (the baseline that benchmarks compare against).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from ..drafters.base import Drafter
 from ..drafters.heads import MedusaHeads
 from ..drafters.lookup import LookupDrafter
-from ..drafters.medusa import Drafter, RootOnlyDrafter, make_drafter
-from .acceptance import RULES, SamplingConfig, verify
-from .attention import KERNELS, auto_kernel, tree_attention_enabled
-from .cache import CacheCapacityError, TreeKVCache
+from ..drafters.medusa import make_drafter
+from .acceptance import SamplingConfig
+from .decoder import Decoder
 from .stats import GenerationStats
+from .stopping import StopCondition, eos_token_ids
 from .tree import Tree, default_tree
 
 
@@ -44,80 +39,69 @@ class GenerationResult:
     )  # with trace=True: per step tokens, draft_probs, path, bonus
 
 
-def encode_prompt(prompt, tokenizer=None, chat: bool | None = None) -> list[int]:
+def encode_prompt(
+    prompt, tokenizer=None, chat: bool | None = None, vocab_size: int | None = None
+) -> list[int]:
     """A prompt as token ids. A string goes through the chat template when the tokenizer has one
-    (chat=None: auto) or through the plain tokenizer otherwise."""
+    (chat=None: auto) or through the plain tokenizer otherwise; ids (a list or a [T] / [1, T] tensor)
+    are checked against `vocab_size`."""
     if isinstance(prompt, str):
-        if not prompt.strip():
-            raise ValueError("the prompt is empty: pass some text or token ids")
-        if tokenizer is None:
-            raise ValueError("a string prompt needs tokenizer=: pass the model's tokenizer, or token ids")
-        use_chat = getattr(tokenizer, "chat_template", None) is not None if chat is None else chat
-        if use_chat:
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        else:
-            ids = tokenizer(prompt)["input_ids"]
-        return [int(t) for t in ids]
+        return _encode_text(prompt, tokenizer, chat)
     if isinstance(prompt, torch.Tensor):
-        if prompt.dim() == 2:
-            if prompt.shape[0] != 1:
-                raise ValueError(
-                    f"treespec.generate decodes one sequence at a time; got a batch of {prompt.shape[0]}"
-                )
-            prompt = prompt[0]
-        ids = [int(t) for t in prompt.tolist()]
-    else:
-        ids = [int(t) for t in prompt]
-    if not ids:
+        if prompt.dim() == 2 and prompt.shape[0] != 1:
+            raise ValueError(
+                f"treespec.generate decodes one sequence at a time; got a batch of {prompt.shape[0]}"
+            )
+        if prompt.is_floating_point() or prompt.is_complex():
+            raise ValueError(f"token ids must be integers; got a {prompt.dtype} tensor")
+        prompt = prompt.reshape(-1).tolist()
+    if prompt is None or not isinstance(prompt, Sequence) or not prompt:
+        raise ValueError("the prompt is empty or not a prompt: pass a string or a list of token ids")
+    bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, int)), None)
+    if bad is not None:
+        raise ValueError(
+            f"token ids must be integers, got {bad!r} ({type(bad).__name__}): pass one string (with "
+            "tokenizer=) or a list of int token ids"
+        )
+    outside = [t for t in prompt if t < 0 or (vocab_size is not None and t >= vocab_size)]
+    if outside:
+        raise ValueError(
+            f"token id {outside[0]} is outside the model's vocabulary [0, {vocab_size}): pass ids the "
+            "model's tokenizer produced"
+        )
+    return [int(t) for t in prompt]
+
+
+def _encode_text(prompt: str, tokenizer, chat: bool | None) -> list[int]:
+    if not prompt.strip():
         raise ValueError("the prompt is empty: pass some text or token ids")
-    return ids
+    if tokenizer is None:
+        raise ValueError("a string prompt needs tokenizer=: pass the model's tokenizer, or token ids")
+    use_chat = getattr(tokenizer, "chat_template", None) is not None if chat is None else chat
+    if use_chat:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    else:
+        ids = tokenizer(prompt)["input_ids"]
+    return [int(t) for t in ids]
 
 
-def _eos_ids(eos_token_id, model, tokenizer) -> set[int]:
-    if eos_token_id is None:
-        eos_token_id = getattr(model.generation_config, "eos_token_id", None)
-        if eos_token_id is None and tokenizer is not None:
-            eos_token_id = tokenizer.eos_token_id
-    if eos_token_id is None:
-        return set()
-    return {int(e) for e in (eos_token_id if isinstance(eos_token_id, Sequence) else [eos_token_id])}
-
-
-class _Timer:
-    """Accumulates wall time per phase; synchronises CUDA so phases are not mis-attributed."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-
-def _base_forward(model, ids: torch.Tensor, positions: torch.Tensor, cache, tree_mask, kernel):
-    """Run the decoder (no lm_head): ids [1, n] -> last hidden states [n, H]."""
-    out = model.base_model(
-        input_ids=ids,
-        position_ids=positions,
-        cache=cache,
-        use_cache=True,
-        tree_mask=tree_mask,
-        tree_kernel=kernel,
-    )
-    return out.last_hidden_state[0]  # [n, H]
-
-
-def _logits(model, hidden: torch.Tensor) -> torch.Tensor:
-    """Base model logits for hidden states [n, H] -> [n, V]."""
-    logits = model.get_output_embeddings()(hidden)
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
+def choose_drafter(
+    model, heads: MedusaHeads | None, tree: Tree | None, drafter: Drafter | None, lookup: int
+) -> Drafter | None:
+    """The drafter that generate's arguments ask for: `drafter`, or one made from `heads` and `tree`
+    (default: the heads' own calibrated tree, else a 32-node tree), plus a prompt-lookup branch."""
+    if drafter is not None and (heads is not None or tree is not None):
+        raise ValueError("pass either drafter= or heads (with an optional tree=), not both")
+    if drafter is None and heads is not None:
+        heads.check_compatible(model)
+        tree = tree or getattr(heads, "tree", None) or default_tree(32, heads.num_heads)
+        drafter = make_drafter(heads, tree, model)
+    elif drafter is None and tree is not None:
+        raise ValueError("tree= needs heads to fill it: pass heads (or a drafter without tree=)")
+    return LookupDrafter(drafter, lookup) if lookup else drafter
 
 
 @torch.inference_mode()
@@ -161,152 +145,37 @@ def generate(
     other drafter instead of heads (pass heads=None), e.g. `DraftModelDrafter` (a small model with its
     own speculative cache) or `SelfSpeculativeDrafter` (the model's first layers and an exit head).
     """
-    if acceptance not in RULES:
-        raise ValueError(f"unknown acceptance rule {acceptance!r}; choose one of {RULES}")
-    if kernel not in KERNELS and kernel != "auto":
-        raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {['auto', *sorted(KERNELS)]}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if stops and tokenizer is None:
-        raise ValueError("stop strings need tokenizer= to decode the text")
-    prompt_ids = encode_prompt(prompt_or_input_ids, tokenizer, chat)
-
-    if drafter is None:
-        if heads is None:
-            drafter = RootOnlyDrafter()
-        else:
-            heads.check_compatible(model)
-            tree = tree or default_tree(32, heads.num_heads)
-            drafter = make_drafter(heads, tree, model)
-    if lookup:
-        drafter = LookupDrafter(drafter, lookup)
-    tree = drafter.tree
-    param = next(model.parameters())
-    device = param.device
-    if kernel == "auto":
-        kernel = auto_kernel(device, param.dtype)
-    children = [tree.children(i) for i in range(tree.num_nodes)]
-    tree_mask = tree.ancestor_mask.to(device)  # [N, N]
-    depth = tree.depth.to(device)  # [N]
-
-    # Capacity: prompt + new tokens + one tree block must fit in the cache and the position range.
-    limit = max_length or getattr(model.config, "max_position_embeddings", None) or 1 << 30
-    needed = len(prompt_ids) + max_new_tokens + tree.num_nodes
-    if needed > limit:
-        raise CacheCapacityError(
-            f"the prompt has {len(prompt_ids)} tokens; with max_new_tokens={max_new_tokens} and a "
-            f"{tree.num_nodes}-node tree the cache needs {needed} positions but the limit is {limit}: "
-            "shorten the prompt or lower max_new_tokens"
-        )
-    sliding = getattr(model.config, "sliding_window", None)
-    if sliding and getattr(model.config, "use_sliding_window", True) and needed > sliding:
-        raise ValueError(
-            f"this model uses sliding-window attention ({sliding} tokens) and treespec attends to the whole "
-            f"prefix; keep prompt + max_new_tokens under {sliding - tree.num_nodes}"
-        )
-    cache = TreeKVCache.for_model(model, needed, spec_reserve=tree.num_nodes)
-    # "compiled" includes the fused commit (when the extension is there); the torch kernels use torch's
-    cache.fused_commit = None if kernel == "compiled" else False
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(device="cpu").manual_seed(seed)
-    eos = _eos_ids(eos_token_id, model, tokenizer)
-    stats = GenerationStats(prompt_tokens=len(prompt_ids), max_depth=tree.max_depth)
-    timer = _Timer(device)
-    steps_trace: list[dict] = []
+    stopping = StopCondition(eos_token_ids(model, tokenizer, eos_token_id), stop, tokenizer, max_new_tokens)
+    prompt_ids = encode_prompt(prompt_or_input_ids, tokenizer, chat, vocab_size=_vocab_size(model))
+    decoder = Decoder(
+        model,
+        choose_drafter(model, heads, tree, drafter, lookup),
+        acceptance=acceptance,
+        sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p),
+        kernel=kernel,
+        seed=seed,
+    )
     if streamer is not None:
         streamer.put(torch.tensor([prompt_ids]))
-
-    with tree_attention_enabled(model):
-        t_start = timer.now()
-        ids = torch.tensor([prompt_ids], device=device)  # [1, P]
-        positions = torch.arange(len(prompt_ids), device=device)[None]  # [1, P]
-        hidden = _base_forward(model, ids, positions, cache, None, kernel)[-1]  # [H]
-        cache.commit_all()
-        root = sampling.sample(_logits(model, hidden[None])[0], generator)
-        out = [root]
-        if hasattr(drafter, "reset"):  # stateful drafters: a draft model's cache, the lookup index
-            drafter.reset(prompt_ids + [root], capacity=needed, target_cache=cache, kernel=kernel)
-        stats.time_prefill = timer.now() - t_start
-        if streamer is not None:
-            streamer.put(torch.tensor([root]))
-
-        finished = root in eos or _hits_stop(out, stops, tokenizer)
-        while not finished and len(out) < max_new_tokens:
-            t0 = timer.now()
-            tokens = drafter.draft(hidden, root)  # [N]
-            t1 = timer.now()
-            c = cache.committed
-            # a self-speculative drafter has run the lower layers already and verifies with the rest
-            forward = getattr(drafter, "verify_forward", _base_forward)
-            hidden_tree = forward(
-                model,
-                tokens[None],
-                (c + depth)[None],
-                cache,
-                tree_mask if tree.num_nodes > 1 else None,
-                kernel,
-            )  # [N, H]
-            logits = _logits(model, hidden_tree)  # [N, V]
-            token_list = tokens.tolist()
-            path, root = verify(acceptance, token_list, children, logits, sampling, generator)
-            t2 = timer.now()
-            cache.commit(path)
-            hidden = hidden_tree[path[-1]]  # [H]
-            t3 = timer.now()
-
-            new = [token_list[i] for i in path[1:]] + [root]
-            if hasattr(drafter, "observe"):
-                drafter.observe(new)
-            stats.record_step(len(path), t1 - t0, t2 - t1, t3 - t2)
-            if trace:
-                probs = getattr(drafter, "last_probs", None)
-                steps_trace.append(
-                    {
-                        "tokens": token_list,
-                        "draft_probs": None if probs is None else probs.tolist(),
-                        "path": path,
-                        "bonus": root,
-                    }
-                )
-            # Stop conditions, applied to the tokens this step emitted, in order.
-            for i, tok in enumerate(new):
-                out.append(tok)
-                if tok in eos or len(out) >= max_new_tokens or (stops and _hits_stop(out, stops, tokenizer)):
-                    finished = True
-                    new = new[: i + 1]
-                    break
-            if streamer is not None:
-                streamer.put(torch.tensor(new))
-        stats.time_total = timer.now() - t_start
-
+    started = decoder.clock()
+    out: list[int] = []
+    finished = stopping.extend(out, [decoder.prefill(prompt_ids, max_new_tokens, max_length)], streamer)
+    steps = []
+    while not finished:
+        step = decoder.step()
+        if trace:
+            steps.append(step.as_trace())
+        finished = stopping.extend(out, step.committed, streamer)
+    stats = decoder.finish(len(out), started)
     if streamer is not None:
         streamer.end()
-    stats.new_tokens = len(out)
-    stats.cache_memory = cache.memory_bytes()
-    own = getattr(drafter, "inner", drafter)  # a lookup branch wraps the drafter that has a cache
-    if hasattr(getattr(own, "cache", None), "memory_bytes"):
-        stats.draft_cache_memory = own.cache.memory_bytes()
-    if hasattr(getattr(own, "stats", None), "as_dict"):
-        stats.drafter = own.stats.as_dict()
-    text = None
-    if tokenizer is not None:
-        text = tokenizer.decode(out, skip_special_tokens=True)
-        for s in stops:
-            if s in text:
-                text = text[: text.index(s)]
-    return GenerationResult(
-        token_ids=out, text=text, prompt_ids=prompt_ids, stats=stats, tree=tree, trace=steps_trace
-    )
+    text = stopping.text(out)
+    return GenerationResult(out, text, prompt_ids, stats, decoder.tree, steps)
 
 
-def _hits_stop(out: list[int], stops: list[str], tokenizer) -> bool:
-    if not stops:
-        return False
-    text = tokenizer.decode(out[-64:], skip_special_tokens=True)
-    return any(s in text for s in stops)
+def _vocab_size(model) -> int | None:
+    embedding = model.get_input_embeddings()
+    return None if embedding is None else int(embedding.weight.shape[0])
 
 
 def generate_baseline(model, prompt_or_input_ids, tokenizer=None, **kwargs) -> GenerationResult:

@@ -21,9 +21,8 @@ drafter acceptance; the target verifies every token, so the output never changes
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .cache import CacheCapacityError, kv_layout
+from .cache import KVCacheBase, PreallocatedLayer, kv_layout
 
 STORAGES = ("model", "float32", "bfloat16", "float16", "int8")
 INT8_MAX = 127.0
@@ -42,26 +41,18 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return (q.float() * scale).to(dtype)
 
 
-class SpeculativeKVLayer(CacheLayerMixin):
+class SpeculativeKVLayer(PreallocatedLayer):
     """One layer's preallocated K/V in the storage precision; pointers live in the parent cache."""
 
-    is_sliding = False
-
     def __init__(self, owner: SpeculativeKVCache, shape: tuple[int, int, int, int], device):
-        super().__init__()
-        self.owner = owner
-        self.device = torch.device(device)
-        self.is_initialized = True
         store = torch.int8 if owner.storage == "int8" else owner.storage_dtype
-        self.keys = torch.zeros(shape, dtype=store, device=device)  # [B, Hkv, max_len, D]
-        self.values = torch.zeros(shape, dtype=store, device=device)  # [B, Hkv, max_len, D]
+        keys = torch.zeros(shape, dtype=store, device=device)  # [B, Hkv, max_len, D]
+        values = torch.zeros(shape, dtype=store, device=device)  # [B, Hkv, max_len, D]
+        super().__init__(owner, keys, values)
         self.key_scales = self.value_scales = None
         if owner.storage == "int8":
             self.key_scales = torch.ones(shape[:3] + (1,), device=device)  # [B, Hkv, max_len, 1]
             self.value_scales = torch.ones(shape[:3] + (1,), device=device)  # [B, Hkv, max_len, 1]
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        pass  # allocated up front
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states, value_states: [B, Hkv, n, D] for the n new tokens, in the model's dtype
@@ -77,17 +68,8 @@ class SpeculativeKVLayer(CacheLayerMixin):
             self.values[:, :, start:end], self.value_scales[:, :, start:end] = q, s
         return self.owner._readable(self, end)  # [B, Hkv, end, D] each
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.length + query_length, 0
 
-    def get_seq_length(self) -> int:
-        return self.owner.length
-
-    def get_max_length(self) -> int:
-        return self.owner.max_len
-
-
-class SpeculativeKVCache(Cache):
+class SpeculativeKVCache(KVCacheBase):
     """A drafter's own K/V for one generation: committed history + speculative tokens, one storage dtype."""
 
     def __init__(
@@ -108,11 +90,9 @@ class SpeculativeKVCache(Cache):
         self.model_dtype = model_dtype
         self.storage_dtype = model_dtype if storage in ("model", "int8") else getattr(torch, storage)
         shape = (batch_size, num_kv_heads, max_len, head_dim)
-        super().__init__(layers=[SpeculativeKVLayer(self, shape, device) for _ in range(num_layers)])
-        self.max_len = max_len
-        self.spec_reserve = spec_reserve  # tokens kept for drafting (memory report only)
-        self.committed = 0  # c
-        self.length = 0  # tokens written: [c, length) is speculative
+        super().__init__(
+            [SpeculativeKVLayer(self, shape, device) for _ in range(num_layers)], max_len, spec_reserve
+        )
         # dequantized K/V of the layer being run, when the storage is not the model's dtype
         self.scratch = None
         if self.storage_dtype != model_dtype or storage == "int8":
@@ -130,15 +110,8 @@ class SpeculativeKVCache(Cache):
         return cls(num_layers, 1, num_kv_heads, head_dim, max_len, dtype, device, storage, spec_reserve)
 
     # -- pointers ---------------------------------------------------------------------------------
-    def _reserve(self, n: int) -> int:
-        """Called by each layer's update: the layer writes [length, length + n)."""
-        end = self.length + n
-        if end > self.max_len:
-            raise CacheCapacityError(
-                f"the speculative KV cache holds {self.max_len} tokens and the draft forward would "
-                f"need {end}; create it with a larger max_len (prompt + max_new_tokens + gamma + 1)"
-            )
-        return end
+    def _write_start(self) -> int:
+        return self.length  # append after the speculative tokens: each drafted token sees those before it
 
     def advance(self, n: int) -> None:
         """After a forward over n tokens (all layers have written them): they join the speculative part."""
@@ -150,19 +123,6 @@ class SpeculativeKVCache(Cache):
             raise ValueError(f"cannot accept {m} tokens: {self.length - self.committed} are speculative")
         self.committed += m
         self.length = self.committed
-
-    def rollback(self, length: int) -> None:
-        """Forget everything from position `length` on (pointer only)."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot roll back to {length}: {self.length} tokens are held")
-        self.length = length
-        self.committed = min(self.committed, length)
-
-    def crop(self, max_length: int) -> None:
-        self.rollback(self.length + max_length if max_length < 0 else min(max_length, self.length))
-
-    def reset(self) -> None:
-        self.committed = self.length = 0
 
     # -- reading ----------------------------------------------------------------------------------
     def _readable(self, layer: SpeculativeKVLayer, end: int):
@@ -192,19 +152,15 @@ class SpeculativeKVCache(Cache):
             dequantize_int8(layer.values[:, :, :end], layer.value_scales[:, :, :end], self.model_dtype),
         )
 
-    def memory_bytes(self) -> dict[str, int]:
-        """Bytes: per token (K + V + scales, all layers), the committed and speculative parts, all
-        allocated storage, and the dequantization scratch."""
+    def bytes_per_token(self) -> int:
+        """K + V (+ int8 scales) bytes of one token across all layers."""
         layer = self.layers[0]
-        per_token_layer = 2 * layer.keys[:, :, 0].numel() * layer.keys.element_size()
+        per_layer = 2 * layer.keys[:, :, 0].numel() * layer.keys.element_size()
         if layer.key_scales is not None:
-            per_token_layer += 2 * layer.key_scales[:, :, 0].numel() * layer.key_scales.element_size()
-        per_token = per_token_layer * len(self.layers)
+            per_layer += 2 * layer.key_scales[:, :, 0].numel() * layer.key_scales.element_size()
+        return per_layer * len(self.layers)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """The base report plus the dequantization scratch."""
         scratch = 0 if self.scratch is None else sum(t.numel() * t.element_size() for t in self.scratch)
-        return {
-            "per_token": per_token,
-            "committed": self.committed * per_token,
-            "speculative": self.spec_reserve * per_token,
-            "allocated": self.max_len * per_token,
-            "scratch": scratch,
-        }
+        return {**super().memory_bytes(), "scratch": scratch}

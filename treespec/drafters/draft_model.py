@@ -24,9 +24,10 @@ import time
 
 import torch
 
-from ..core.attention import auto_kernel, tree_attention_enabled
+from ..core.attention import AttentionPlan, auto_kernel, tree_attention_enabled
 from ..core.spec_cache import STORAGES, SpeculativeKVCache
 from ..core.tree import Tree
+from .base import BaseDrafter, DrafterReport, Proposal, SequenceStart, single_row
 
 
 def chain_tree(gamma: int, branching: dict[int, int] | None = None) -> Tree:
@@ -112,7 +113,7 @@ def check_vocabularies(draft_model, target_model) -> None:
         )
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(BaseDrafter):
     """A small causal LM drafts a chain (plus optional runner-up leaves) into its own speculative cache."""
 
     def __init__(
@@ -143,17 +144,18 @@ class DraftModelDrafter:
         if kernel == "auto":
             kernel = auto_kernel(param.device, param.dtype)
         self.kernel = kernel
+        self.plan = AttentionPlan(kernel)  # the draft model runs causal blocks only
         self.device = param.device
         self.cache: SpeculativeKVCache | None = None
         self.todo: list[int] = []  # committed tokens the draft cache does not hold yet
         self.drafts: list[int] = []  # d1..d_gamma of the last step
         self.stats = DraftStats()
-        self.last_probs: torch.Tensor | None = None
 
-    def reset(self, tokens: list[int], capacity: int | None = None, **_) -> None:
-        """Start a sequence: `tokens` = prompt + the target's first token. Allocates the cache once for
-        `capacity` tokens (default: len(tokens) + 1024) and encodes the prompt."""
-        capacity = (capacity or len(tokens) + 1024) + self.gamma + 1
+    def start(self, sequence: SequenceStart) -> None:
+        """Start a sequence (prompt + the target's first token): allocates the draft cache once for the
+        sequence's capacity (reused by later sequences that fit) and encodes the prompt."""
+        tokens = sequence.tokens
+        capacity = sequence.capacity + self.gamma + 1
         if self.cache is None or self.cache.max_len < capacity:
             self.cache = SpeculativeKVCache.for_model(self.model, capacity, self.storage, self.gamma + 1)
         self.cache.reset()
@@ -171,15 +173,16 @@ class DraftModelDrafter:
         positions = torch.arange(cache.length, cache.length + len(tokens), device=self.device)[None]  # [1, n]
         with tree_attention_enabled(self.model):
             out = self.model.base_model(
-                input_ids=ids, position_ids=positions, cache=cache, use_cache=True, tree_kernel=self.kernel
+                input_ids=ids, position_ids=positions, cache=cache, use_cache=True, tree_attention=self.plan
             )
         cache.advance(len(tokens))
         return self.model.get_output_embeddings()(out.last_hidden_state[0, -1])  # [V]
 
     @torch.inference_mode()
-    def draft(self, hidden: torch.Tensor, root: int) -> torch.Tensor:
+    def propose(self, hidden: torch.Tensor, roots: torch.Tensor) -> Proposal:
+        hidden, root = single_row(hidden, roots)  # [H], int
         if self.cache is None:
-            raise RuntimeError("DraftModelDrafter.reset(prompt + [first token]) must run before draft()")
+            raise RuntimeError("DraftModelDrafter.start(sequence) must run before propose()")
         if not self.todo or self.todo[-1] != root:
             raise RuntimeError(
                 f"the drafter expected root {self.todo[-1:]} but got {root}: call observe() each step"
@@ -195,12 +198,17 @@ class DraftModelDrafter:
             self.drafts.append(top[0])
         self.stats.seconds += time.perf_counter() - t0
         self.stats.drafted += self.gamma
-        return torch.tensor(tokens, device=hidden.device)  # [N]
+        return Proposal(torch.tensor([tokens], device=hidden.device))  # [1, N]
 
-    def observe(self, tokens: list[int]) -> None:
+    def observe(self, committed: list[list[int]]) -> None:
         """Tokens the last step committed: the accepted drafts, then the bonus token."""
+        tokens = committed[0]
         accepted = accepted_prefix(tokens, self.drafts)
         self.stats.accepted += accepted
         held = min(accepted, self.gamma - 1)  # accepted drafts already encoded
         self.cache.accept(len(self.todo) + held)  # the encoded todo tokens, then those drafts
         self.todo = list(tokens[held:])
+
+    def report(self) -> DrafterReport:
+        memory = {} if self.cache is None else self.cache.memory_bytes()
+        return DrafterReport(self.stats.as_dict(), memory)

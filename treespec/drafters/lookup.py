@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..core.tree import Tree
+from .base import BaseDrafter, Drafter, DrafterReport, Proposal, RootOnlyDrafter, Scorer, SequenceStart
 
 
 class NgramIndex:
@@ -45,13 +46,15 @@ class NgramIndex:
         return []
 
 
-class LookupDrafter:
-    """Another drafter's tree plus a prompt-lookup chain of `length` nodes under the root."""
+class LookupDrafter(BaseDrafter):
+    """Another drafter's tree plus a prompt-lookup chain of `length` nodes under the root (inner=None:
+    the root and the chain alone, plain prompt-lookup decoding)."""
 
-    def __init__(self, inner, length: int = 8, max_ngram: int = 3):
+    def __init__(self, inner: Drafter | None, length: int = 8, max_ngram: int = 3):
+        inner = RootOnlyDrafter() if inner is None else inner
         if length < 1:
             raise ValueError(f"the lookup chain needs length >= 1, got {length}")
-        if hasattr(inner, "verify_forward"):
+        if inner.scorer() is not None:
             raise ValueError(
                 "a prompt-lookup branch does not combine with self-speculative drafting (its verification "
                 "runs only the upper layers of the drafted chain); use lookup=0"
@@ -74,24 +77,28 @@ class LookupDrafter:
         inner_index = {p: i for i, p in enumerate(inner_paths)}
         self._top_branch = [inner_index[p] for p in top[1:]]  # inner node indices, depth 1..
         self.index = NgramIndex(max_ngram)
-        self.last_probs: torch.Tensor | None = None
 
-    def reset(self, tokens: list[int], **context) -> None:
-        """Start a new sequence: `tokens` is the prompt followed by the first generated token (the
-        context, e.g. the cache capacity, goes on to a stateful inner drafter)."""
+    def start(self, sequence: SequenceStart) -> None:
+        """A new sequence: index the prompt and the first token; the inner drafter starts too."""
         self.index = NgramIndex(self.max_ngram)
-        self.index.extend(tokens)
-        if hasattr(self.inner, "reset"):
-            self.inner.reset(tokens, **context)
+        self.index.extend(sequence.tokens)
+        self.inner.start(sequence)
 
-    def observe(self, tokens: list[int]) -> None:
+    def observe(self, committed: list[list[int]]) -> None:
         """Tokens committed by the last step (the accepted ones, then the bonus token)."""
-        self.index.extend(tokens)
-        if hasattr(self.inner, "observe"):
-            self.inner.observe(tokens)
+        self.index.extend(committed[0])
+        self.inner.observe(committed)
 
-    def draft(self, hidden: torch.Tensor, root: int) -> torch.Tensor:
-        inner_tokens = self.inner.draft(hidden, root)  # [N_inner]
+    def report(self) -> DrafterReport:
+        return self.inner.report()
+
+    def scorer(self) -> Scorer | None:
+        return None  # refused at construction for inner drafters with their own
+
+    def propose(self, hidden: torch.Tensor, roots: torch.Tensor) -> Proposal:
+        inner = self.inner.propose(hidden, roots)
+        inner_tokens = inner.tokens[0]  # [N_inner]
+        root = int(roots.reshape(-1)[0])
         proposal = self.index.propose(self.length)
         chain = (proposal or inner_tokens[self._top_branch].tolist())[: self.length]  # filler: a copy
         chain = chain + [chain[-1] if chain else root] * (self.length - len(chain))
@@ -99,8 +106,6 @@ class LookupDrafter:
         tokens[self.inner_nodes.to(tokens.device)] = inner_tokens
         tokens[self.chain_nodes.to(tokens.device)] = torch.tensor(chain, device=tokens.device)
         probs = torch.ones(self.tree.num_nodes)  # [N]: lookup nodes have no draft probability
-        inner_probs = getattr(self.inner, "last_probs", None)
-        if inner_probs is not None:
-            probs[self.inner_nodes] = inner_probs.float().cpu()
-        self.last_probs = probs
-        return tokens
+        if inner.probs is not None:
+            probs[self.inner_nodes] = inner.probs[0].float().cpu()
+        return Proposal(tokens[None], probs[None])  # [1, N] each

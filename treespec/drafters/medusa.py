@@ -1,38 +1,19 @@
-"""Drafters turn the base model's last hidden state into a candidate tree of tokens.
+"""Medusa-style drafters: heads on the base model's last hidden state fill a static candidate tree.
 
-A drafter has a `tree` (the static topology) and `draft(hidden, root) -> tokens`: the token at
-every tree node for one decoding step. Node 0 is always `root`, the base model's own next token.
+Node 0 is always the root, the base model's own next token; the other nodes get the heads' top-ranked
+guesses. Both drafters implement `treespec.drafters.base.Drafter` (stateless: only `propose`).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
 from ..core.tree import Tree
+from .base import BaseDrafter, Proposal, single_row
 from .heads import MedusaHeads
 
 
-class Drafter(Protocol):
-    tree: Tree
-
-    def draft(self, hidden: torch.Tensor, root: int) -> torch.Tensor:
-        """hidden: [H] last accepted hidden state; root: token id -> tree tokens [N] (long)."""
-        ...
-
-
-class RootOnlyDrafter:
-    """No speculation: the tree is the root alone (plain one-token-at-a-time decoding)."""
-
-    def __init__(self):
-        self.tree = Tree.from_choices([])
-
-    def draft(self, hidden: torch.Tensor, root: int) -> torch.Tensor:
-        return torch.tensor([root], device=hidden.device)  # [1]
-
-
-class MedusaDrafter:
+class MedusaDrafter(BaseDrafter):
     """Independent Medusa heads: head k's top-r tokens fill the tree nodes at depth k+1 with rank r."""
 
     def __init__(self, heads: MedusaHeads, tree: Tree, lm_head: torch.nn.Module):
@@ -45,9 +26,9 @@ class MedusaDrafter:
         self.topk = max(tree.max_rank, 1)
         device = next(heads.parameters()).device
         self.token_index = tree.token_index(self.topk).to(device)  # [N] into [root, head0 top-k, ...]
-        self.last_probs: torch.Tensor | None = None  # [N] head probability of each node's token
 
-    def draft(self, hidden: torch.Tensor, root: int) -> torch.Tensor:
+    def propose(self, hidden: torch.Tensor, roots: torch.Tensor) -> Proposal:
+        hidden, root = single_row(hidden, roots)  # [H], int
         depth = self.tree.max_depth
         states = self.heads.head_hidden(hidden.view(1, 1, -1), num_heads=depth)  # [K, 1, 1, H]
         logits = self.heads.logits(states, self.weight)  # [K, 1, 1, V']
@@ -55,11 +36,11 @@ class MedusaDrafter:
         root_t = torch.tensor([root], device=top.indices.device)
         candidates = torch.cat([root_t, self.heads.token_ids(top.indices.flatten())])  # [1 + K*topk]
         probs = torch.cat([top.values.new_ones(1), top.values.flatten()])  # [1 + K*topk]
-        self.last_probs = probs[self.token_index]  # [N] each node's probability under its head
-        return candidates[self.token_index]  # [N]
+        # [1, N] each node's token and its probability under its head
+        return Proposal(candidates[self.token_index][None], probs[self.token_index][None])
 
 
-class SequentialDrafter:
+class SequentialDrafter(BaseDrafter):
     """Sequential (Hydra-style) heads: the tree is drafted depth by depth.
 
     The children of a node at depth d are head d's top-ranked guesses given the tokens on the path to
@@ -87,9 +68,9 @@ class SequentialDrafter:
             self.levels.append(tuple(t.to(device) for t in (expanded, parents, children, row, rank)) + (k,))
         self.hidden_size = heads.hidden_size
         self.dtype = next(heads.parameters()).dtype
-        self.last_probs: torch.Tensor | None = None  # [N]
 
-    def draft(self, hidden: torch.Tensor, root: int) -> torch.Tensor:
+    def propose(self, hidden: torch.Tensor, roots: torch.Tensor) -> Proposal:
+        hidden, root = single_row(hidden, roots)  # [H], int
         n = self.tree.num_nodes
         tokens = torch.empty(n, dtype=torch.long, device=hidden.device)  # [N]
         tokens[0] = root
@@ -104,8 +85,7 @@ class SequentialDrafter:
             top = logits.float().softmax(dim=-1).topk(k, dim=-1)  # values, indices: [n_d, k]
             tokens[children] = self.heads.token_ids(top.indices[row, rank])  # [c_d]
             probs[children] = top.values[row, rank]
-        self.last_probs = probs
-        return tokens
+        return Proposal(tokens[None], probs[None])  # [1, N] each
 
 
 def make_drafter(heads: MedusaHeads, tree: Tree, model: torch.nn.Module) -> MedusaDrafter | SequentialDrafter:

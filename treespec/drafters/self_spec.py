@@ -23,6 +23,8 @@ import time
 
 import torch
 
+from ..core.attention import AttentionPlan
+from .base import BaseDrafter, DrafterReport, Proposal, Scorer, SequenceStart, single_row
 from .draft_model import DraftStats, accepted_prefix, chain_tree
 from .heads import MedusaHeads
 
@@ -39,7 +41,7 @@ def decoder_parts(model):
     return parts
 
 
-def run_layers(model, hidden, positions, cache, start: int, stop: int, tree_mask=None, kernel: str = "sdpa"):
+def run_layers(model, hidden, positions, cache, start: int, stop: int, plan: AttentionPlan | None = None):
     """Decoder layers [start, stop) over hidden [1, n, H] at positions [1, n] -> [1, n, H] (pre-norm).
 
     With a cache the layers read and write their K/V there (treespec attention must be enabled);
@@ -47,7 +49,7 @@ def run_layers(model, hidden, positions, cache, start: int, stop: int, tree_mask
     """
     _, layers, rotary, _ = decoder_parts(model)
     position_embeddings = rotary(hidden, position_ids=positions)
-    extra = {} if cache is None else {"tree_mask": tree_mask, "tree_kernel": kernel}
+    extra = {} if cache is None else {"tree_attention": plan or AttentionPlan()}
     for layer in layers[start:stop]:
         hidden = layer(
             hidden,
@@ -69,7 +71,7 @@ def layer_hidden_states(model, ids: torch.Tensor, layer: int) -> torch.Tensor:
     return norm(run_layers(model, embed(ids), positions, None, 0, layer))  # [B, T, H]
 
 
-class SelfSpeculativeDrafter:
+class SelfSpeculativeDrafter(BaseDrafter):
     """Chain drafter over the base model's first `exit_head.exit_layer` layers; verification reuses them."""
 
     def __init__(self, model, exit_head: MedusaHeads, gamma: int = 4):
@@ -86,29 +88,25 @@ class SelfSpeculativeDrafter:
         self.embed, self.norm = embed, norm
         self.tree = chain_tree(gamma)
         self.weight = exit_head.output_weight(model.get_output_embeddings())  # [V', H]
-        # the target's TreeKVCache, given by generate through reset(); the drafter owns no cache of its own
+        # the target's TreeKVCache, given by the decoder through start(); the drafter owns no cache
         self.target_cache = None
-        self.kernel = "sdpa"
+        self.plan = AttentionPlan()  # one token at a time: causal
         self.lower: torch.Tensor | None = None  # [1, gamma + 1, H] layer-k states of the drafted chain
         self.drafts: list[int] = []
         self.stats = DraftStats()
-        self.last_probs: torch.Tensor | None = None
 
-    def reset(self, tokens: list[int], target_cache=None, kernel: str = "sdpa", **_) -> None:
-        """Start a sequence (generate calls this after the prefill): draft into `target_cache`."""
-        if target_cache is None:
-            raise ValueError(
-                "SelfSpeculativeDrafter writes into the target's cache: reset(..., target_cache=)"
-            )
-        self.target_cache, self.kernel = target_cache, kernel
+    def start(self, sequence: SequenceStart) -> None:
+        """Start a sequence (after the target's prefill): draft into the target's cache."""
+        self.target_cache, self.plan = sequence.cache, AttentionPlan(sequence.kernel)
         self.stats = DraftStats()
         hidden = self.embed.weight
         self.lower = hidden.new_empty(1, self.gamma + 1, hidden.shape[1])  # allocated once per generation
 
     @torch.inference_mode()
-    def draft(self, hidden: torch.Tensor, root: int) -> torch.Tensor:
+    def propose(self, hidden: torch.Tensor, roots: torch.Tensor) -> Proposal:
+        hidden, root = single_row(hidden, roots)  # [H], int
         if self.target_cache is None:
-            raise RuntimeError("SelfSpeculativeDrafter.reset(...) must run before draft()")
+            raise RuntimeError("SelfSpeculativeDrafter.start(sequence) must run before propose()")
         t0 = time.perf_counter()
         cache, c = self.target_cache, self.target_cache.committed
         tokens = [root]
@@ -116,9 +114,7 @@ class SelfSpeculativeDrafter:
         for i in range(self.gamma + 1):
             ids = torch.tensor([[tokens[i]]], device=hidden.device)  # [1, 1]
             positions = torch.tensor([[c + i]], device=hidden.device)  # [1, 1]
-            h = run_layers(
-                self.model, self.embed(ids), positions, cache, 0, self.exit_layer, None, self.kernel
-            )
+            h = run_layers(self.model, self.embed(ids), positions, cache, 0, self.exit_layer, self.plan)
             cache.commit_all()  # the write pointer moves on; the upper layers' slots stay empty for now
             self.lower[:, i] = h[:, 0]
             if i < self.gamma:
@@ -129,22 +125,27 @@ class SelfSpeculativeDrafter:
                 probs.append(float(best.values))
         cache.rollback(c)  # lower-layer K/V of the chain stay in place for the verification to read
         self.drafts = tokens[1:]
-        self.last_probs = torch.tensor(probs)
         self.stats.seconds += time.perf_counter() - t0
         self.stats.drafted += self.gamma
-        return torch.tensor(tokens, device=hidden.device)  # [gamma + 1]
+        return Proposal(torch.tensor([tokens], device=hidden.device), torch.tensor([probs]))  # [1, N]
 
-    def verify_forward(self, model, ids, positions, cache, tree_mask, kernel) -> torch.Tensor:
-        """The upper layers over the drafted chain, from the kept layer-k states: -> [N, H] (final norm).
+    def scorer(self) -> Scorer:
+        return self.verify_upper_layers
 
-        Same contract as generate's full forward; `ids` were embedded and run through the lower layers
-        while drafting (the chain mask is causal, which is what `tree_mask` says for a chain)."""
+    def verify_upper_layers(self, ids, positions, cache, plan: AttentionPlan) -> torch.Tensor:
+        """The upper layers over the drafted chain, from the kept layer-k states: -> [1, N, H] (final norm).
+
+        Same contract as the decoder's full forward; `ids` were embedded and run through the lower layers
+        while drafting (the chain's plan is causal, which is what a chain's tree mask says)."""
         n = ids.shape[1]
         h = run_layers(
-            model, self.lower[:, :n], positions, cache, self.exit_layer, self.num_layers, tree_mask, kernel
+            self.model, self.lower[:, :n], positions, cache, self.exit_layer, self.num_layers, plan
         )
-        return self.norm(h)[0]  # [N, H]
+        return self.norm(h)  # [1, N, H]
 
-    def observe(self, tokens: list[int]) -> None:
+    def observe(self, committed: list[list[int]]) -> None:
         """Tokens the last step committed: counts the accepted drafts (the cache is the target's)."""
-        self.stats.accepted += accepted_prefix(tokens, self.drafts)
+        self.stats.accepted += accepted_prefix(committed[0], self.drafts)
+
+    def report(self) -> DrafterReport:
+        return DrafterReport(self.stats.as_dict())

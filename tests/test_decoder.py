@@ -1,0 +1,143 @@
+"""The decoder core: prefill/step, the declared drafter interface, per-call attention state, bad input."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from conftest import hf_greedy, random_heads, tiny_model
+
+import treespec
+from treespec.drafters.base import Drafter
+from treespec.drafters.draft_model import DraftModelDrafter
+from treespec.drafters.lookup import LookupDrafter
+from treespec.drafters.self_spec import SelfSpeculativeDrafter
+
+DRAFTER_CLASSES = [
+    treespec.RootOnlyDrafter,
+    treespec.MedusaDrafter,
+    treespec.SequentialDrafter,
+    LookupDrafter,
+    DraftModelDrafter,
+    SelfSpeculativeDrafter,
+]
+PROTOCOL_METHODS = ["start", "propose", "observe", "report", "scorer"]
+
+
+@pytest.mark.parametrize("cls", DRAFTER_CLASSES, ids=lambda c: c.__name__)
+def test_every_drafter_implements_the_declared_interface_with_its_signatures(cls):
+    for name in PROTOCOL_METHODS:
+        declared = inspect.signature(getattr(Drafter, name))
+        implemented = inspect.signature(getattr(cls, name))
+        assert list(declared.parameters) == list(implemented.parameters), (cls.__name__, name)
+
+
+def test_steps_reproduce_generate_and_hf_greedy():
+    model = tiny_model("llama", dtype=torch.float32)
+    heads = random_heads(model, seed=1)
+    prompt = [3, 17, 5, 9, 22]
+    drafter = treespec.make_drafter(heads, treespec.default_tree(16, 4), model)
+    decoder = treespec.Decoder(model, drafter, acceptance="greedy", kernel="sdpa")
+    out = [decoder.prefill(prompt, max_new_tokens=40)]
+    while len(out) < 40:
+        step = decoder.step()
+        assert step.path[0] == 0 and step.committed[-1] == step.bonus
+        assert step.committed == [step.tokens[i] for i in step.path[1:]] + [step.bonus]
+        out += step.committed
+    assert out[:40] == hf_greedy(model, prompt, 40)
+    assert decoder.cache.committed == len(prompt) + len(out) - 1  # the last bonus is not in the cache yet
+
+
+def test_the_loop_allocates_no_cache_and_a_second_sequence_reuses_it():
+    model = tiny_model("llama", dtype=torch.float32)
+    decoder = treespec.Decoder(
+        model, treespec.make_drafter(random_heads(model), treespec.default_tree(8, 4), model)
+    )
+    decoder.prefill([1, 2, 3], max_new_tokens=30)
+    cache, pointers = decoder.cache, [layer.keys.data_ptr() for layer in decoder.cache.layers]
+    for _ in range(5):
+        decoder.step()
+    decoder.prefill([4, 5], max_new_tokens=20)  # fits: the same buffers
+    assert decoder.cache is cache and [layer.keys.data_ptr() for layer in cache.layers] == pointers
+    assert cache.committed == 2
+
+
+def test_two_decoders_on_one_model_keep_their_own_attention_settings():
+    """Interleaved steps of a tree decoder (sdpa) and a plain decoder (reference kernel) on one model:
+    both stay exact, and the model's own attention implementation is back afterwards."""
+    model = tiny_model("llama", dtype=torch.float32)
+    before = model.config._attn_implementation
+    heads = random_heads(model, seed=2)
+    a = treespec.Decoder(
+        model, treespec.make_drafter(heads, treespec.default_tree(16, 4), model), kernel="sdpa"
+    )
+    b = treespec.Decoder(model, None, kernel="reference")
+    outs = [[a.prefill([7, 8, 9], 30)], [b.prefill([4, 4, 2], 30)]]
+    while min(len(o) for o in outs) < 30:
+        for decoder, out in zip((a, b), outs, strict=True):
+            if len(out) < 30:
+                out += decoder.step().committed
+            assert model.config._attn_implementation == before
+    assert outs[0][:30] == hf_greedy(model, [7, 8, 9], 30)
+    assert outs[1][:30] == hf_greedy(model, [4, 4, 2], 30)
+    with treespec.tree_attention_enabled(model), treespec.tree_attention_enabled(model):
+        pass  # nested users: the implementation comes back once the last one leaves
+    assert model.config._attn_implementation == before
+
+
+def test_score_leaves_the_cache_as_it_was():
+    model = tiny_model("llama", dtype=torch.float32)
+    decoder = treespec.Decoder(
+        model, treespec.make_drafter(random_heads(model), treespec.default_tree(8, 4), model)
+    )
+    decoder.prefill([1, 2, 3, 4], max_new_tokens=10)
+    with torch.inference_mode():
+        proposal = decoder.drafter.propose(decoder.hidden, decoder.roots)
+    logits = decoder.score(proposal.tokens)
+    assert logits.shape == (1, 8, model.config.vocab_size)
+    assert decoder.cache.committed == decoder.cache.length == 4
+    torch.testing.assert_close(decoder.score(proposal.tokens), logits)
+
+
+def test_step_before_prefill_says_what_to_do():
+    with pytest.raises(RuntimeError, match="prefill"):
+        treespec.Decoder(tiny_model("llama")).step()
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ([10**7], "outside the model's vocabulary"),
+        ([-1, 2], "outside the model's vocabulary"),
+        (["Why", "is"], "token ids must be integers"),
+        ([1.5, 2], "token ids must be integers"),
+        (torch.tensor([[0.5, 1.0]]), "must be integers"),
+        ([], "empty"),
+        (torch.tensor([[1, 2], [3, 4]]), "one sequence at a time"),
+    ],
+)
+def test_bad_prompts_get_a_clear_error(prompt, message):
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=message):
+        treespec.generate(model, None, prompt, max_new_tokens=4)
+
+
+def test_drafter_and_heads_together_are_refused():
+    model = tiny_model("llama")
+    heads = random_heads(model)
+    with pytest.raises(ValueError, match="either drafter= or heads"):
+        treespec.generate(model, heads, [1, 2], drafter=treespec.RootOnlyDrafter(), max_new_tokens=4)
+    with pytest.raises(ValueError, match="either drafter= or heads"):
+        treespec.generate(
+            model, None, [1, 2], drafter=treespec.RootOnlyDrafter(), tree=treespec.default_tree(8, 4)
+        )
+
+
+def test_the_heads_own_tree_is_the_default_and_an_explicit_tree_wins():
+    model = tiny_model("llama", dtype=torch.float32)
+    heads = random_heads(model)
+    heads.tree = treespec.Tree.from_choices([[0], [0, 0], [1]])
+    assert treespec.generate(model, heads, [1, 2], max_new_tokens=6).tree == heads.tree
+    explicit = treespec.default_tree(8, 4)
+    assert treespec.generate(model, heads, [1, 2], tree=explicit, max_new_tokens=6).tree == explicit

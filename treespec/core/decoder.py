@@ -1,0 +1,213 @@
+"""The decoder core: prefill a sequence once, then `step()`: propose a tree, verify it, commit a branch.
+
+    prefill(prompt) -> hidden at the last prompt token -> root (the base model's own first token)
+    step():
+        proposal = drafter.propose(hidden, root)                   # [B, N] candidate tree tokens
+        hidden_tree = scorer(tokens, positions c + depth, plan)    # [B, N, H], K/V written at [c, c+N)
+        path, bonus = acceptance rule over lm_head(hidden_tree)    # accepted nodes, base's next token
+        cache.commit(path)                                         # c += len(path), the rest rolled back
+        drafter.observe(committed tokens); root = bonus; hidden = hidden_tree[path[-1]]
+
+`Decoder` owns the model, the drafter, the KV cache, the acceptance rule and the attention kernel; every
+caller (generate, streaming, calibration, tuning, the benchmarks) goes through `prefill` and `step`, and
+nothing outside `core` touches the cache's pointers. Shapes are batch-shaped ([B, N] tokens, [B, H]
+hidden); B = 1 for now.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from ..drafters.base import Drafter, RootOnlyDrafter, SequenceStart
+from .acceptance import RULES, SamplingConfig, verify
+from .attention import KERNELS, AttentionPlan, auto_kernel, tree_attention_enabled
+from .cache import CacheCapacityError, TreeKVCache
+from .stats import GenerationStats
+
+
+@dataclass
+class StepResult:
+    """One decoding step of row 0: the verified tree, the accepted branch, and the phase timings."""
+
+    tokens: list[int]  # [N] the candidate tree's tokens
+    draft_probs: list[float] | None  # [N] the drafter's probability of each node's token
+    path: list[int]  # accepted nodes, root first
+    committed: list[int]  # tokens committed: the accepted nodes after the root, then the bonus
+    bonus: int  # the base model's own token after the last accepted node (the next root)
+    seconds_draft: float
+    seconds_verify: float
+    seconds_commit: float
+
+    def as_trace(self) -> dict:
+        """The step as a trace entry (`treespec.tools.trace`)."""
+        return {
+            "tokens": self.tokens,
+            "draft_probs": self.draft_probs,
+            "path": self.path,
+            "bonus": self.bonus,
+        }
+
+
+def full_forward(
+    model, ids: torch.Tensor, positions: torch.Tensor, cache, plan: AttentionPlan
+) -> torch.Tensor:
+    """The decoder without lm_head: ids, positions [B, n] -> final hidden states [B, n, H]."""
+    out = model.base_model(
+        input_ids=ids, position_ids=positions, cache=cache, use_cache=True, tree_attention=plan
+    )
+    return out.last_hidden_state
+
+
+def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """Base model logits of hidden states [..., H] -> [..., V] (with the model's logit soft-capping)."""
+    logits = model.get_output_embeddings()(hidden)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+class Decoder:
+    """Tree-speculative decoding of one sequence at a time over a preallocated cache."""
+
+    def __init__(
+        self,
+        model,
+        drafter: Drafter | None = None,
+        *,
+        acceptance: str = "sampling",
+        sampling: SamplingConfig | None = None,
+        kernel: str = "auto",
+        seed: int | None = None,
+    ):
+        if acceptance not in RULES:
+            raise ValueError(f"unknown acceptance rule {acceptance!r}; choose one of {RULES}")
+        if kernel not in KERNELS and kernel != "auto":
+            raise ValueError(
+                f"unknown attention kernel {kernel!r}; choose one of {['auto', *sorted(KERNELS)]}"
+            )
+        param = next(model.parameters())
+        self.model, self.device = model, param.device
+        self.drafter = drafter or RootOnlyDrafter()
+        self.tree = self.drafter.tree
+        self.acceptance, self.sampling = acceptance, sampling or SamplingConfig()
+        self.kernel = auto_kernel(self.device, param.dtype) if kernel == "auto" else kernel
+        self.plan = AttentionPlan.for_tree(self.tree, self.kernel, self.device)
+        self.children = [self.tree.children(i) for i in range(self.tree.num_nodes)]
+        self.depth = self.tree.depth.to(self.device)  # [N]
+        self.scorer = self.drafter.scorer() or partial(full_forward, model)
+        self.generator = None if seed is None else torch.Generator(self.device).manual_seed(seed)
+        self.cache: TreeKVCache | None = None
+        self.stats = GenerationStats()
+        self.hidden: torch.Tensor | None = None  # [B, H] at the last committed token
+        self.roots: torch.Tensor | None = None  # [B] the next root token
+
+    def clock(self) -> float:
+        """Wall time; synchronises CUDA so phases are not mis-attributed."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def capacity(self, prompt_tokens: int, max_new_tokens: int, max_length: int | None = None) -> int:
+        """Cache positions a sequence needs (prompt + new tokens + one tree block); refuses what the
+        model cannot hold."""
+        config = self.model.config
+        limit = max_length or getattr(config, "max_position_embeddings", None) or 1 << 30
+        needed = prompt_tokens + max_new_tokens + self.tree.num_nodes
+        if needed > limit:
+            raise CacheCapacityError(
+                f"the prompt has {prompt_tokens} tokens; with max_new_tokens={max_new_tokens} and a "
+                f"{self.tree.num_nodes}-node tree the cache needs {needed} positions but the limit is "
+                f"{limit}: shorten the prompt or lower max_new_tokens"
+            )
+        sliding = getattr(config, "sliding_window", None)
+        if sliding and getattr(config, "use_sliding_window", True) and needed > sliding:
+            raise ValueError(
+                f"this model uses sliding-window attention ({sliding} tokens) and treespec attends to the "
+                f"whole prefix; keep prompt + max_new_tokens under {sliding - self.tree.num_nodes}"
+            )
+        return needed
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: list[int], max_new_tokens: int, max_length: int | None = None) -> int:
+        """Start a sequence: encode the prompt, sample the first token, start the drafter. The cache is
+        allocated here (reused when large enough), never inside `step`."""
+        needed = self.capacity(len(prompt_ids), max_new_tokens, max_length)
+        if self.cache is None or self.cache.max_len < needed:
+            self.cache = TreeKVCache.for_model(self.model, needed, spec_reserve=self.tree.num_nodes)
+            # "compiled" includes the fused commit (when the extension is there); the others use torch
+            self.cache.fused_commit = None if self.kernel == "compiled" else False
+        self.cache.reset()
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids), max_depth=self.tree.max_depth)
+        t0 = self.clock()
+        ids = torch.tensor([prompt_ids], device=self.device)  # [1, P]
+        positions = torch.arange(len(prompt_ids), device=self.device)[None]  # [1, P]
+        with tree_attention_enabled(self.model):
+            hidden = full_forward(self.model, ids, positions, self.cache, AttentionPlan(self.kernel))
+        self.cache.commit_all()
+        self.hidden = hidden[:, -1]  # [1, H]
+        root = self.sampling.sample(output_logits(self.model, self.hidden[0]), self.generator)
+        self.roots = torch.tensor([root], device=self.device)  # [1]
+        self.drafter.start(SequenceStart(list(prompt_ids) + [root], needed, self.cache, self.kernel))
+        self.stats.time_prefill = self.clock() - t0
+        return root
+
+    @torch.inference_mode()
+    def step(self) -> StepResult:
+        """One speculative step: propose, verify every node in one forward, commit the accepted branch."""
+        if self.cache is None or self.hidden is None:
+            raise RuntimeError(
+                "Decoder.step() needs a sequence: call prefill(prompt_ids, max_new_tokens) first"
+            )
+        with tree_attention_enabled(self.model):
+            t0 = self.clock()
+            proposal = self.drafter.propose(self.hidden, self.roots)  # tokens [1, N]
+            t1 = self.clock()
+            positions = (self.cache.committed + self.depth)[None]  # [1, N]
+            hidden_tree = self.scorer(proposal.tokens, positions, self.cache, self.plan)  # [1, N, H]
+            logits = output_logits(self.model, hidden_tree[0])  # [N, V]
+            tokens = proposal.tokens[0].tolist()
+            path, bonus = verify(
+                self.acceptance, tokens, self.children, logits, self.sampling, self.generator
+            )
+            t2 = self.clock()
+            self.cache.commit(path)
+            self.hidden = hidden_tree[:, path[-1]]  # [1, H]
+            self.roots = torch.tensor([bonus], device=self.device)  # [1]
+            t3 = self.clock()
+        committed = [tokens[i] for i in path[1:]] + [bonus]
+        self.drafter.observe([committed])
+        self.stats.record_step(len(path), t1 - t0, t2 - t1, t3 - t2)
+        probs = None if proposal.probs is None else proposal.probs[0].float().tolist()
+        return StepResult(tokens, probs, path, committed, bonus, t1 - t0, t2 - t1, t3 - t2)
+
+    @torch.inference_mode()
+    def score(self, tokens: torch.Tensor, scorer=None) -> torch.Tensor:
+        """Verification logits of a candidate tree without committing anything (for measurements):
+        tokens [B, N] in the tree's node order -> logits [B, N, V]; the block is rolled back after.
+        scorer: the forward to use (default: the decoder's own)."""
+        if self.cache is None:
+            raise RuntimeError(
+                "Decoder.score() needs a sequence: call prefill(prompt_ids, max_new_tokens) first"
+            )
+        c = self.cache.committed
+        with tree_attention_enabled(self.model):
+            hidden = (scorer or self.scorer)(
+                tokens, (c + self.depth)[None], self.cache, self.plan
+            )  # [B, N, H]
+        self.cache.rollback(c)
+        return output_logits(self.model, hidden)
+
+    def finish(self, new_tokens: int, started: float) -> GenerationStats:
+        """Close the sequence's statistics: tokens, total time since `started`, memory, drafter report."""
+        stats = self.stats
+        stats.new_tokens = new_tokens
+        stats.time_total = self.clock() - started
+        stats.cache_memory = self.cache.memory_bytes() if self.cache is not None else {}
+        report = self.drafter.report()
+        stats.draft_cache_memory, stats.drafter = report.cache_memory, report.stats
+        return stats

@@ -1,0 +1,121 @@
+"""The drafter interface: everything the decoder calls on a drafter, with one signature each.
+
+One decoding step, seen from a drafter:
+
+    start(SequenceStart)            once per sequence, after the prefill (prompt + the first token)
+    propose(hidden [B, H], roots [B]) -> Proposal(tokens [B, N], probs [B, N] | None)
+    observe(committed)              the tokens the step committed per row (accepted nodes, then the bonus)
+    report() -> DrafterReport       what the drafter measured and the memory of its own cache, if any
+    scorer() -> Scorer | None       its own verification forward (partial-layer verification), or None
+
+`Drafter` is the protocol; `BaseDrafter` gives the do-nothing defaults, so a stateless drafter writes
+only `tree` and `propose`. Shapes are batch-shaped; every drafter here accepts B = 1 for now.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from ..core.tree import Tree
+
+if TYPE_CHECKING:
+    from ..core.attention import AttentionPlan
+    from ..core.cache import TreeKVCache
+
+
+@dataclass
+class SequenceStart:
+    """What a drafter learns when a sequence starts (after the target's prefill)."""
+
+    tokens: list[int]  # the prompt followed by the target's first token
+    capacity: int  # positions the sequence may reach: prompt + max_new_tokens + one tree block
+    cache: TreeKVCache  # the target's cache (only a drafter that runs the target's own layers writes it)
+    kernel: str  # the tree-attention kernel the decoder uses
+
+
+@dataclass
+class Proposal:
+    """A candidate tree for each row: node 0 is the root (the target's own token)."""
+
+    tokens: torch.Tensor  # [B, N] long, in the node order of the drafter's `tree`
+    probs: torch.Tensor | None = None  # [B, N] the drafter's probability of each node's token
+
+
+@dataclass
+class DrafterReport:
+    """What a drafter measured over one sequence."""
+
+    stats: dict = field(default_factory=dict)  # e.g. drafted / accepted counts, seconds drafting
+    cache_memory: dict[str, int] = field(default_factory=dict)  # its own KV cache (SpeculativeKVCache)
+
+
+class Scorer(Protocol):
+    """A verification forward: the target's final hidden states at the proposed nodes.
+
+    ids, positions: [B, N]; K/V of the nodes are written into `cache` at its committed end.
+    Returns [B, N, H] (after the final norm)."""
+
+    def __call__(
+        self, ids: torch.Tensor, positions: torch.Tensor, cache: TreeKVCache, plan: AttentionPlan
+    ) -> torch.Tensor: ...
+
+
+class Drafter(Protocol):
+    """Everything the decoder calls on a drafter."""
+
+    tree: Tree
+
+    def start(self, sequence: SequenceStart) -> None: ...
+
+    def propose(self, hidden: torch.Tensor, roots: torch.Tensor) -> Proposal: ...
+
+    def observe(self, committed: list[list[int]]) -> None: ...
+
+    def report(self) -> DrafterReport: ...
+
+    def scorer(self) -> Scorer | None: ...
+
+
+class BaseDrafter:
+    """Defaults for the optional parts of `Drafter`: no per-sequence state, no statistics, no cache,
+    the decoder's own full forward as scorer."""
+
+    tree: Tree
+
+    def start(self, sequence: SequenceStart) -> None:
+        pass
+
+    def propose(self, hidden: torch.Tensor, roots: torch.Tensor) -> Proposal:
+        raise NotImplementedError
+
+    def observe(self, committed: list[list[int]]) -> None:
+        pass
+
+    def report(self) -> DrafterReport:
+        return DrafterReport()
+
+    def scorer(self) -> Scorer | None:
+        return None
+
+
+def single_row(hidden: torch.Tensor, roots: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(hidden [H], root) of a batch of one; a clear error for larger batches."""
+    if hidden.dim() != 2 or hidden.shape[0] != 1 or roots.numel() != 1:
+        raise ValueError(
+            f"this drafter proposes for one sequence at a time; got hidden {tuple(hidden.shape)} "
+            f"and {roots.numel()} roots"
+        )
+    return hidden[0], int(roots.reshape(-1)[0])
+
+
+class RootOnlyDrafter(BaseDrafter):
+    """No speculation: the tree is the root alone (plain one-token-at-a-time decoding)."""
+
+    def __init__(self):
+        self.tree = Tree.from_choices([])
+
+    def propose(self, hidden: torch.Tensor, roots: torch.Tensor) -> Proposal:
+        return Proposal(roots.reshape(-1, 1).to(hidden.device))  # [B, 1]
