@@ -1,20 +1,16 @@
 #!/usr/bin/env python
-"""Train Medusa heads for a base model on its self-distillation data (see scripts/make_distill_data.py).
+"""Train Medusa heads for a base model on its self-distillation data: `treespec train` from a checkout.
 
     python scripts/train_heads.py --data data/distill/smollm2-135m-instruct --out runs/heads-smollm2
     accelerate launch --multi_gpu --num_processes 2 scripts/train_heads.py ...   # DDP, same script
 
 (On a CPU-only machine `--multi_gpu` starts torchrun processes that talk over gloo; accelerate's
-`--cpu` flag alone starts a single process unless MPI is configured.)
-
-The run folder gets `heads/` (the trained heads: config.json + model.safetensors), `training.json`
-(settings, loss curve, held-out top-1/top-5 accuracy per head), `checkpoint/` (atomic; `--resume`
-continues from it) and `cache/` (the base model's hidden states, computed once).
+`--cpu` flag alone starts a single process unless MPI is configured.) Options and outputs: see
+treespec.tools.train_heads (`python scripts/train_heads.py --help`).
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -23,86 +19,11 @@ try:
 except ModuleNotFoundError:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from treespec.training.heads_train import TrainConfig, train_heads
-
-
-def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Namespace]:
-    p = argparse.ArgumentParser(prog="train_heads.py", description=__doc__.splitlines()[0])
-    p.add_argument("--data", required=True, help="self-distillation data folder (make_distill_data.py)")
-    p.add_argument("--out", required=True, help="run folder (heads/, training.json, checkpoint/, cache/)")
-    p.add_argument("--model", default=None, help="base model id or folder (default: embedded SmolLM2)")
-    p.add_argument("--num-heads", type=int, default=4)
-    p.add_argument("--num-layers", type=int, default=1, help="residual blocks per head")
-    p.add_argument(
-        "--sequential",
-        action="store_true",
-        help="Hydra-style heads: head k also sees the token before its guess",
-    )
-    p.add_argument(
-        "--own-lm-head", action="store_true", help="each head gets its own output layer (default: shared)"
-    )
-    p.add_argument(
-        "--draft-vocab-size",
-        type=int,
-        default=0,
-        help="limit the heads' output to the N most frequent answer tokens (0: whole vocabulary)",
-    )
-    p.add_argument(
-        "--exit-layer",
-        type=int,
-        default=0,
-        help="train one exit head on the first K layers for self-speculative drafting (with --num-heads 1)",
-    )
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--warmup-steps", type=int, default=50)
-    p.add_argument("--max-steps", type=int, default=1000)
-    p.add_argument("--batch-size", type=int, default=256, help="positions per step, all processes together")
-    p.add_argument("--eval-every", type=int, default=200)
-    p.add_argument("--checkpoint-every", type=int, default=100)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-bf16", action="store_true", help="train in float32 (default: bf16 autocast)")
-    p.add_argument("--max-positions", type=int, default=None, help="use at most this many training positions")
-    p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per process")
-    args = p.parse_args(argv)
-    cfg = TrainConfig(
-        data=args.data,
-        out=args.out,
-        num_heads=args.num_heads,
-        num_layers=args.num_layers,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        warmup_steps=args.warmup_steps,
-        max_steps=args.max_steps,
-        batch_size=args.batch_size,
-        eval_every=args.eval_every,
-        checkpoint_every=args.checkpoint_every,
-        seed=args.seed,
-        bf16=not args.no_bf16,
-        max_positions=args.max_positions,
-        sequential=args.sequential,
-        own_lm_head=args.own_lm_head,
-        draft_vocab_size=args.draft_vocab_size,
-        exit_layer=args.exit_layer,
-        extra={"model": args.model},
-    )
-    return cfg, args
+from treespec.tools.train_heads import main as train_main
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg, args = parse_args(argv)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    record = train_heads(cfg, resume=args.resume)
-    if record.get("eval"):
-        acc = record["eval"]
-        print(f"heads written to {Path(cfg.out) / 'heads'}")
-        print("held-out top-1 per head:", " ".join(f"{a:.3f}" for a in acc["top1"]))
-        print("held-out top-5 per head:", " ".join(f"{a:.3f}" for a in acc["top5"]))
-    return 0
+    return train_main(argv, prog="train_heads.py")
 
 
 if __name__ == "__main__":

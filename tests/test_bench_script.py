@@ -1,4 +1,5 @@
-"""Smoke test of scripts/bench.py on the embedded model: tiny settings, float32, exact match with HF."""
+"""The benchmark (treespec.tools.bench, behind `treespec bench` and scripts/bench.py): prompt selection,
+the thin script wrapper, and smoke runs on the embedded model (tiny settings, float32, same as HF)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,37 @@ import json
 import pytest
 from conftest import load_script
 
+from treespec.tools import bench
+from treespec.tools.models import default_data_file
+
+
+def test_shipped_questions_cover_every_category():
+    questions = bench.load_questions(default_data_file())
+    assert len(questions) == 480
+    picked = bench.select_prompts(questions, 13)
+    assert len({q["category"] for q in picked}) == 13  # round-robin: one of each category
+    two = bench.select_prompts(questions, 3, ["math_reasoning", "qa"])
+    assert [q["category"] for q in two] == ["qa", "math_reasoning", "qa"]  # the file's category order
+
+
+def test_script_is_a_thin_wrapper(capsys):
+    script = load_script("bench")
+    with pytest.raises(SystemExit) as info:
+        script.main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: python scripts/bench.py" in out and "--methods" in out
+
+
+def test_method_needing_a_drafter_is_refused(capsys):
+    with pytest.raises(SystemExit) as info:
+        bench.parse_args(["--methods", "hf,self_spec"])
+    assert info.value.code == 2
+    assert "--exit-head" in capsys.readouterr().err
+
 
 @pytest.mark.integration
 def test_bench_smoke(tmp_path, capsys):
-    bench = load_script("bench")
     out = tmp_path / "b.json"
     argv = ["--num-prompts", "2", "--max-new-tokens", "8", "--dtype", "float32"]
     methods = ["hf", "baseline", "baseline_sdpa", "treespec", "treespec_sdpa", "lookup", "treespec_lookup"]
@@ -49,7 +77,6 @@ def test_bench_draft_model_self_spec_and_assisted(tmp_path, smollm2, capsys):
     tokenizer.save_pretrained(draft)
     exit_head = tmp_path / "exit"
     treespec.MedusaHeads.for_model(model, num_heads=1, exit_layer=10).save_pretrained(exit_head)
-    bench = load_script("bench")
     out = tmp_path / "b.json"
     methods = [
         "hf",

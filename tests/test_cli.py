@@ -1,4 +1,5 @@
-"""The `treespec` console script: help, viz, errors at the boundary, script delegation, generate."""
+"""The `treespec` console script: help, viz, errors at the boundary, bench/train delegation, drafters
+from options (heads and their tree.json, draft model, exit head), generate."""
 
 from __future__ import annotations
 
@@ -6,10 +7,13 @@ import json
 import xml.etree.ElementTree as ET
 
 import pytest
+import torch
+from conftest import tiny_model
 
 import treespec
-from treespec.tools import cli
+from treespec.tools import cli, drafter_options
 from treespec.tools.cli import main
+from treespec.tools.models import default_heads_folder
 from treespec.tools.trace import Step, Trace
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -57,15 +61,17 @@ def run(argv, capsys) -> tuple[int, str, str]:
 # ----- help -----
 
 
-@pytest.mark.parametrize("command", [[], ["generate"], ["viz"], ["bench"]])
+@pytest.mark.parametrize("command", [[], ["generate"], ["viz"], ["tune"], ["bench"], ["train"]])
 def test_help(command, capsys):
     with pytest.raises(SystemExit) as info:
         main([*command, "--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert "usage:" in out
-    if command == ["bench"]:
-        assert "--num-prompts" in out  # scripts/bench.py's own parser answered
+    if command == ["bench"]:  # the library benchmark's own parser answered, under its command name
+        assert "usage: treespec bench" in out and "--num-prompts" in out
+    if command == ["train"]:
+        assert "usage: treespec train" in out and "--exit-layer" in out
 
 
 def test_no_command_is_a_usage_error(capsys):
@@ -77,20 +83,25 @@ def test_no_command_is_a_usage_error(capsys):
 # ----- bench / train delegation -----
 
 
-def test_missing_script_is_a_clear_error(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(cli, "SCRIPTS_DIR", tmp_path)
-    code, _, err = run(["train", "--help"], capsys)
-    assert code == 2
-    assert str(tmp_path / "train_heads.py") in err and "source checkout" in err
-    assert "Traceback" not in err
+@pytest.mark.parametrize("command", ["bench", "train"])
+def test_program_gets_the_arguments(monkeypatch, capsys, command):
+    """bench and train run library code (treespec.tools.*), not files of a checkout's scripts/."""
+    module = __import__(cli.PROGRAMS[command][0], fromlist=["main"])
+    assert module.__name__.startswith("treespec.tools.")
+
+    def fake_main(argv, prog=None):
+        print("ARGS", argv, prog)
+        return 3
+
+    monkeypatch.setattr(module, "main", fake_main)
+    code, out, _ = run([command, "--epochs", "1", "--help"], capsys)
+    assert code == 3
+    assert f"ARGS ['--epochs', '1', '--help'] treespec {command}" in out
 
 
-def test_script_gets_the_arguments(monkeypatch, tmp_path, capsys):
-    (tmp_path / "train_heads.py").write_text("def main(argv):\n    print('ARGS', argv)\n    return 0\n")
-    monkeypatch.setattr(cli, "SCRIPTS_DIR", tmp_path)
-    code, out, _ = run(["train", "--epochs", "1", "--help"], capsys)
-    assert code == 0
-    assert "ARGS ['--epochs', '1', '--help']" in out
+def test_program_errors_exit_2(tmp_path, capsys):
+    code, _, err = run(["bench", "--heads", tmp_path / "no-heads", "--methods", "treespec"], capsys)
+    assert code == 2 and "no-heads" in err and "Traceback" not in err
 
 
 # ----- viz -----
@@ -153,6 +164,12 @@ def bad_case(tmp_path, trace_file, case: str) -> tuple[list, str]:
         return ["generate", "hi", "--tree", bad], str(bad)  # fails before loading the model
     if case == "generate heads":
         return ["generate", "hi", "--heads", tmp_path / "no-heads"], "no-heads"
+    if case == "generate draft model":  # fails before loading the model
+        return ["generate", "hi", "--draft-model", tmp_path / "no-draft"], "--draft-model"
+    if case == "generate exit head":
+        return ["generate", "hi", "--exit-head", tmp_path / "no-exit"], "no-exit"
+    if case == "tune data":
+        return ["tune", "--exit-head", tmp_path, "--data", tmp_path / "no-data"], "no-data"
     raise AssertionError(case)
 
 
@@ -169,6 +186,9 @@ def bad_case(tmp_path, trace_file, case: str) -> tuple[list, str]:
         "output format",
         "generate tree",
         "generate heads",
+        "generate draft model",
+        "generate exit head",
+        "tune data",
     ],
 )
 def test_bad_input_exits_2_naming_the_problem(tmp_path, trace_file, capsys, case):
@@ -186,6 +206,92 @@ def test_show_tree_prints_each_step(capsys):
     assert "␣there" in out and "↵  (bonus)" in out
 
 
+# ----- drafters from options: heads, their tree, chain drafters -----
+
+
+@pytest.fixture
+def heads_dir(tmp_path):
+    """(tiny model, folder of 2 untrained heads for it without a tree.json)."""
+    model = tiny_model(dtype=torch.float32)
+    folder = tmp_path / "heads"
+    treespec.MedusaHeads.for_model(model, num_heads=2).save_pretrained(folder)
+    return model, folder
+
+
+def test_heads_carry_their_tree(heads_dir):
+    model, folder = heads_dir
+    assert treespec.MedusaHeads.for_model(model, num_heads=2).tree is None
+    assert treespec.MedusaHeads.from_pretrained(folder, model=model).tree is None  # no tree.json
+    tree = treespec.Tree.from_choices([[0], [1], [0, 0]])
+    tree.save(folder / "tree.json")
+    heads = treespec.MedusaHeads.from_pretrained(folder, model=model)
+    assert heads.tree is not None and heads.tree.choices == tree.choices
+
+
+def test_heads_refuse_a_tree_deeper_than_themselves(heads_dir):
+    model, folder = heads_dir
+    treespec.Tree.from_choices([[0], [0, 0], [0, 0, 0]]).save(folder / "tree.json")
+    with pytest.raises(treespec.HeadsLoadError, match="depth 3 but the heads .* have only 2"):
+        treespec.MedusaHeads.from_pretrained(folder, model=model)
+    (folder / "tree.json").write_text("{oops")
+    with pytest.raises(treespec.HeadsLoadError, match="tree.json: not valid JSON"):
+        treespec.MedusaHeads.from_pretrained(folder)
+
+
+def test_pick_tree_explicit_wins(heads_dir):
+    model, folder = heads_dir
+    shipped = treespec.Tree.from_choices([[0], [1]])
+    shipped.save(folder / "tree.json")
+    heads = treespec.MedusaHeads.from_pretrained(folder, model=model)
+    assert drafter_options.pick_tree(None, heads)[0] is heads.tree  # the heads' own tree by default
+    explicit = treespec.Tree.from_choices([[0], [0, 0]])
+    assert drafter_options.pick_tree(explicit, heads)[0] is explicit
+    sized, source = drafter_options.pick_tree(8, heads)
+    assert sized.num_nodes == 8 and sized.max_depth <= 2 and "default_tree(8, 2)" in source
+    with pytest.raises(ValueError, match="depth 3 but the heads have 2"):
+        drafter_options.pick_tree(treespec.Tree.from_choices([[0], [0, 0], [0, 0, 0]]), heads, "deep.json")
+
+
+def test_default_heads_only_for_the_default_model(tmp_path):
+    shipped = default_heads_folder()
+    assert (shipped / "tree.json").is_file()  # a checkout's heads/ or the wheel's treespec/heads
+    assert drafter_options.heads_folder(None, None) == shipped
+    assert drafter_options.heads_folder(None, "some/other-model") is None  # untrained, with a warning
+    assert drafter_options.heads_folder(str(tmp_path), "x") == tmp_path
+    with pytest.raises(ValueError, match="not a heads folder"):
+        drafter_options.heads_folder(str(tmp_path / "missing"), None)
+
+
+def test_untrained_heads_warn(heads_dir, capsys):
+    model, _ = heads_dir
+    heads, desc = drafter_options.load_heads(None, model, num_heads=3)
+    assert heads.num_heads == 3 and heads.tree is None and "untrained" in desc
+    assert "untrained heads" in capsys.readouterr().err
+
+
+def test_chain_options(heads_dir, tmp_path):
+    model, _ = heads_dir
+    exit_dir = tmp_path / "exit"
+    treespec.MedusaHeads.for_model(model, num_heads=1, exit_layer=1).save_pretrained(exit_dir)
+    (exit_dir / "tune.json").write_text("{}")  # not read: --gamma wins
+    chain = drafter_options.load_chain_option(model, exit_head=str(exit_dir), gamma=3)
+    assert chain.kind == "exit_head" and chain.gamma == 3 and "exit layer 1" in chain.description
+    drafter = chain.drafter(model)
+    assert isinstance(drafter, treespec.SelfSpeculativeDrafter) and drafter.gamma == 3
+    assert chain.drafter(model, 2).gamma == 2
+    with pytest.raises(ValueError, match="--branching applies to --draft-model only"):
+        chain.drafter(model, branching="1:2")
+    with pytest.raises(ValueError, match="not both"):
+        drafter_options.load_chain_option(model, str(exit_dir), str(exit_dir))
+    assert drafter_options.load_chain_option(model) is None
+    draft_dir = tmp_path / "draft"
+    model.save_pretrained(draft_dir)
+    chain = drafter_options.load_chain_option(model, draft_model=str(draft_dir))
+    assert chain.kind == "draft_model" and chain.gamma == 4 and "2 layers), gamma 4" in chain.description
+    drafter = chain.drafter(model, storage="int8", branching="1:2")
+    assert isinstance(drafter, treespec.DraftModelDrafter) and drafter.gamma == 4
+
+
 # ----- generate on the real model -----
 
 
@@ -201,3 +307,13 @@ def test_generate_writes_a_loadable_trace(tmp_path, capsys):
     assert trace.stats["summary"] in stdout and "step 1 / " in stdout
     html = tmp_path / "run.html"
     assert run(["viz", "--trace", out, "-o", html], capsys)[0] == 0
+
+
+@pytest.mark.integration
+def test_generate_uses_the_shipped_heads_and_tree(capsys):
+    code, out, err = run(["generate", "Why is the sky blue?", "--max-new-tokens", 24], capsys)
+    assert code == 0, err
+    assert "untrained" not in err
+    summary = out.strip().splitlines()[-1]
+    accepted = float(summary.split("mean accepted length ")[1].split(",")[0])
+    assert accepted > 1.3, summary

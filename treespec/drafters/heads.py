@@ -164,6 +164,7 @@ class MedusaHeads(nn.Module):
         self.draft_vocab_size = draft_vocab_size
         self.exit_layer = exit_layer
         self.base_model = dict(base_model) if base_model is not None else None
+        self.tree = None  # the candidate tree calibrated for these heads (from_pretrained: tree.json)
         self.blocks = nn.ModuleList(
             nn.Sequential(*(ResidualBlock(hidden_size, device, dtype) for _ in range(num_layers)))
             for _ in range(num_heads)
@@ -436,10 +437,26 @@ class MedusaHeads(nn.Module):
         """Load heads saved by save_pretrained; every check runs before anything is loaded.
 
         With `model`, the heads must fit it (check_compatible) and follow its device and dtype unless
-        `device` / `dtype` are given. Raises HeadsLoadError (a ValueError) naming the folder.
+        `device` / `dtype` are given. The folder's `tree.json` (the tree calibrated for these heads,
+        scripts/calibrate_tree.py), when present, becomes `heads.tree`, else `heads.tree` is None; a tree
+        deeper than the heads is refused. Raises HeadsLoadError (a ValueError) naming the folder.
         """
+        from ..core.tree import Tree
+
         folder = Path(folder)
         config = _read_config(folder)
+        tree, tree_path = None, folder / "tree.json"
+        if tree_path.is_file():
+            try:
+                tree = Tree.load(tree_path)
+            except (OSError, ValueError) as error:
+                raise HeadsLoadError(f"cannot read the tree of the heads in {folder}: {error}") from error
+            if tree.max_depth > config["num_heads"]:
+                raise HeadsLoadError(
+                    f"{tree_path} has depth {tree.max_depth} but the heads in {folder} have only "
+                    f"{config['num_heads']} (one per tree level): recalibrate the tree for these heads "
+                    "(scripts/calibrate_tree.py) or remove tree.json"
+                )
         tensors = _read_weights(folder)
         with torch.device("meta"):
             heads = cls(**{k: config[k] for k in _CONFIG_FIELDS if k in config})
@@ -456,7 +473,9 @@ class MedusaHeads(nn.Module):
             dtype = reference.dtype if dtype is None else dtype
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
-        return heads.to(device=device, dtype=dtype)
+        heads = heads.to(device=device, dtype=dtype)
+        heads.tree = tree
+        return heads
 
 
 # ---------------------------------------------------------------------------------------------------------

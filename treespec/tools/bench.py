@@ -1,0 +1,634 @@
+"""Benchmark treespec against Hugging Face generate on Spec-Bench prompts (greedy, batch 1).
+
+    treespec bench --num-prompts 16 --max-new-tokens 128 --dtype bfloat16
+    python scripts/bench.py ...                                  (the same, from a checkout)
+
+Methods (all run in the same process on the same prompt token ids):
+    hf                HF `model.generate(do_sample=False)`                 (the reference)
+    hf_prompt_lookup  the same with `prompt_lookup_num_tokens=10`
+    baseline          `treespec.generate_baseline`: 1 token per step on treespec's cache and attention
+    treespec          `treespec.generate` with Medusa heads and a candidate tree
+    treespec_sdpa     the same with kernel="sdpa": torch SDPA with a dense tree mask and the torch commit
+                      instead of the compiled ops (csrc/); baseline_sdpa likewise for baseline
+    lookup            `treespec.generate` with no heads and a prompt-lookup branch (`--lookup` nodes)
+    treespec_lookup   heads, tree and the prompt-lookup branch together
+    draft_model       `treespec.generate` with a DraftModelDrafter (`--draft-model`, chain of gamma tokens);
+                      draft_model_fp32 / _bf16 / _fp16 / _int8: its speculative KV cache in that precision
+    draft_model_tree  draft_model plus the draft's runner-up tokens as leaves (`--branching`, default 1:4)
+    self_spec         `treespec.generate` with a SelfSpeculativeDrafter (`--exit-head`)
+    hf_assisted       HF `model.generate(assistant_model=<--draft-model>)`, num_assistant_tokens = gamma
+                      with the constant schedule (the same chain length as draft_model)
+
+gamma per drafter: `--gamma`, else the drafter folder's tune.json (`treespec tune`), else 4.
+Heads, tree, draft model and exit head come from the options as in `treespec generate`
+(`tools.drafter_options`): without --heads the default model uses its shipped heads and their tree.
+
+Prompts: the first turn of each Spec-Bench question, through the chat template (default file: the copy
+that ships with treespec, `models.default_data_file()`). `--num-prompts N` takes a stratified subset:
+round-robin over the categories in file order (first question of each category, then the second of
+each, ...), so any N >= the number of categories (13 in Spec-Bench) covers every category. This data
+is for evaluation only: tune nothing on it.
+
+Results: a table on stdout and JSON in --out (default bench_results/bench-<timestamp>.json under the
+working directory).
+
+Timing: wall clock around each whole call (prefill included), the same for every method; tokens/s
+= new tokens / seconds. Each method is warmed up once on a short prompt first. Methods are
+interleaved per prompt and their order rotates from one prompt to the next (prompt i starts with
+method i mod k), so machine noise and cache effects fall on every method alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm import tqdm
+
+import treespec
+
+from ..core.generate import encode_prompt
+from ..core.tree import DEFAULT_TREE_SIZES, Tree, default_tree
+from ..drafters.heads import MedusaHeads
+from . import drafter_options as options
+from .models import default_data_file
+
+DEFAULT_OUT_DIR = Path("bench_results")  # relative to the working directory
+STORAGE_METHODS = {
+    "draft_model": "model",
+    "draft_model_fp32": "float32",
+    "draft_model_bf16": "bfloat16",
+    "draft_model_fp16": "float16",
+    "draft_model_int8": "int8",
+}
+TREE_METHOD = "draft_model_tree"  # draft_model with --branching runners-up beside the chain
+SPECULATIVE = (  # the methods that draft and verify
+    "treespec",
+    "treespec_sdpa",
+    "lookup",
+    "treespec_lookup",
+    *STORAGE_METHODS,
+    TREE_METHOD,
+    "self_spec",
+)
+METHODS = ("hf", "hf_prompt_lookup", "baseline", "baseline_sdpa", *SPECULATIVE, "hf_assisted")
+DEFAULT_METHODS = ("hf", "hf_prompt_lookup", "baseline", "treespec")
+REFERENCE = "hf"
+WARMUP_PROMPT = "Say hello in one short sentence."
+
+
+def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--model", default=None, help="HF model id or folder (default: embedded SmolLM2-135M-Instruct)"
+    )
+    p.add_argument(
+        "--heads",
+        default=None,
+        help="trained heads folder (default: the default model's shipped heads; untrained for --model)",
+    )
+    p.add_argument(
+        "--tree",
+        default=None,
+        help="tree JSON file, folder with tree.json, or default tree size (overrides --tree-size and "
+        "the heads' tree.json)",
+    )
+    p.add_argument(
+        "--tree-size",
+        type=int,
+        choices=DEFAULT_TREE_SIZES,
+        default=None,
+        help="default tree size (default 32, or the heads folder's tree.json)",
+    )
+    p.add_argument("--num-heads", type=int, default=4, help="number of untrained heads (default 4)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--device", default=None, help="torch device (default cpu)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=16, help="stratified subset size (0 = all)")
+    p.add_argument("--categories", default=None, help="comma list of categories to keep")
+    p.add_argument(
+        "--methods", default=",".join(DEFAULT_METHODS), help=f"comma list from {','.join(METHODS)}"
+    )
+    p.add_argument("--lookup", type=int, default=8, help="prompt-lookup branch length (lookup methods)")
+    p.add_argument("--draft-model", default=None, help="HF draft model folder (draft_model*, hf_assisted)")
+    p.add_argument(
+        "--exit-head", default=None, help="exit head folder (self_spec; train_heads.py --exit-layer)"
+    )
+    p.add_argument(
+        "--gamma", type=int, default=None, help="tokens drafted per step (default: tune.json, else 4)"
+    )
+    p.add_argument(
+        "--branching", default="1:4", help="draft_model_tree: depth:k runners-up as leaves (default 1:4)"
+    )
+    p.add_argument("--data", default=None, help=f"Spec-Bench questions JSONL (default {default_data_file()})")
+    p.add_argument(
+        "--out", default=None, help=f"results JSON (default {DEFAULT_OUT_DIR}/bench-<timestamp>.json)"
+    )
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave)")
+    args = p.parse_args(argv)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown or not args.methods:
+        p.error(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+    if args.max_new_tokens < 1:
+        p.error("--max-new-tokens must be >= 1")
+    if {*STORAGE_METHODS, TREE_METHOD, "hf_assisted"} & set(args.methods) and not args.draft_model:
+        p.error("the draft_model and hf_assisted methods need --draft-model FOLDER")
+    if "self_spec" in args.methods and not args.exit_head:
+        p.error("the self_spec method needs --exit-head FOLDER")
+    return args
+
+
+# --------------------------------------------------------------------------------------------------
+# Prompts
+# --------------------------------------------------------------------------------------------------
+
+
+def load_questions(path: Path) -> list[dict]:
+    """Spec-Bench questions, one JSON object per line (question_id, category, turns)."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def select_prompts(
+    questions: list[dict], num_prompts: int, categories: list[str] | None = None
+) -> list[dict]:
+    """Round-robin over categories in file order; N >= number of categories covers each one."""
+    by_category: dict[str, list[dict]] = {}
+    for q in questions:
+        by_category.setdefault(q["category"], []).append(q)
+    if categories:
+        missing = [c for c in categories if c not in by_category]
+        if missing:
+            raise SystemExit(f"unknown categories {missing}; the file has {list(by_category)}")
+        by_category = {c: qs for c, qs in by_category.items() if c in categories}
+    limit = num_prompts if num_prompts > 0 else sum(len(qs) for qs in by_category.values())
+    picked: list[dict] = []
+    for i in range(max((len(qs) for qs in by_category.values()), default=0)):
+        for qs in by_category.values():
+            if i < len(qs) and len(picked) < limit:
+                picked.append(qs[i])
+    return picked
+
+
+# --------------------------------------------------------------------------------------------------
+# Model, heads, tree
+# --------------------------------------------------------------------------------------------------
+
+
+def check_options(args) -> None:
+    """Option errors a user can make (a missing folder, a bad tree file), before any model loads."""
+    options.heads_folder(args.heads, args.model)
+    if args.tree:
+        options.parse_tree(args.tree)
+    if args.draft_model:
+        options.existing_folder(args.draft_model, "--draft-model")
+    if args.exit_head:
+        options.existing_folder(args.exit_head, "--exit-head")
+
+
+def load_heads_and_tree(args, model) -> tuple[MedusaHeads, Tree, str, str]:
+    """Heads as `treespec generate` loads them (trained when available, else untrained with a warning)
+    and the tree: --tree, else --tree-size, else the heads' tree.json, else the 32-node default tree."""
+    folder = options.heads_folder(args.heads, args.model)
+    heads, heads_desc = options.load_heads(folder, model, args.num_heads)
+    choice = options.parse_tree(args.tree) if args.tree else args.tree_size
+    tree, source = options.pick_tree(choice, heads, args.tree or "--tree")
+    if tree is None:
+        tree, source = default_tree(32, heads.num_heads), f"default_tree(32, {heads.num_heads})"
+    elif tree is heads.tree:
+        source = str(folder / "tree.json")
+    return heads, tree, heads_desc, options.describe_tree(tree, source)
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    """End-of-sequence ids as HF generate sees them (generation config, else the tokenizer)."""
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+
+def load_chain_drafters(args, model) -> dict[str, options.ChainSource | None]:
+    """The draft model (--draft-model) and exit head (--exit-head), each loaded once, with its gamma."""
+    return {
+        "draft_model": options.load_draft_model_option(args.draft_model, model, args.gamma)
+        if args.draft_model
+        else None,
+        "exit_head": options.load_exit_head_option(args.exit_head, model, args.gamma)
+        if args.exit_head
+        else None,
+    }
+
+
+def make_runners(
+    model,
+    tokenizer,
+    heads,
+    tree,
+    methods: list[str],
+    lookup: int = 8,
+    chains: dict[str, options.ChainSource | None] | None = None,
+    branching_spec: str = "1:4",
+) -> dict:
+    """name -> run(ids, max_new_tokens) -> dict(token_ids, steps, accepted, library_seconds).
+
+    chains: from `load_chain_drafters` (the draft-model methods and hf_assisted need "draft_model",
+    self_spec needs "exit_head")."""
+    chains = chains or {}
+    eos = eos_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
+    device = next(model.parameters()).device
+
+    def hf(ids, max_new_tokens, **extra):
+        input_ids = torch.tensor([ids], device=device)
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+            **extra,
+        )
+        tokens = out[0, len(ids) :].tolist()
+        for i, t in enumerate(tokens):  # up to and including the first eos
+            if t in eos:
+                tokens = tokens[: i + 1]
+                break
+        return {"token_ids": tokens}
+
+    def from_result(res):
+        s = res.stats
+        return {
+            "token_ids": list(res.token_ids),
+            "steps": s.steps,
+            "accepted": sum(s.accept_lengths),
+            "drafted": s.steps * s.max_depth,
+            "speculative_memory": s.speculative_memory,
+            "library_seconds": s.time_total,
+            "phase_seconds": {
+                "prefill": s.time_prefill,
+                "draft": s.time_draft,
+                "verify": s.time_verify,
+                "commit": s.time_commit,
+            },
+        }
+
+    runners = {
+        "hf": hf,
+        "hf_prompt_lookup": lambda ids, m: hf(ids, m, prompt_lookup_num_tokens=10),
+        "baseline": lambda ids, m: from_result(
+            treespec.generate_baseline(model, ids, tokenizer=tokenizer, max_new_tokens=m)
+        ),
+        "baseline_sdpa": lambda ids, m: from_result(
+            treespec.generate_baseline(model, ids, tokenizer=tokenizer, max_new_tokens=m, kernel="sdpa")
+        ),
+        "treespec": lambda ids, m: from_result(
+            treespec.generate(
+                model, heads, ids, tokenizer=tokenizer, tree=tree, max_new_tokens=m, temperature=0.0
+            )
+        ),
+        "treespec_sdpa": lambda ids, m: from_result(
+            treespec.generate(
+                model, heads, ids, tokenizer=tokenizer, tree=tree, max_new_tokens=m, kernel="sdpa"
+            )
+        ),
+        "lookup": lambda ids, m: from_result(
+            treespec.generate(model, None, ids, tokenizer=tokenizer, lookup=lookup, max_new_tokens=m)
+        ),
+        "treespec_lookup": lambda ids, m: from_result(
+            treespec.generate(
+                model, heads, ids, tokenizer=tokenizer, tree=tree, lookup=lookup, max_new_tokens=m
+            )
+        ),
+    }
+
+    def with_drafter(make):  # no heads; a fresh drafter from make() for every call
+        return lambda ids, m: from_result(
+            treespec.generate(model, None, ids, tokenizer=tokenizer, max_new_tokens=m, drafter=make())
+        )
+
+    chain = chains.get("draft_model")
+    if chain is not None:
+        for name, storage in STORAGE_METHODS.items():
+            runners[name] = with_drafter(lambda storage=storage: chain.drafter(model, storage=storage))
+        runners[TREE_METHOD] = with_drafter(lambda: chain.drafter(model, branching=branching_spec))
+        draft = chain.module
+        draft.generation_config.num_assistant_tokens = chain.gamma
+        draft.generation_config.num_assistant_tokens_schedule = "constant"
+        draft.generation_config.assistant_confidence_threshold = 0.0
+        runners["hf_assisted"] = lambda ids, m: hf(ids, m, assistant_model=draft)
+    exit_chain = chains.get("exit_head")
+    if exit_chain is not None:
+        runners["self_spec"] = with_drafter(lambda: exit_chain.drafter(model))
+    missing = [name for name in methods if name not in runners]
+    if missing:
+        raise ValueError(f"method(s) {missing} need --draft-model (draft_model*, hf_assisted) or --exit-head")
+    return {name: runners[name] for name in methods}
+
+
+def timed(run, ids, max_new_tokens, device) -> tuple[dict, float]:
+    """One call, wall clock around the whole of it (CUDA synchronised at both ends)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    out = run(ids, max_new_tokens)
+    sync()
+    return out, time.perf_counter() - t0
+
+
+def run_benchmark(prompts, runners, methods, tokenizer, max_new_tokens, device) -> list[dict]:
+    """Warm every method up once, then run all methods on each prompt (order rotating per prompt)."""
+    records = []
+    with torch.inference_mode():
+        warm_ids = encode_prompt(WARMUP_PROMPT, tokenizer)
+        for run in runners.values():
+            run(warm_ids, min(16, max_new_tokens))
+
+        bar = tqdm(prompts, unit="prompt")
+        for i, q in enumerate(bar):
+            bar.set_description(q["category"])
+            ids = encode_prompt(q["turns"][0], tokenizer)
+            k = i % len(methods)
+            results = {}
+            for m in methods[k:] + methods[:k]:
+                out, seconds = timed(runners[m], ids, max_new_tokens, device)
+                results[m] = out | {"seconds": seconds}
+            records.append(make_record(q, ids, results, methods))
+        bar.close()
+    return records
+
+
+def make_record(q: dict, ids: list[int], results: dict, methods: list[str]) -> dict:
+    """Per-prompt record: each method's tokens, time, acceptance, and agreement with hf."""
+    ref = results.get(REFERENCE)
+    per_method = {}
+    for m in methods:
+        r = results[m]
+        tokens = r["token_ids"]
+        entry = {
+            "new_tokens": len(tokens),
+            "seconds": r["seconds"],
+            "tokens_per_second": len(tokens) / r["seconds"] if r["seconds"] else 0.0,
+            "steps": r.get("steps"),
+            "accepted": r.get("accepted"),
+            "accept_length": r["accepted"] / r["steps"] if r.get("steps") else None,
+            "drafted": r.get("drafted"),
+            "speculative_memory": r.get("speculative_memory"),
+            "library_seconds": r.get("library_seconds"),
+            "phase_seconds": r.get("phase_seconds"),
+            "identical_to_hf": None,
+            "first_diff": None,
+        }
+        if ref is not None and m != REFERENCE:
+            entry["identical_to_hf"] = tokens == ref["token_ids"]
+            if not entry["identical_to_hf"]:
+                entry["first_diff"] = next(
+                    (j for j, (a, b) in enumerate(zip(tokens, ref["token_ids"], strict=False)) if a != b),
+                    min(len(tokens), len(ref["token_ids"])),
+                )
+        entry["token_ids"] = tokens
+        per_method[m] = entry
+    return {
+        "question_id": q["question_id"],
+        "category": q["category"],
+        "prompt_tokens": len(ids),
+        "methods": per_method,
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Summary and table
+# --------------------------------------------------------------------------------------------------
+
+
+def summarize(records: list[dict], methods: list[str], reference: str = REFERENCE) -> list[dict]:
+    """One row per category (first-seen order) plus "overall"; every ratio is over summed totals."""
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        groups.setdefault(r["category"], []).append(r)
+    groups["overall"] = records
+    rows = []
+    for name, recs in groups.items():
+        row = {"category": name, "prompts": len(recs), "methods": {}}
+        for m in methods:
+            runs = [r["methods"][m] for r in recs]
+            tokens = sum(x["new_tokens"] for x in runs)
+            seconds = sum(x["seconds"] for x in runs)
+            entry = {
+                "new_tokens": tokens,
+                "seconds": seconds,
+                "tokens_per_second": tokens / seconds if seconds else 0.0,
+            }
+            steps = [x for x in runs if x.get("steps") is not None]
+            if steps:
+                total_steps = sum(x["steps"] for x in steps)
+                entry["steps"] = total_steps
+                entry["accept_length"] = (
+                    sum(x["accepted"] for x in steps) / total_steps if total_steps else None
+                )
+                drafted = sum(x.get("drafted") or 0 for x in steps)
+                entry["acceptance_rate"] = (
+                    (sum(x["accepted"] for x in steps) - total_steps) / drafted if drafted else None
+                )
+                phases = [x["phase_seconds"] for x in steps if x.get("phase_seconds")]
+                if phases and total_steps:
+                    entry["draft_ms"] = 1e3 * sum(p["draft"] for p in phases) / total_steps
+                    entry["verify_ms"] = 1e3 * sum(p["verify"] for p in phases) / total_steps
+                memory = [x["speculative_memory"] for x in steps if x.get("speculative_memory") is not None]
+                if memory:
+                    entry["speculative_memory"] = max(memory)
+            if reference in methods and m != reference:
+                entry["identical_to_hf"] = sum(bool(x["identical_to_hf"]) for x in runs)
+            row["methods"][m] = entry
+        if reference in methods:
+            ref_tps = row["methods"][reference]["tokens_per_second"]
+            for entry in row["methods"].values():
+                entry["speedup"] = entry["tokens_per_second"] / ref_tps if ref_tps else None
+        if "baseline" in methods:
+            base_tps = row["methods"]["baseline"]["tokens_per_second"]
+            for entry in row["methods"].values():
+                entry["speedup_vs_baseline"] = entry["tokens_per_second"] / base_tps if base_tps else None
+        rows.append(row)
+    return rows
+
+
+HEADER_KEYS = (
+    "command",
+    "model",
+    "dtype",
+    "device",
+    "heads",
+    "tree",
+    "draft_model",
+    "exit_head",
+    "threads",
+    "max_new_tokens",
+    "num_prompts",
+)
+
+
+def format_header(config: dict, wall: float) -> str:
+    """The run's settings, printed above the tables."""
+    lines = [f"{k:>14}: {config[k]}" for k in HEADER_KEYS]
+    lines.append(f"{'versions':>14}: " + ", ".join(f"{k} {v}" for k, v in config["versions"].items()))
+    lines.append(f"{'method order':>14}: {config['method_order']}")
+    lines.append(f"{'wall time':>14}: {wall:.1f} s (warm-up included, model loading excluded)")
+    return "\n".join(lines)
+
+
+def _grid(headers: list[str], rows: list[list[str]]) -> str:
+    """Plain text table: first column left-aligned, the others right-aligned."""
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows, strict=True)]
+
+    def line(cells):
+        return "  ".join(
+            str(c).ljust(w) if i == 0 else str(c).rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
+
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def format_tables(summary: list[dict], methods: list[str], reference: str = REFERENCE) -> str:
+    """Throughput table (tokens/s and speedup over hf) and a fidelity table (acceptance, exact match)."""
+    has_ref = reference in methods
+    rows = []
+    for row in summary:
+        cells = [row["category"], str(row["prompts"])]
+        for m in methods:
+            e = row["methods"][m]
+            speed = f" ({e['speedup']:.2f}x)" if has_ref and e.get("speedup") is not None else ""
+            cells.append(f"{e['tokens_per_second']:.1f}{speed}")
+        rows.append(cells)
+    title = "tokens/s" + (f" (speedup over {reference})" if has_ref else "")
+    parts = [title, _grid(["category", "n", *methods], rows)]
+
+    accept = [m for m in methods if m in SPECULATIVE]
+    same = [m for m in methods if has_ref and m != reference]
+    if accept or same:
+        rows = []
+        for row in summary:
+            cells = [row["category"], str(row["prompts"])]
+            for m in accept:
+                a = row["methods"][m].get("accept_length")
+                cells.append("-" if a is None else f"{a:.2f}")
+            for m in same:
+                cells.append(f"{row['methods'][m]['identical_to_hf']}/{row['prompts']}")
+            rows.append(cells)
+        headers = ["category", "n", *[f"accept({m})" for m in accept], *[f"same({m})" for m in same]]
+        note = f"accept: tokens committed per verify step; same(X): prompts with X's tokens == {reference}'s"
+        parts += ["", note, _grid(headers, rows)]
+    overall = summary[-1]["methods"]
+    if accept:
+        rows = []
+        for m in [m for m in methods if m in SPECULATIVE or m in ("baseline", "hf_assisted")]:
+            e = overall[m]
+
+            def fmt(key, spec, scale=1.0, e=e):
+                return "-" if e.get(key) is None else format(e[key] * scale, spec)
+
+            rows.append(
+                [
+                    m,
+                    fmt("accept_length", ".2f"),
+                    fmt("acceptance_rate", ".2f"),
+                    fmt("draft_ms", ".1f"),
+                    fmt("verify_ms", ".1f"),
+                    fmt("speculative_memory", ".2f", 2**-20),
+                    fmt("speedup", ".2f"),
+                    fmt("speedup_vs_baseline", ".2f"),
+                ]
+            )
+        headers = ["method (overall)", "accept len", "accept rate", "draft ms/step", "verify ms/step"]
+        headers += ["spec. memory MiB", "x hf", "x baseline"]
+        note = (
+            "accept rate: accepted drafted tokens / drafted depth (tree depth or gamma) per step; "
+            "spec. memory: target tree block + drafter cache"
+        )
+        parts += ["", note, _grid(headers, rows)]
+    return "\n".join(parts)
+
+
+# --------------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
+    """Run the benchmark, print the tables, write the JSON; returns what was written.
+
+    prog: the command name in the usage line and the recorded command (default "treespec bench")."""
+    prog = prog or "treespec bench"
+    args = parse_args(argv, prog)
+    command = f"{prog} " + shlex.join(sys.argv[1:] if argv is None else [str(a) for a in argv])
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    data = Path(args.data) if args.data else default_data_file()
+    categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
+    prompts = select_prompts(load_questions(data), args.num_prompts, categories)
+    if not prompts:
+        raise SystemExit(f"no prompts selected from {data}")
+    check_options(args)
+
+    model, tokenizer = treespec.load_model(args.model, dtype=args.dtype, device=args.device)
+    device = next(model.parameters()).device
+    heads, tree, heads_desc, tree_desc = None, None, "-", "-"
+    if {"treespec", "treespec_sdpa", "treespec_lookup"} & set(args.methods):
+        heads, tree, heads_desc, tree_desc = load_heads_and_tree(args, model)
+    chains = load_chain_drafters(args, model)
+    runners = make_runners(model, tokenizer, heads, tree, args.methods, args.lookup, chains, args.branching)
+
+    config = {
+        "command": command,
+        "model": args.model or model.config.name_or_path,
+        "dtype": args.dtype,
+        "device": str(device),
+        "heads": heads_desc,
+        "tree": tree_desc,
+        "draft_model": chains["draft_model"].description if chains["draft_model"] else "-",
+        "exit_head": chains["exit_head"].description if chains["exit_head"] else "-",
+        "tree_choices": [list(c) for c in tree.choices] if tree is not None else None,
+        "threads": torch.get_num_threads(),
+        "max_new_tokens": args.max_new_tokens,
+        "lookup": args.lookup if {"lookup", "treespec_lookup"} & set(args.methods) else None,
+        "num_prompts": len(prompts),
+        "categories": categories,
+        "methods": args.methods,
+        "method_order": "rotating per prompt (prompt i starts with method i mod k)",
+        "timing": "wall clock per whole call incl. prefill, after one warm-up call per method",
+        "data": str(data),
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "treespec": treespec.__version__,
+            "python": platform.python_version(),
+        },
+        "platform": platform.platform(),
+        "started": datetime.now().isoformat(timespec="seconds"),
+    }
+
+    t_start = time.perf_counter()
+    records = run_benchmark(prompts, runners, args.methods, tokenizer, args.max_new_tokens, device)
+    wall = time.perf_counter() - t_start
+
+    summary = summarize(records, args.methods)
+    print(format_header(config, wall) + "\n")
+    print(format_tables(summary, args.methods))
+
+    result = {"config": config, "wall_seconds": wall, "prompts": records, "summary": summary}
+    out = Path(args.out) if args.out else DEFAULT_OUT_DIR / f"bench-{datetime.now():%Y%m%d-%H%M%S}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    print(f"\nwrote {out}")
+    return result
