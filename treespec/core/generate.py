@@ -21,7 +21,8 @@ from ..drafters.medusa import make_drafter
 from .acceptance import SamplingConfig
 from .decoder import Decoder
 from .stats import GenerationStats
-from .stopping import StopCondition, eos_token_ids
+from .stopping import StopCondition
+from .tokens import eos_token_ids
 from .tree import Tree, default_tree
 
 
@@ -127,23 +128,17 @@ def generate(
     trace: bool = False,
     lookup: int = 0,
 ) -> GenerationResult:
-    """Generate up to `max_new_tokens` tokens with tree speculation.
+    """Generate up to `max_new_tokens` tokens with tree speculation; returns a `GenerationResult`.
 
-    model: a transformers causal LM; heads: MedusaHeads for it (None = plain decoding, see
-    `generate_baseline`); prompt_or_input_ids: a string (chat template applied when the tokenizer
-    has one), a list of ids or a [1, T] tensor; tree: candidate tree (default: 32 nodes for the
-    heads' depth). temperature 0 is greedy (output == the base model's greedy output);
-    temperature > 0 samples losslessly (acceptance="sampling") or with Medusa's typical rule
-    (acceptance="typical", faster, not lossless). top_k/top_p warp the distribution as in HF.
-    eos_token_id: default from the model's generation config. stop: strings that end generation.
-    streamer: HF-style (`put`, `end`), e.g. transformers.TextStreamer. kernel: tree attention
-    implementation: "auto" (default: "compiled" when treespec's extension builds and takes the
-    model's dtype and device, else "sdpa"), "compiled" (with the fused KV commit), "sdpa" or
-    "reference" (torch attention and the torch commit). max_length: cache capacity (default: the
-    model's max_position_embeddings). lookup: length of an extra prompt-lookup branch under the root
-    (`treespec.drafters.lookup`; 0 = none); with heads=None it is plain prompt-lookup decoding. drafter: any
-    other drafter instead of heads (pass heads=None), e.g. `DraftModelDrafter` (a small model with its
-    own speculative cache) or `SelfSpeculativeDrafter` (the model's first layers and an exit head).
+    prompt_or_input_ids: a string (chat template when the tokenizer has one), ids or a [1, T] tensor.
+    heads: MedusaHeads (None: plain decoding), drafting into `tree` (default: the heads' tree.json, else
+    32 nodes); or drafter=: any `Drafter` (e.g. DraftModelDrafter, SelfSpeculativeDrafter) with heads=None.
+    lookup: an extra prompt-lookup branch of that length. temperature 0 is greedy (== the base model's
+    greedy output); > 0 samples losslessly (acceptance="sampling") or with Medusa's typical rule (not
+    lossless); top_k/top_p as in HF. eos_token_id: default from the model's generation config; stop:
+    strings that end generation; streamer: HF-style (`put`, `end`). kernel: "auto" ("compiled" when the
+    extension builds for the model's dtype and device, else "sdpa"), "compiled", "sdpa" or "reference".
+    max_length: cache capacity (default: max_position_embeddings). trace: keep every step's tree.
     """
     stopping = StopCondition(eos_token_ids(model, tokenizer, eos_token_id), stop, tokenizer, max_new_tokens)
     prompt_ids = encode_prompt(prompt_or_input_ids, tokenizer, chat, vocab_size=_vocab_size(model))

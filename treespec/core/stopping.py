@@ -7,20 +7,6 @@ from collections.abc import Sequence
 import torch
 
 
-def eos_token_ids(model, tokenizer=None, eos_token_id: int | Sequence[int] | None = None) -> list[int]:
-    """The end-of-sequence ids: `eos_token_id` when given, else the model's generation config, else the
-    tokenizer's. Sorted, unique; [] when none is known."""
-    if eos_token_id is None:
-        config = getattr(model, "generation_config", None)
-        eos_token_id = getattr(config, "eos_token_id", None)
-    if eos_token_id is None and tokenizer is not None:
-        eos_token_id = tokenizer.eos_token_id
-    if eos_token_id is None:
-        return []
-    ids = eos_token_id if isinstance(eos_token_id, Sequence) else [eos_token_id]
-    return sorted({int(e) for e in ids})
-
-
 class StopCondition:
     """Stops on an EOS id, on a stop string in the decoded text, or after `max_new_tokens` tokens."""
 
