@@ -7,13 +7,16 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import tiny_distill_setup
+from safetensors.torch import load_file, save_file
 
 import treespec
+from treespec.training import checkpoint as ckpt
 from treespec.training import heads_train as train_module
 from treespec.training.heads_train import TrainConfig, head_examples, heads_loss, train_heads
 
@@ -221,3 +224,124 @@ def test_cli_tune_writes_the_choice_and_generate_uses_it(tiny_setup, tmp_path, c
     assert result.acceptance == [1.0, 1.0, 1.0]  # the draft model is the target: everything accepted
     assert cli.main(["generate", "hello", *argv, "--max-new-tokens", "6"]) == 0
     assert cli.main(["tune", *argv[:2], "--draft-model", str(tmp_path / "missing")]) == 2
+
+
+# -- checkpoints (training.checkpoint, shared with the draft-model trainer) ------------------------------
+
+
+@dataclass
+class _Cfg:
+    lr: float = 0.1
+    max_steps: int = 10
+    seed: int = 0
+
+
+def _trained(seed: int = 0):
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+    opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        net(torch.randn(5, 3)).square().sum().backward()
+        opt.step()
+    return net, opt
+
+
+def _snapshot(net, opt) -> dict:
+    state = {f"w.{k}": v.clone() for k, v in net.state_dict().items()}
+    for i, s in opt.state_dict()["state"].items():
+        state.update({f"o.{i}.{k}": v.clone() for k, v in s.items()})
+    return state
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+
+
+def test_checkpoint_round_trip_is_exact_and_holds_no_pickle(tmp_path):
+    net, opt = _trained()
+    ckpt.save(tmp_path / "ckpt", net.state_dict(), opt, 7, _Cfg(), [{"step": 7, "loss": 1.5}], {"who": 1})
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "optimizer.safetensors",
+        "state.json",
+        "weights.safetensors",
+    ]
+    saved = _snapshot(net, opt)
+    other, other_opt = _trained(seed=1)  # a fresh run, other values everywhere
+    seen = []
+    step, log = ckpt.load(
+        tmp_path / "ckpt", other.state_dict(), other_opt, _Cfg(max_steps=20), ("max_steps",), seen.append
+    )
+    assert (step, log, seen) == (7, [{"step": 7, "loss": 1.5}], [{"who": 1}])
+    _assert_same(_snapshot(other, other_opt), saved)
+    assert other_opt.param_groups[0]["betas"] == (0.9, 0.999)  # a tuple again after JSON
+
+
+def _corrupt_state(folder: Path, edit) -> None:
+    state = json.loads((folder / "state.json").read_text())
+    edit(state)
+    (folder / "state.json").write_text(json.dumps(state))
+
+
+def _refuse(extra):
+    raise ValueError("made for another target")
+
+
+@pytest.mark.parametrize(
+    "corruption, match",
+    [
+        (lambda f: (f / "state.json").write_text("{"), "cannot read state.json"),
+        (lambda f: (f / "state.json").unlink(), "cannot read state.json"),
+        (lambda f: _corrupt_state(f, lambda s: s.pop("format")), "not a treespec.training_checkpoint"),
+        (lambda f: _corrupt_state(f, lambda s: s.update(version=99)), "version 99"),
+        (lambda f: _corrupt_state(f, lambda s: s.update(step="7")), "corrupt state.json"),
+        (lambda f: _corrupt_state(f, lambda s: s["config"].update(lr=0.5)), "other settings.*lr"),
+        ("extra", "another target"),
+        (lambda f: (f / "weights.safetensors").write_bytes(b"garbage"), "cannot read weights"),
+        (lambda f: save_file({"0.weight": torch.zeros(4, 3)}, f / "weights.safetensors"), "not the trained"),
+        (lambda f: _resave_weights(f, "0.weight", torch.zeros(4, 2)), "0.weight"),
+        (lambda f: _resave_weights(f, "0.weight", torch.zeros(4, 3, dtype=torch.float64)), "float64"),
+        (lambda f: (f / "optimizer.safetensors").unlink(), "cannot read optimizer"),
+        (lambda f: _resave_optimizer(f, "0.exp_avg", torch.zeros(2, 2)), "does not fit"),
+        (lambda f: _resave_optimizer(f, "9.exp_avg", torch.zeros(1)), "does not fit"),
+        (lambda f: _corrupt_state(f, lambda s: s["optimizer"]["param_groups"].append({})), "does not fit"),
+    ],
+)
+def test_a_bad_checkpoint_is_refused_before_anything_changes(tmp_path, corruption, match):
+    net, opt = _trained()
+    folder = tmp_path / "ckpt"
+    ckpt.save(folder, net.state_dict(), opt, 3, _Cfg(), [])
+    if corruption != "extra":
+        corruption(folder)
+    other, other_opt = _trained(seed=1)
+    before = _snapshot(other, other_opt)
+    check = _refuse if corruption == "extra" else None
+    with pytest.raises(ValueError, match=match):
+        ckpt.load(folder, other.state_dict(), other_opt, _Cfg(), (), check)
+    _assert_same(_snapshot(other, other_opt), before)  # no half-load
+
+
+def _resave_weights(folder: Path, name: str, tensor: torch.Tensor) -> None:
+    tensors = load_file(folder / "weights.safetensors")
+    tensors[name] = tensor
+    save_file(tensors, folder / "weights.safetensors")
+
+
+def _resave_optimizer(folder: Path, name: str, tensor: torch.Tensor) -> None:
+    tensors = load_file(folder / "optimizer.safetensors")
+    tensors[name] = tensor
+    save_file(tensors, folder / "optimizer.safetensors")
+
+
+def test_a_checkpoint_swap_that_a_crash_interrupted_is_finished(tmp_path):
+    net, opt = _trained()
+    folder = tmp_path / "ckpt"
+    ckpt.save(folder, net.state_dict(), opt, 3, _Cfg(), [])
+    ckpt.save(folder, net.state_dict(), opt, 4, _Cfg(), [])  # replaces the step-3 one whole
+    assert json.loads((folder / "state.json").read_text())["step"] == 4
+    folder.rename(tmp_path / ".ckpt.old")  # killed between moving the old one aside and the new one in
+    assert ckpt.exists(folder)
+    assert ckpt.load(folder, net.state_dict(), opt, _Cfg())[0] == 4
+    assert not ckpt.exists(tmp_path / "none")

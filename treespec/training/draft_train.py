@@ -13,9 +13,9 @@ model is causal, so real tokens never see the padding; padding is outside the lo
 agreement of the draft's greedy token with the target's on the eval split's response positions, a proxy
 for how many tokens a chain of draft guesses gets accepted.
 
-Checkpoints are atomic (a complete folder replaces the previous one) and hold the trained weights, the
-optimizer state and the step; `resume=True` continues from the last one with the same data order and
-refuses a checkpoint made with other settings or for another target.
+Checkpoints (`training.checkpoint`) are atomic (a complete folder replaces the previous one) and hold
+the trained weights, the optimizer state and the step; `resume=True` continues from the last one with the
+same data order and refuses a checkpoint made with other settings or for another target.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import shutil
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -31,20 +30,21 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import Tensor
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from ..drafters.heads import fingerprints_match, model_identity
+from ..io import atomic_write_json
+from . import checkpoint
+from .batching import length_batches
 from .distill import META_NAME, load_distill_data
-from .heads_train import RESUMABLE_CHANGES as HEADS_RESUMABLE_CHANGES
-from .heads_train import check_same_settings, lr_at, publish_folder
+from .schedule import lr_at
 
 CHECKPOINT_DIR = "checkpoint"
 MODEL_DIR = "model"
 # settings that may change between a run and its resume (they do not change the weights)
-RESUMABLE_CHANGES = (*HEADS_RESUMABLE_CHANGES, "eval_sequences")  # may differ on --resume
+RESUMABLE_CHANGES = (*checkpoint.RESUMABLE_CHANGES, "eval_sequences")  # may differ on --resume
 # config attributes that list layer indices (not one entry per layer): keep the indices < k
 _LAYER_INDEX_LISTS = ("mlp_only_layers",)
 # config attributes that are a layer count / boundary: at most k
@@ -135,25 +135,6 @@ class DraftTrainConfig:
     extra: dict = field(default_factory=dict)
 
 
-def pack_batches(lengths: list[int], batch_tokens: int, order: list[int] | None = None) -> list[list[int]]:
-    """Cut `order` (default: by length) into batches with rows x longest length <= batch_tokens.
-
-    Sequences are sorted by length first, so rows pad little; a sequence longer than batch_tokens
-    gets a batch of its own.
-    """
-    order = sorted(order if order is not None else range(len(lengths)), key=lambda i: (lengths[i], i))
-    batches: list[list[int]] = []
-    batch: list[int] = []
-    for i in order:
-        if batch and (len(batch) + 1) * lengths[i] > batch_tokens:
-            batches.append(batch)
-            batch = []
-        batch.append(i)
-    if batch:
-        batches.append(batch)
-    return batches
-
-
 class BatchPlan:
     """The seeded data order: step -> batch of sequence indices, the same in a resumed run.
 
@@ -171,7 +152,8 @@ class BatchPlan:
             perm = torch.randperm(len(self.lengths), generator=gen).tolist()
             batches = []
             for start in range(0, len(perm), self.pool):
-                batches += pack_batches(self.lengths, self.batch_tokens, perm[start : start + self.pool])
+                pool = perm[start : start + self.pool]
+                batches += length_batches(self.lengths, max_tokens=self.batch_tokens, order=pool)
             shuffle = torch.randperm(len(batches), generator=gen).tolist()
             self._epochs.append([batches[i] for i in shuffle])
         return self._epochs[e]
@@ -247,7 +229,7 @@ def evaluate_draft(
     draft.eval()
     device = next(draft.parameters()).device
     hits, loss, count = 0, 0.0, 0
-    for batch in pack_batches([len(s) for s in sequences], batch_tokens):
+    for batch in length_batches([len(s) for s in sequences], max_tokens=batch_tokens):
         ids, targets = make_batch([sequences[i] for i in batch], [prompt_lengths[i] for i in batch])
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             logits, y = response_logits(draft, ids.to(device), targets.to(device))  # [M, V], [M]
@@ -268,41 +250,28 @@ def _trainable(draft: PreTrainedModel) -> dict[str, torch.nn.Parameter]:
 def save_checkpoint(
     folder: Path, draft: PreTrainedModel, optimizer, step: int, cfg: DraftTrainConfig, log: list, target: dict
 ) -> None:
-    """Write a complete checkpoint folder, then swap it in (a crash leaves the previous one intact)."""
-    final = folder / CHECKPOINT_DIR
-    tmp = folder / (CHECKPOINT_DIR + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    weights = {name: p.detach().contiguous() for name, p in _trainable(draft).items()}
-    save_file(weights, str(tmp / "trainable.safetensors"))
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")  # tensors + numbers only: weights_only load
-    state = {"step": step, "config": asdict(cfg), "target": target, "log": log}
-    (tmp / "state.json").write_text(json.dumps(state, indent=1))
-    publish_folder(tmp, final)
+    """Write <folder>/checkpoint atomically: the trained weights, optimizer, step, settings, log and the
+    target's identity."""
+    weights = dict(_trainable(draft))
+    checkpoint.save(folder / CHECKPOINT_DIR, weights, optimizer, step, cfg, log, extra={"target": target})
 
 
 def load_checkpoint(
     folder: Path, draft: PreTrainedModel, optimizer, cfg: DraftTrainConfig, target: dict
 ) -> tuple[int, list]:
-    """Restore the trained weights, optimizer, step and log; refuses other settings or another target."""
+    """Restore the trained weights and optimizer from <folder>/checkpoint; returns (step, log). Refuses
+    (before changing anything) a corrupt checkpoint, other settings or another target."""
     ckpt = folder / CHECKPOINT_DIR
-    state = json.loads((ckpt / "state.json").read_text())
-    check_same_settings(ckpt, state["config"], cfg, RESUMABLE_CHANGES)
-    made_for = state.get("target", {})
-    if not fingerprints_match(made_for.get("fingerprint", []), target["fingerprint"]):
-        raise ValueError(
-            f"{ckpt}: made for the target {made_for.get('name')!r}, not {target['name']!r}; "
-            "use another --out or the same target model"
-        )
-    weights = load_file(ckpt / "trainable.safetensors")
-    params = _trainable(draft)
-    if set(weights) != set(params):
-        raise ValueError(f"{ckpt}: corrupt checkpoint (its tensors are not the draft's trained weights)")
-    with torch.no_grad():
-        for name, p in params.items():
-            p.copy_(weights[name])
-    optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
-    return int(state["step"]), list(state["log"])
+
+    def same_target(extra: dict) -> None:
+        made_for = extra.get("target", {})
+        if not fingerprints_match(made_for.get("fingerprint", []), target["fingerprint"]):
+            raise checkpoint.CheckpointError(
+                f"{ckpt}: made for the target {made_for.get('name')!r}, not {target['name']!r}; "
+                "use another --out or the same target model"
+            )
+
+    return checkpoint.load(ckpt, dict(_trainable(draft)), optimizer, cfg, RESUMABLE_CHANGES, same_target)
 
 
 # -- the training loop -------------------------------------------------------------------------------
@@ -341,7 +310,7 @@ def train_draft_model(cfg: DraftTrainConfig, target_model=None, resume: bool = F
         lr=cfg.lr,
     )
     step, log = 0, []
-    if resume and (out / CHECKPOINT_DIR / "state.json").is_file():
+    if resume and checkpoint.exists(out / CHECKPOINT_DIR):
         step, log = load_checkpoint(out, draft, optimizer, cfg, target)
         print(f"resumed from {out / CHECKPOINT_DIR} at step {step}")
     elif (out / CHECKPOINT_DIR).exists():
@@ -407,5 +376,5 @@ def train_draft_model(cfg: DraftTrainConfig, target_model=None, resume: bool = F
     }
     draft.requires_grad_(False)
     draft.to(save_dtype).save_pretrained(out / MODEL_DIR)  # transformers 5 writes safetensors only
-    (out / "training.json").write_text(json.dumps(record, indent=1))
+    atomic_write_json(out / "training.json", record, indent=1)
     return record

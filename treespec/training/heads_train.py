@@ -12,17 +12,14 @@ sequences) and cached on disk beside the output; training then only runs the hea
 output layer. The loop runs unchanged under `accelerate launch` (DDP across processes): every process
 reads the same cached states and trains on its own slice of each batch.
 
-Checkpoints are atomic (a complete folder replaces the previous one) and `resume=True` continues from
-the last one with the same data order, so a killed run loses at most `checkpoint_every` steps.
+Checkpoints (`training.checkpoint`) are atomic (a complete folder replaces the previous one) and
+`resume=True` continues from the last one with the same data order, so a killed run loses at most
+`checkpoint_every` steps.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import math
-import os
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,11 +32,15 @@ from tqdm import tqdm
 
 from ..drafters.heads import MedusaHeads, model_identity
 from ..drafters.self_spec import layer_hidden_states
+from ..io import atomic_write, atomic_write_json
+from . import checkpoint
+from .batching import length_batches
 from .distill import load_distill_data
+from .schedule import lr_at
 
 HIDDEN_NAME = "hidden_states-v2.safetensors"  # v2: tokens from t+1 on
 CHECKPOINT_DIR = "checkpoint"
-RESUMABLE_CHANGES = ("max_steps", "eval_every", "checkpoint_every")  # may differ on --resume
+RESUMABLE_CHANGES = checkpoint.RESUMABLE_CHANGES  # may differ on --resume
 
 
 @dataclass
@@ -79,15 +80,7 @@ def last_hidden_states(
     """The base model's final-norm hidden state at every position: list of [T_i, H] (model dtype).
     With `layer` k > 0: the final norm of the residual stream after the first k layers instead."""
     out: list[Tensor | None] = [None] * len(sequences)
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
-    batches, batch = [], []
-    for i in order:
-        if batch and (len(batch) + 1) * len(sequences[i]) > batch_tokens:
-            batches.append(batch)
-            batch = []
-        batch.append(i)
-    if batch:
-        batches.append(batch)
+    batches = length_batches([len(s) for s in sequences], max_tokens=batch_tokens)
     base = model.base_model
     for batch in tqdm(batches, desc=desc, unit="batch"):
         width = max(len(sequences[i]) for i in batch)
@@ -150,12 +143,8 @@ def cached_examples(
         hidden = [torch.cat([h[1:], h[-1:]]) for h in hidden]  # [T, H]: row t holds position t+1
     x, y = head_examples(hidden, data.sequences, data.prompt_lengths, max(num_heads, 8))
     cache_folder.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    save_file(
-        {"x": x.contiguous(), "y": y.contiguous(), "num_sequences": torch.tensor(len(data.sequences))},
-        str(tmp),
-    )
-    os.replace(tmp, path)
+    tensors = {"x": x.contiguous(), "y": y.contiguous(), "num_sequences": torch.tensor(len(data.sequences))}
+    atomic_write(path, lambda tmp: save_file(tensors, tmp))
     return x, y[:, : num_heads + 1]
 
 
@@ -215,62 +204,20 @@ def evaluate(
     }
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up, then cosine decay to 10% of the peak."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
-
-
 # -- checkpoints -------------------------------------------------------------------------------------
 
 
 def save_checkpoint(
     folder: Path, heads: MedusaHeads, optimizer, step: int, cfg: TrainConfig, log: list
 ) -> None:
-    """Write a complete checkpoint folder, then swap it in (a crash leaves the previous one intact)."""
-    final = folder / CHECKPOINT_DIR
-    tmp = folder / (CHECKPOINT_DIR + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    heads.save_pretrained(tmp)
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")  # tensors + numbers only: weights_only load
-    (tmp / "state.json").write_text(json.dumps({"step": step, "config": asdict(cfg), "log": log}, indent=1))
-    publish_folder(tmp, final)
-
-
-def publish_folder(tmp: Path, final: Path) -> None:
-    """Replace `final` by the complete folder `tmp` (the previous one is kept aside until the swap)."""
-    old = final.with_name(final.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def check_same_settings(ckpt: Path, saved: dict, cfg, resumable: tuple[str, ...]) -> None:
-    """Refuse to resume `ckpt` (saved with settings `saved`) under other settings than `cfg`'s, except the
-    `resumable` ones (e.g. max_steps)."""
-    saved = {k: v for k, v in saved.items() if k not in resumable}
-    wanted = {k: v for k, v in asdict(cfg).items() if k not in resumable}
-    if saved != wanted:
-        diff = {k: (saved.get(k), wanted.get(k)) for k in wanted if saved.get(k) != wanted.get(k)}
-        raise ValueError(
-            f"{ckpt}: made with other settings {diff} (checkpoint's, now); "
-            "use another --out or the same settings"
-        )
+    """Write <folder>/checkpoint atomically: the heads' tensors, optimizer, step, settings and log."""
+    checkpoint.save(folder / CHECKPOINT_DIR, heads.state_dict(), optimizer, step, cfg, log)
 
 
 def load_checkpoint(folder: Path, heads: MedusaHeads, optimizer, cfg: TrainConfig) -> tuple[int, list]:
-    """Restore heads, optimizer, step and log; refuses a checkpoint made with other settings."""
-    ckpt = folder / CHECKPOINT_DIR
-    state = json.loads((ckpt / "state.json").read_text())
-    check_same_settings(ckpt, state["config"], cfg, RESUMABLE_CHANGES)
-    loaded = MedusaHeads.from_pretrained(ckpt, dtype=torch.float32)
-    heads.load_state_dict(loaded.state_dict())
-    optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
-    return int(state["step"]), list(state["log"])
+    """Restore heads and optimizer from <folder>/checkpoint; returns (step, log). Refuses (before
+    changing anything) a corrupt checkpoint or one made with other settings."""
+    return checkpoint.load(folder / CHECKPOINT_DIR, heads.state_dict(), optimizer, cfg, RESUMABLE_CHANGES)
 
 
 # -- the training loop -------------------------------------------------------------------------------
@@ -330,7 +277,7 @@ def train_heads(cfg: TrainConfig, model=None, resume: bool = False, accelerator=
     heads.base_model = model_identity(model)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     step, log = 0, []
-    if resume and (out / CHECKPOINT_DIR / "state.json").is_file():
+    if resume and checkpoint.exists(out / CHECKPOINT_DIR):
         step, log = load_checkpoint(out, heads, optimizer, cfg)
         accelerator.print(f"resumed from {out / CHECKPOINT_DIR} at step {step}")
     ddp_heads, optimizer = accelerator.prepare(heads, optimizer)
@@ -391,7 +338,7 @@ def train_heads(cfg: TrainConfig, model=None, resume: bool = False, accelerator=
             "log": log,
         }
         heads.to(torch.bfloat16).save_pretrained(out / "heads")
-        (out / "training.json").write_text(json.dumps(record, indent=1))
+        atomic_write_json(out / "training.json", record, indent=1)
     accelerator.wait_for_everyone()
     return record
 
@@ -408,4 +355,4 @@ def _write_rank_checksum(out: Path, heads: MedusaHeads, rank: int, world: int) -
     for name, tensor in sorted(heads.state_dict().items()):
         digest.update(name.encode())
         digest.update(tensor.detach().float().contiguous().numpy().tobytes())
-    (out / f"rank-{rank}.json").write_text(json.dumps({"rank": rank, "sha256": digest.hexdigest()}))
+    atomic_write_json(out / f"rank-{rank}.json", {"rank": rank, "sha256": digest.hexdigest()}, indent=None)
