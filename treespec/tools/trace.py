@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.tree import Tree
+from ..io import atomic_write_json
 
 FORMAT = "treespec.trace"
 VERSION = 1
@@ -122,9 +123,8 @@ class Trace:
         return {"format": FORMAT, "version": VERSION, **asdict(self)}
 
     def save(self, path: str | Path) -> None:
-        """Write the trace as JSON (UTF-8, non-ASCII kept readable)."""
-        text = json.dumps(self.to_dict(), ensure_ascii=False, allow_nan=False)
-        Path(path).write_text(text + "\n", encoding="utf-8")
+        """Write the trace as JSON (UTF-8, non-ASCII kept readable), atomically."""
+        atomic_write_json(path, self.to_dict(), indent=None, ensure_ascii=False, allow_nan=False)
 
     @classmethod
     def load(cls, path: str | Path) -> Trace:

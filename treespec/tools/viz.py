@@ -27,6 +27,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from ..core.tree import Tree
+from ..io import atomic_write, atomic_write_text
 from .trace import Trace
 
 PICTURE_FORMATS = (".png", ".svg")
@@ -334,7 +335,8 @@ def _render(
     if path is not None:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Glyph .* missing from font")
-            fig.savefig(path, format=Path(path).suffix.lower()[1:], dpi=130, bbox_inches="tight")
+            fmt = Path(path).suffix.lower()[1:]
+            atomic_write(path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=130, bbox_inches="tight"))
 
 
 # ----- HTML -----
@@ -402,7 +404,7 @@ def write_html(trace: Trace, path: str | Path, title: str | None = None) -> None
         .replace("__SCRIPT__", _SCRIPT)
         .replace("__DATA__", payload)
     )
-    Path(path).write_text(page, encoding="utf-8")
+    atomic_write_text(path, page)
 
 
 def _escape(text: str) -> str:
