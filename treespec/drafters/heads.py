@@ -23,8 +23,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
+
+from ..io import atomic_write, atomic_write_text
 
 FORMAT = "treespec.medusa_heads"
 VERSION = 1  # version 1 files without the `sequential` / `draft_vocab_size` fields still load
@@ -423,8 +423,8 @@ class MedusaHeads(nn.Module):
         folder.mkdir(parents=True, exist_ok=True)
         tensors = {name: t.detach().contiguous().cpu() for name, t in self.state_dict().items()}
         config_text = json.dumps(self.config, indent=2) + "\n"
-        _atomic_write(folder / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
-        _atomic_write(folder / CONFIG_NAME, lambda tmp: Path(tmp).write_text(config_text))
+        atomic_write(folder / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+        atomic_write_text(folder / CONFIG_NAME, config_text)
 
     @classmethod
     def from_pretrained(
@@ -493,20 +493,6 @@ _CONFIG_FIELDS = (
     "draft_vocab_size",
     "exit_layer",
 )
-
-
-def _atomic_write(path: Path, write: Callable[[str], Any]) -> None:
-    """Write through `write(tmp_path)` into a temp file next to `path`, fsync it, then os.replace."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as file:
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def _read_config(folder: Path) -> dict[str, Any]:
