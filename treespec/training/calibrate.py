@@ -18,8 +18,6 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..core.attention import tree_attention_enabled
-from ..core.cache import TreeKVCache
 from ..core.tree import Tree
 from ..drafters.heads import MedusaHeads
 from .objective import best_rate
@@ -70,38 +68,27 @@ def forward_costs(
     repeats: int = 5,
     table: Sequence[Sequence[float]] | None = None,
 ) -> dict[int, float]:
-    """Seconds of one speculative step (draft + forward over n nodes + logits) after `prefix` tokens.
+    """Seconds of one speculative step (draft + forward over n nodes + logits + acceptance + commit) after
+    `prefix` tokens, measured through `Decoder.step` on a random prompt.
 
     table: the acceptance table; each budget is then timed with the tree `from_acceptance` builds for it
     (sequential heads draft depth by depth, so the tree's shape changes the drafting cost)."""
-    from ..core.attention import auto_kernel
-    from ..core.generate import _base_forward, _logits
+    from ..core.decoder import Decoder
     from ..drafters.medusa import make_drafter
 
     costs = {}
     gen = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size
-    param = next(model.parameters())
-    device = param.device
-    kernel = auto_kernel(device, param.dtype)
-    with tree_attention_enabled(model):
-        cache = TreeKVCache.for_model(model, prefix + max(budgets) + 1)
-        ids = torch.randint(0, vocab, (1, prefix), generator=gen).to(device)
-        hidden = _base_forward(model, ids, torch.arange(prefix, device=device)[None], cache, None, "sdpa")[-1]
-        cache.commit_all()
-        for n in budgets:
-            tree = Tree.from_acceptance(table, n) if table else _tree_for_budget(n, heads.num_heads)
-            drafter = make_drafter(heads, tree, model)
-            mask, depth = tree.ancestor_mask.to(device), tree.depth.to(device)
-            times = []
-            for _ in range(repeats + 1):
-                t0 = time.perf_counter()
-                tokens = drafter.draft(hidden, 0)  # [n]
-                h = _base_forward(model, tokens[None], (prefix + depth)[None], cache, mask, kernel)
-                _logits(model, h).argmax(-1).tolist()
-                times.append(time.perf_counter() - t0)
-                cache.pending = 0  # roll back the block
-            costs[n] = sorted(times[1:])[len(times[1:]) // 2]  # median after one warm-up
+    prompt = torch.randint(0, model.config.vocab_size, (prefix,), generator=gen).tolist()
+    for n in budgets:
+        tree = Tree.from_acceptance(table, n) if table else _tree_for_budget(n, heads.num_heads)
+        decoder = Decoder(model, make_drafter(heads, tree, model), acceptance="greedy")
+        decoder.prefill(prompt, max_new_tokens=(repeats + 1) * (tree.max_depth + 1))
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            decoder.step()
+            times.append(time.perf_counter() - t0)
+        costs[n] = sorted(times[1:])[len(times[1:]) // 2]  # median after one warm-up
     return costs
 
 
