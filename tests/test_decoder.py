@@ -141,3 +141,19 @@ def test_the_heads_own_tree_is_the_default_and_an_explicit_tree_wins():
     assert treespec.generate(model, heads, [1, 2], max_new_tokens=6).tree == heads.tree
     explicit = treespec.default_tree(8, 4)
     assert treespec.generate(model, heads, [1, 2], tree=explicit, max_new_tokens=6).tree == explicit
+
+
+def test_exit_heads_are_their_own_class(tmp_path):
+    model = tiny_model("llama", num_hidden_layers=4)
+    head = treespec.ExitHead.for_model(model, exit_layer=2)
+    assert isinstance(head, treespec.ExitHead) and head.exit_layer == 2 and head.num_heads == 1
+    head.save_pretrained(tmp_path / "exit")
+    loaded = treespec.MedusaHeads.from_pretrained(tmp_path / "exit", model=model)
+    assert isinstance(loaded, treespec.ExitHead)
+    with pytest.raises(ValueError, match="exit heads"):
+        treespec.make_drafter(loaded, treespec.default_tree(4, 1), model)
+    random_heads(model).save_pretrained(tmp_path / "medusa")
+    with pytest.raises(treespec.HeadsLoadError, match="MedusaHeads"):
+        treespec.ExitHead.from_pretrained(tmp_path / "medusa")
+    with pytest.raises(ValueError, match="one independent head"):
+        treespec.ExitHead(2, 48, 96, exit_layer=1)

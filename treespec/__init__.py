@@ -15,7 +15,7 @@ from .core.stats import GenerationStats
 from .core.tree import DEFAULT_TREE_SIZES, Tree, default_tree
 from .drafters.base import BaseDrafter, Drafter, DrafterReport, Proposal, RootOnlyDrafter, SequenceStart
 from .drafters.draft_model import DraftModelDrafter
-from .drafters.heads import HeadsLoadError, MedusaHeads
+from .drafters.heads import ExitHead, HeadsLoadError, MedusaHeads
 from .drafters.lookup import LookupDrafter
 from .drafters.medusa import MedusaDrafter, SequentialDrafter, make_drafter
 from .drafters.self_spec import SelfSpeculativeDrafter
@@ -30,6 +30,7 @@ __all__ = [
     "Decoder",
     "Drafter",
     "DrafterReport",
+    "ExitHead",
     "KVCacheBase",
     "Proposal",
     "SequenceStart",

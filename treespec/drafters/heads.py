@@ -364,7 +364,8 @@ class MedusaHeads(nn.Module):
         """
         hidden_size, vocab_size = _model_sizes(model)
         reference = _reference_weight(model)
-        heads = cls(
+        kind = ExitHead if exit_layer else cls
+        heads = kind(
             num_heads,
             hidden_size,
             vocab_size,
@@ -458,8 +459,11 @@ class MedusaHeads(nn.Module):
                     "(scripts/calibrate_tree.py) or remove tree.json"
                 )
         tensors = _read_weights(folder)
+        kind = ExitHead if config.get("exit_layer", 0) else MedusaHeads
+        if not issubclass(kind, cls):
+            raise HeadsLoadError(f"{folder} holds {kind.__name__} weights; load them with {kind.__name__}")
         with torch.device("meta"):
-            heads = cls(**{k: config[k] for k in _CONFIG_FIELDS if k in config})
+            heads = kind(**{k: config[k] for k in _CONFIG_FIELDS if k in config})
         _check_tensors(folder, tensors, heads.state_dict(), config["vocab_size"])
         heads.load_state_dict(tensors, strict=True, assign=True)
 
@@ -493,6 +497,26 @@ _CONFIG_FIELDS = (
     "draft_vocab_size",
     "exit_layer",
 )
+
+
+class ExitHead(MedusaHeads):
+    """One head on the residual stream after the base model's first `exit_layer` layers (through the final
+    norm), predicting the next token: the drafter of self-speculative decoding (`drafters.self_spec`).
+    Same weights and checkpoint format as MedusaHeads; `from_pretrained` gives this class for a folder
+    whose config has exit_layer > 0, and Medusa drafters refuse it."""
+
+    def __init__(self, *args, exit_layer: int = 1, **kwargs):
+        super().__init__(*args, exit_layer=exit_layer, **kwargs)
+        if self.exit_layer < 1 or self.num_heads != 1 or self.sequential:
+            raise ValueError(
+                f"an exit head is one independent head with exit_layer >= 1; got num_heads={self.num_heads}, "
+                f"sequential={self.sequential}, exit_layer={self.exit_layer}"
+            )
+
+    @classmethod
+    def for_model(cls, model: nn.Module, exit_layer: int = 1, **kwargs) -> ExitHead:
+        """A fresh (identity) exit head on layer `exit_layer` of `model`."""
+        return MedusaHeads.for_model(model, num_heads=1, exit_layer=exit_layer, **kwargs)
 
 
 def _read_config(folder: Path) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import torch
 
 from ..core.tree import Tree
 from .base import BaseDrafter, Proposal, single_row
-from .heads import MedusaHeads
+from .heads import ExitHead, MedusaHeads
 
 
 class MedusaDrafter(BaseDrafter):
@@ -96,7 +96,7 @@ def make_drafter(heads: MedusaHeads, tree: Tree, model: torch.nn.Module) -> Medu
 
 
 def _check_depth(heads: MedusaHeads, tree: Tree) -> None:
-    if heads.exit_layer:
+    if isinstance(heads, ExitHead) or heads.exit_layer:
         raise ValueError(
             f"these are exit heads (exit_layer={heads.exit_layer}) for self-speculative drafting: "
             "use treespec.SelfSpeculativeDrafter(model, heads, gamma)"

@@ -11,8 +11,8 @@ token is done once:
     verify:  hidden = norm(layers[k:L](h_k[0..gamma], positions c..c+gamma))             (K/V -> cache)
 
 The lower layers see exactly the tokens and positions a full forward would, so the result equals a full
-verification up to float rounding (tested); greedy output equals the base model's. The exit head is a
-`MedusaHeads` with `exit_layer=k` and one head, trained by the same self-distillation pipeline
+verification up to float rounding (tested); greedy output equals the base model's. The exit head is an
+`ExitHead` (one head on layer k, in the MedusaHeads checkpoint format), trained by the same pipeline
 (`scripts/train_heads.py --exit-layer k`). The model must be a Llama-style transformers decoder
 (`model.model.layers`, `rotary_emb`, `norm`): Llama, Qwen2, Mistral.
 """
@@ -26,7 +26,7 @@ import torch
 from ..core.attention import AttentionPlan
 from .base import BaseDrafter, DrafterReport, Proposal, Scorer, SequenceStart, single_row
 from .draft_model import DraftStats, accepted_prefix, chain_tree
-from .heads import MedusaHeads
+from .heads import ExitHead
 
 
 def decoder_parts(model):
@@ -74,7 +74,7 @@ def layer_hidden_states(model, ids: torch.Tensor, layer: int) -> torch.Tensor:
 class SelfSpeculativeDrafter(BaseDrafter):
     """Chain drafter over the base model's first `exit_head.exit_layer` layers; verification reuses them."""
 
-    def __init__(self, model, exit_head: MedusaHeads, gamma: int = 4):
+    def __init__(self, model, exit_head: ExitHead, gamma: int = 4):
         k = exit_head.exit_layer
         embed, layers, _, norm = decoder_parts(model)
         if not 0 < k < len(layers):
