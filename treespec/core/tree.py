@@ -24,6 +24,8 @@ from pathlib import Path
 import networkx as nx
 import torch
 
+from ..io import atomic_write_text
+
 FORMAT = "treespec.tree"
 VERSION = 1
 
@@ -237,8 +239,8 @@ class Tree:
             raise ValueError(f"{source}: {e}") from None
 
     def save(self, path: str | Path) -> None:
-        """Write :meth:`to_json` to ``path``."""
-        Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
+        """Write :meth:`to_json` to ``path`` (atomically: a crash leaves the old file or the new one)."""
+        atomic_write_text(Path(path), self.to_json() + "\n")
 
     @classmethod
     def load(cls, path: str | Path, max_depth: int | None = None) -> Tree:
