@@ -1,10 +1,11 @@
 # Two commands: `make demo` (see treespec run on the embedded default model) and `make test`.
+# `make wheel` builds dist/treespec-*.whl (with the default model's heads and the Spec-Bench questions).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench wheel clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,5 +30,10 @@ lint: install
 bench: install
 	$(PY) scripts/bench.py --num-prompts 16 --dtype bfloat16
 
+# build/ is removed first so that files deleted from the checkout cannot linger in the wheel
+wheel: install
+	rm -rf build
+	$(PIP) wheel --no-deps --no-build-isolation -w dist .
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info

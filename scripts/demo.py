@@ -3,8 +3,8 @@
 Shows the first answer from both runs, then for every prompt the tokens/s of each run, the speedup and
 the mean accepted length, and the overall speedup (all tokens / all time). One prompt says little:
 the accepted length varies from about 1.5 to 4 tokens per step from one prompt to the next. Uses the
-trained heads under heads/smollm2-135m-instruct/ when they exist, untrained heads (no speedup)
-otherwise.
+default model's trained heads and their calibrated tree (heads/smollm2-135m-instruct/, packaged in the
+wheel as well) when they exist, untrained heads (no speedup) otherwise.
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ from pathlib import Path
 import torch
 
 import treespec
+from treespec.tools.models import default_heads_folder
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_HEADS = ROOT / "heads" / "smollm2-135m-instruct"
 PROMPTS = [
     "Explain in a few sentences why the sky is blue.",
     "Write a Python function that returns the n-th Fibonacci number, with a short docstring.",
@@ -32,11 +31,10 @@ PROMPTS = [
 
 
 def load_heads(model, folder: Path) -> tuple[treespec.MedusaHeads, treespec.Tree | None, str]:
-    """Trained heads (and their calibrated tree) if present, else untrained identity heads."""
+    """Trained heads (and their calibrated tree, heads.tree) if present, else untrained identity heads."""
     if (folder / "config.json").is_file():
         heads = treespec.MedusaHeads.from_pretrained(folder, model=model)
-        tree = treespec.Tree.load(folder / "tree.json") if (folder / "tree.json").is_file() else None
-        return heads, tree, f"trained heads from {folder.relative_to(ROOT)}"
+        return heads, heads.tree, f"trained heads from {folder}"
     return (
         treespec.MedusaHeads.for_model(model, num_heads=4),
         None,
@@ -49,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", default=None, help="one prompt instead of the built-in five")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--heads", type=Path, default=DEFAULT_HEADS)
+    parser.add_argument("--heads", type=Path, default=default_heads_folder())
     parser.add_argument("--lookup", type=int, default=8, help="prompt-lookup branch nodes (0: heads only)")
     args = parser.parse_args(argv)
     prompts = [args.prompt] if args.prompt else PROMPTS
