@@ -157,3 +157,11 @@ def test_exit_heads_are_their_own_class(tmp_path):
         treespec.ExitHead.from_pretrained(tmp_path / "medusa")
     with pytest.raises(ValueError, match="one independent head"):
         treespec.ExitHead(2, 48, 96, exit_layer=1)
+
+
+def test_saved_heads_keep_their_tree(tmp_path):
+    model = tiny_model("llama")
+    heads = random_heads(model)
+    heads.tree = treespec.Tree.from_choices([[0], [1], [0, 0]])
+    heads.save_pretrained(tmp_path)
+    assert treespec.MedusaHeads.from_pretrained(tmp_path, model=model).tree == heads.tree

@@ -37,6 +37,7 @@ FORMAT = "treespec.medusa_heads"
 VERSION = 1  # version 1 files without the `sequential` / `draft_vocab_size` fields still load
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+TREE_NAME = "tree.json"
 FINGERPRINT_SIZE = 16
 FINGERPRINT_RTOL = 1e-2
 FINGERPRINT_ATOL = 1e-6
@@ -419,13 +420,16 @@ class MedusaHeads(nn.Module):
     # -----------------------------------------------------------------------------------------------------
 
     def save_pretrained(self, folder: str | os.PathLike) -> None:
-        """Write folder/config.json and folder/model.safetensors, each replaced atomically."""
+        """Write folder/config.json, folder/model.safetensors and (when the heads have one) tree.json,
+        each replaced atomically."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         tensors = {name: t.detach().contiguous().cpu() for name, t in self.state_dict().items()}
         config_text = json.dumps(self.config, indent=2) + "\n"
         atomic_write(folder / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
         atomic_write_text(folder / CONFIG_NAME, config_text)
+        if self.tree is not None:  # the calibrated tree travels with the heads
+            self.tree.save(folder / TREE_NAME)
 
     @classmethod
     def from_pretrained(
@@ -446,7 +450,7 @@ class MedusaHeads(nn.Module):
 
         folder = Path(folder)
         config = _read_config(folder)
-        tree, tree_path = None, folder / "tree.json"
+        tree, tree_path = None, folder / TREE_NAME
         if tree_path.is_file():
             try:
                 tree = Tree.load(tree_path)
