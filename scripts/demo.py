@@ -46,14 +46,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt", default=None, help="one prompt instead of the built-in five")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     parser.add_argument("--heads", type=Path, default=default_heads_folder())
     parser.add_argument("--lookup", type=int, default=8, help="prompt-lookup branch nodes (0: heads only)")
     args = parser.parse_args(argv)
     prompts = [args.prompt] if args.prompt else PROMPTS
 
-    print(f"loading {treespec.tools.models.DEFAULT_MODEL_NAME} ({args.dtype}) ...", flush=True)
-    model, tokenizer = treespec.load_model(dtype=args.dtype)
+    dtype = treespec.tools.models.fast_dtype() if args.dtype == "auto" else args.dtype
+    name = str(dtype).removeprefix("torch.")
+    print(f"loading {treespec.tools.models.DEFAULT_MODEL_NAME} ({name}) ...", flush=True)
+    model, tokenizer = treespec.load_model(dtype=dtype)
     heads, tree, heads_note = load_heads(model, args.heads)
     tree = tree or treespec.default_tree(32, heads.num_heads)
     print(f"{heads_note}; tree of {tree.num_nodes} nodes, depth {tree.max_depth}; lookup {args.lookup}")

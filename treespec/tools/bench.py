@@ -111,7 +111,7 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
         help="default tree size (default 32, or the heads folder's tree.json)",
     )
     p.add_argument("--num-heads", type=int, default=4, help="number of untrained heads (default 4)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
     p.add_argument("--device", default=None, help="torch device (default cpu)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=16, help="stratified subset size (0 = all)")
@@ -584,7 +584,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
     config = {
         "command": command,
         "model": args.model or model.config.name_or_path,
-        "dtype": args.dtype,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "device": str(device),
         "heads": heads_desc,
         "tree": tree_desc,

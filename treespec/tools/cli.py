@@ -97,7 +97,7 @@ def _add_tune(commands) -> None:
     p.add_argument(
         "--max-new-tokens", type=int, default=64, help="tokens per measured generation (default 64)"
     )
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--no-save", action="store_true", help="print the choice without writing tune.json")
     p.set_defaults(run=cmd_tune)
 
@@ -172,10 +172,10 @@ def _add_generate(commands) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
     p.add_argument(
         "--dtype",
-        default="bfloat16",
-        choices=["float32", "bfloat16", "float16"],
-        help="default bfloat16, the fast one on CPU (the shipped tree is calibrated for it); float32 gives "
-        "HF's float32 tokens exactly but measured slower than plain decoding on a CPU (see BENCHMARKS.md)",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="default auto: bfloat16 where the hardware computes it natively (CUDA, a CPU with "
+        "AVX512-BF16 / AMX), else float32 (emulated bf16 is ~3x slower); float32 gives HF's tokens exactly",
     )
     p.add_argument("--device", default=None, help="torch device (default cpu)")
     p.add_argument("--stream", action="store_true", help="print the text as it is generated")

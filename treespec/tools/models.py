@@ -109,6 +109,16 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
     atomic_folder(folder, write)  # a crash leaves the old folder or the new one, never neither
 
 
+def fast_dtype(device: torch.device | str | None = None) -> torch.dtype:
+    """The quicker of bfloat16 and float32 for decoding on `device`: bfloat16 on a CUDA device that has it
+    and on a CPU with bf16 matrix instructions (AVX512-BF16 / AMX, through oneDNN), else float32 (where
+    bf16 matmuls are emulated; measured ~3x slower than float32 on an AVX2 CPU)."""
+    device = torch.device(device or "cpu")
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+
+
 def load_model(
     name_or_path: str | os.PathLike | None = None,
     dtype: torch.dtype | str | None = None,
@@ -116,9 +126,11 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load (model, tokenizer). `None` loads the embedded default SmolLM2-135M-Instruct.
 
-    dtype: torch dtype or its name ("bfloat16", "float32", ...); default float32 (exact greedy output).
-    device: default "cpu".
+    dtype: torch dtype or its name ("bfloat16", "float32", ...; "auto": `fast_dtype(device)`); default
+    float32 (exact greedy output). device: default "cpu".
     """
+    if dtype == "auto":
+        dtype = fast_dtype(device)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     dtype = dtype or torch.float32
