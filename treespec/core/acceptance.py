@@ -115,26 +115,31 @@ def accept_typical(
     """Medusa's typical acceptance; falls back to greedy when temperature is 0.
 
     logits: [N, V] on any device; the bonus token is drawn on the generator's device (`draw_device`).
+    Distributions are computed only where they are read: at the M nodes that have children (about
+    half of a tree; a top-p sort costs ~7 ms per 49k-token row on a CPU) and at the last accepted node.
     """
     if config.greedy:
         return accept_greedy(tokens, children, logits)
-    probs = config.probs(logits)  # [N, V] on the logits' device
-    entropy = -(probs * probs.clamp_min(1e-30).log()).sum(dim=-1)  # [N]
-    cutoff = torch.clamp(alpha * torch.exp(-entropy), max=threshold).tolist()  # [N]
-    index = torch.tensor(tokens, device=probs.device).view(1, -1).expand(len(tokens), -1)  # [N, N]
-    p_token = probs.gather(1, index).tolist()  # [N][N]: p_u(token_c), read once (one sync)
+    inner = [node for node, kids in enumerate(children) if kids] or [0]  # [M] nodes whose children we test
+    row = {node: i for i, node in enumerate(inner)}
+    probs = config.probs(logits.index_select(0, torch.tensor(inner, device=logits.device)))  # [M, V]
+    entropy = -(probs * probs.clamp_min(1e-30).log()).sum(dim=-1)  # [M]
+    cutoff = torch.clamp(alpha * torch.exp(-entropy), max=threshold).tolist()  # [M]
+    index = torch.tensor(tokens, device=probs.device).view(1, -1).expand(len(inner), -1)  # [M, N]
+    p_token = probs.gather(1, index).tolist()  # [M][N]: p_u(token_c), read once (one sync)
 
     def deepest(node: int) -> list[int]:
         best: list[int] = [node]
         for c in children[node]:
-            if p_token[node][c] > cutoff[node]:
+            if p_token[row[node]][c] > cutoff[row[node]]:
                 sub = [node] + deepest(c)
                 if len(sub) > len(best):
                     best = sub
         return best
 
     path = deepest(0)
-    last = probs[path[-1]].to(draw_device(generator))  # [V]
+    last = probs[row[path[-1]]] if path[-1] in row else config.probs(logits[path[-1]])  # [V]
+    last = last.to(draw_device(generator))
     bonus = int(torch.multinomial(last, 1, generator=generator))
     return path, bonus
 
