@@ -323,3 +323,43 @@ def test_sampling_rule_reproducible_with_a_seed():
         for gen in (torch.Generator().manual_seed(7), torch.Generator().manual_seed(7))
     ]
     assert runs[0] == runs[1]
+
+
+def _typical_reference(tokens, children, logits, config, threshold=0.09, alpha=0.3, generator=None):
+    """Medusa's typical rule written out over every node's distribution (the fast one skips leaves)."""
+    probs = config.probs(logits)  # [N, V]
+    entropy = -(probs * probs.clamp_min(1e-30).log()).sum(dim=-1)  # [N]
+    cutoff = torch.clamp(alpha * torch.exp(-entropy), max=threshold)  # [N]
+
+    def deepest(node):
+        best = [node]
+        for c in children[node]:
+            if probs[node, tokens[c]] > cutoff[node]:
+                sub = [node, *deepest(c)]
+                if len(sub) > len(best):
+                    best = sub
+        return best
+
+    path = deepest(0)
+    return path, int(torch.multinomial(probs[path[-1]], 1, generator=generator))
+
+
+@pytest.mark.parametrize("tree", [TREE, treespec.default_tree(16, 4), treespec.Tree.from_choices([])])
+def test_typical_rule_matches_the_reference(tree):
+    children = [tree.children(i) for i in range(tree.num_nodes)]
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(40):
+        logits = torch.randn(tree.num_nodes, 40, generator=gen) * 4  # [N, V]
+        tokens = torch.randint(0, 40, (tree.num_nodes,), generator=gen).tolist()
+        for node in range(tree.num_nodes):  # make about half the drafts the parent's favourite
+            for c in children[node]:
+                if torch.rand((), generator=gen) < 0.5:
+                    tokens[c] = int(logits[node].argmax())
+        for config in (SamplingConfig(1.0), SamplingConfig(0.7, top_k=8), SamplingConfig(0.9, top_p=0.8)):
+            ours = accept_typical(
+                tokens, children, logits, config, generator=torch.Generator().manual_seed(trial)
+            )
+            ref = _typical_reference(
+                tokens, children, logits, config, generator=torch.Generator().manual_seed(trial)
+            )
+            assert ours == ref, (trial, config)
