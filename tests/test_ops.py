@@ -258,10 +258,10 @@ def test_fused_commit_equals_reference(num_layers, tree_size, steps, dtype, data
     tree = treespec.default_tree(tree_size, 4)
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
     fused, ref = _filled_caches(num_layers, 3, 16, 512, dtype, gen)
-    fused.committed = ref.committed = data.draw(st.integers(0, 100))
+    fused.committed = ref.committed = fused.length = ref.length = data.draw(st.integers(0, 100))
     for _ in range(steps):
         for cache in (fused, ref):
-            cache._reserve(tree.num_nodes)
+            cache.length = cache._reserve(tree.num_nodes)  # a forward wrote the tree block
         path = tree.path_to(data.draw(st.integers(0, tree.num_nodes - 1)))
         fused.commit(path)
         ref.commit(path)
