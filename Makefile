@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install demo test lint bench wheel clean
+.PHONY: install demo test lint bench wheel clean vllm-env
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,10 +30,17 @@ lint: install
 bench: install
 	$(PY) scripts/bench.py --num-prompts 16 --dtype bfloat16
 
+# vLLM's CPU build in its own environment (.venv-vllm), for the benchmark's vllm and vllm_ngram methods
+vllm-env: .venv-vllm/.installed
+
+.venv-vllm/.installed: scripts/make_vllm_env.sh
+	PYTHON=$(PYTHON) bash scripts/make_vllm_env.sh .venv-vllm
+	touch $@
+
 # build/ is removed first so that files deleted from the checkout cannot linger in the wheel
 wheel: install
 	rm -rf build
 	$(PIP) wheel --no-deps --no-build-isolation -w dist .
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) .venv-vllm build dist *.egg-info

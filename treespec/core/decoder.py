@@ -16,6 +16,7 @@ hidden); B = 1 for now.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -26,6 +27,7 @@ from ..drafters.base import Drafter, RootOnlyDrafter, SequenceStart
 from .acceptance import RULES, SamplingConfig, verify
 from .attention import KERNELS, AttentionPlan, auto_kernel, tree_attention_enabled
 from .cache import CacheCapacityError, TreeKVCache
+from .packed import packed_linears
 from .stats import GenerationStats
 
 
@@ -83,7 +85,10 @@ class Decoder:
         sampling: SamplingConfig | None = None,
         kernel: str = "auto",
         seed: int | None = None,
+        packed: bool = True,
     ):
+        """packed: run the model's linear layers on prepacked oneDNN weights during prefill and steps
+        (`core.packed`; CPU only, float32 or bf16 where oneDNN has it; ignored elsewhere)."""
         if acceptance not in RULES:
             raise ValueError(f"unknown acceptance rule {acceptance!r}; choose one of {RULES}")
         if kernel not in KERNELS and kernel != "auto":
@@ -101,10 +106,17 @@ class Decoder:
         self.depth = self.tree.depth.to(self.device)  # [N]
         self.scorer = self.drafter.scorer() or partial(full_forward, model)
         self.generator = None if seed is None else torch.Generator(self.device).manual_seed(seed)
+        self.packed = packed
         self.cache: TreeKVCache | None = None
         self.stats = GenerationStats()
         self.hidden: torch.Tensor | None = None  # [B, H] at the last committed token
         self.roots: torch.Tensor | None = None  # [B] the next root token
+
+    @contextlib.contextmanager
+    def running(self):
+        """The model's mode for treespec's forwards: tree attention, and packed linears when asked."""
+        with tree_attention_enabled(self.model), packed_linears(self.model, self.packed):
+            yield
 
     def clock(self) -> float:
         """Wall time; synchronises CUDA so phases are not mis-attributed."""
@@ -146,11 +158,12 @@ class Decoder:
         t0 = self.clock()
         ids = torch.tensor([prompt_ids], device=self.device)  # [1, P]
         positions = torch.arange(len(prompt_ids), device=self.device)[None]  # [1, P]
-        with tree_attention_enabled(self.model):
+        with self.running():
             hidden = full_forward(self.model, ids, positions, self.cache, AttentionPlan(self.kernel))
+            logits = output_logits(self.model, hidden[0, -1])  # [V]
         self.cache.commit_all()
         self.hidden = hidden[:, -1]  # [1, H]
-        root = self.sampling.sample(output_logits(self.model, self.hidden[0]), self.generator)
+        root = self.sampling.sample(logits, self.generator)
         self.roots = torch.tensor([root], device=self.device)  # [1]
         self.drafter.start(SequenceStart(list(prompt_ids) + [root], needed, self.cache, self.kernel))
         self.stats.time_prefill = self.clock() - t0
@@ -163,7 +176,7 @@ class Decoder:
             raise RuntimeError(
                 "Decoder.step() needs a sequence: call prefill(prompt_ids, max_new_tokens) first"
             )
-        with tree_attention_enabled(self.model):
+        with self.running():
             t0 = self.clock()
             proposal = self.drafter.propose(self.hidden, self.roots)  # tokens [1, N]
             t1 = self.clock()
@@ -195,12 +208,13 @@ class Decoder:
                 "Decoder.score() needs a sequence: call prefill(prompt_ids, max_new_tokens) first"
             )
         c = self.cache.committed
-        with tree_attention_enabled(self.model):
+        with self.running():
             hidden = (scorer or self.scorer)(
                 tokens, (c + self.depth)[None], self.cache, self.plan
             )  # [B, N, H]
+            logits = output_logits(self.model, hidden)  # [B, N, V]
         self.cache.rollback(c)
-        return output_logits(self.model, hidden)
+        return logits
 
     def finish(self, new_tokens: int, started: float) -> GenerationStats:
         """Close the sequence's statistics: tokens, total time since `started`, memory, drafter report."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.packed import PackedMatrix, packed_linears
 from ..core.tree import Tree
 from .base import BaseDrafter, Proposal, single_row
 from .heads import ExitHead, MedusaHeads
@@ -23,6 +24,7 @@ class MedusaDrafter(BaseDrafter):
         self.heads = heads
         self.tree = tree
         self.weight = heads.output_weight(lm_head)  # [V', H] shared output rows, gathered once
+        self.output = None if self.weight is None else PackedMatrix(self.weight)  # states -> logits [.., V']
         self.topk = max(tree.max_rank, 1)
         device = next(heads.parameters()).device
         self.token_index = tree.token_index(self.topk).to(device)  # [N] into [root, head0 top-k, ...]
@@ -30,8 +32,9 @@ class MedusaDrafter(BaseDrafter):
     def propose(self, hidden: torch.Tensor, roots: torch.Tensor) -> Proposal:
         hidden, root = single_row(hidden, roots)  # [H], int
         depth = self.tree.max_depth
-        states = self.heads.head_hidden(hidden.view(1, 1, -1), num_heads=depth)  # [K, 1, 1, H]
-        logits = self.heads.logits(states, self.weight)  # [K, 1, 1, V']
+        with packed_linears(self.heads):
+            states = self.heads.head_hidden(hidden.view(1, 1, -1), num_heads=depth)  # [K, 1, 1, H]
+            logits = _logits(self, states, None)  # [K, 1, 1, V']
         top = logits[:, 0, 0].float().softmax(dim=-1).topk(self.topk, dim=-1)  # values, indices: [K, topk]
         root_t = torch.tensor([root], device=top.indices.device)
         candidates = torch.cat([root_t, self.heads.token_ids(top.indices.flatten())])  # [1 + K*topk]
@@ -54,6 +57,7 @@ class SequentialDrafter(BaseDrafter):
         self.heads = heads
         self.tree = tree
         self.weight = heads.output_weight(lm_head)  # [V', H]
+        self.output = None if self.weight is None else PackedMatrix(self.weight)  # states -> logits [.., V']
         self.embedding = embedding.weight if hasattr(embedding, "weight") else embedding  # [V, H]
         device = next(heads.parameters()).device
         # per depth d: expanded nodes [n_d], their parents, children [c_d], child's parent row, child rank, k
@@ -79,13 +83,22 @@ class SequentialDrafter(BaseDrafter):
         for d, (expanded, parents, children, row, rank, k) in enumerate(self.levels):
             before = hidden[None] if d == 0 else states[parents]  # [n_d, H] state of each node's parent
             emb = self.heads.embed_tokens(self.embedding, tokens[expanded])  # [n_d, H]
-            u = self.heads.advance(d, before, emb)  # [n_d, H]
+            with packed_linears(self.heads):
+                u = self.heads.advance(d, before, emb)  # [n_d, H]
+                logits = _logits(self, u, d)  # [n_d, V']
             states[expanded] = u.to(states.dtype)
-            logits = self.heads.logits(u, self.weight, head=d)  # [n_d, V']
             top = logits.float().softmax(dim=-1).topk(k, dim=-1)  # values, indices: [n_d, k]
             tokens[children] = self.heads.token_ids(top.indices[row, rank])  # [c_d]
             probs[children] = top.values[row, rank]
         return Proposal(tokens[None], probs[None])  # [1, N] each
+
+
+def _logits(drafter, states: torch.Tensor, head: int | None) -> torch.Tensor:
+    """Draft-vocabulary logits of head states [..., H] -> [..., V'] (the shared output rows through their
+    prepacked copy; heads with their own output layers through those)."""
+    if drafter.output is not None:
+        return drafter.output(states)
+    return drafter.heads.logits(states, None, head=head)
 
 
 def make_drafter(heads: MedusaHeads, tree: Tree, model: torch.nn.Module) -> MedusaDrafter | SequentialDrafter:

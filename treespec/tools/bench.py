@@ -18,6 +18,9 @@ Methods (all run in the same process on the same prompt token ids):
     self_spec         `treespec.generate` with a SelfSpeculativeDrafter (`--exit-head`)
     hf_assisted       HF `model.generate(assistant_model=<--draft-model>)`, num_assistant_tokens = gamma
                       with the constant schedule (the same chain length as draft_model)
+    vllm              vLLM's CPU build (`make vllm-env`), plain greedy decoding, in a subprocess that gets
+                      the same prompt token ids (`tools.peers`)
+    vllm_ngram        the same with vLLM's n-gram speculation (`--vllm-ngram` tokens per step, default 5)
 
 gamma per drafter: `--gamma`, else the drafter folder's tune.json (`treespec tune`), else 4.
 Heads, tree, draft model and exit head come from the options as in `treespec generate`
@@ -61,7 +64,8 @@ from ..core.tree import DEFAULT_TREE_SIZES, Tree, default_tree
 from ..drafters.heads import MedusaHeads
 from ..io import atomic_write_json
 from . import drafter_options as options
-from .models import default_data_file
+from .models import default_data_file, default_model_folder
+from .peers import VllmPeer
 
 DEFAULT_OUT_DIR = Path("bench_results")  # relative to the working directory
 STORAGE_METHODS = {
@@ -81,7 +85,8 @@ SPECULATIVE = (  # the methods that draft and verify
     TREE_METHOD,
     "self_spec",
 )
-METHODS = ("hf", "hf_prompt_lookup", "baseline", "baseline_sdpa", *SPECULATIVE, "hf_assisted")
+PEER_METHODS = {"vllm": 0, "vllm_ngram": None}  # name -> n-gram tokens (None: --vllm-ngram)
+METHODS = ("hf", "hf_prompt_lookup", "baseline", "baseline_sdpa", *SPECULATIVE, "hf_assisted", *PEER_METHODS)
 DEFAULT_METHODS = ("hf", "hf_prompt_lookup", "baseline", "treespec")
 REFERENCE = "hf"
 WARMUP_PROMPT = "Say hello in one short sentence."
@@ -135,6 +140,10 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
         "--out", default=None, help=f"results JSON (default {DEFAULT_OUT_DIR}/bench-<timestamp>.json)"
     )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave)")
+    p.add_argument(
+        "--vllm-python", default=None, help="python of vLLM's environment (default .venv-vllm, `make vllm-env`)"
+    )
+    p.add_argument("--vllm-ngram", type=int, default=5, help="vllm_ngram: tokens per step (default 5)")
     args = p.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in args.methods if m not in METHODS]
@@ -327,6 +336,26 @@ def make_runners(
     if missing:
         raise ValueError(f"method(s) {missing} need --draft-model (draft_model*, hf_assisted) or --exit-head")
     return {name: runners[name] for name in methods}
+
+
+def start_peers(args, model) -> dict:
+    """name -> VllmPeer for the vLLM methods asked for (each its own engine, started now)."""
+    peers = {}
+    folder = args.model or default_model_folder()
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    for name, ngram in PEER_METHODS.items():
+        if name in args.methods:
+            log = Path(args.out or DEFAULT_OUT_DIR / "x").parent / f"{name}-worker.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            print(f"starting {name} (vLLM worker log: {log})", file=sys.stderr)
+            k = args.vllm_ngram if ngram is None else ngram
+            peers[name] = VllmPeer(folder, dtype, ngram=k, python=args.vllm_python, log=log)
+    return peers
+
+
+def peer_runner(peer: VllmPeer):
+    """A bench runner over a peer engine: its tokens, up to and including the first eos."""
+    return lambda ids, m: {"token_ids": peer.run(ids, m)["token_ids"]}
 
 
 def timed(run, ids, max_new_tokens, device) -> tuple[dict, float]:
@@ -579,7 +608,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
     if {"treespec", "treespec_sdpa", "treespec_lookup"} & set(args.methods):
         heads, tree, heads_desc, tree_desc = load_heads_and_tree(args, model)
     chains = load_chain_drafters(args, model)
-    runners = make_runners(model, tokenizer, heads, tree, args.methods, args.lookup, chains, args.branching)
+    ours = [m for m in args.methods if m not in PEER_METHODS]
+    runners = make_runners(model, tokenizer, heads, tree, ours, args.lookup, chains, args.branching)
+    peers = start_peers(args, model)
+    runners |= {name: peer_runner(peer) for name, peer in peers.items()}
 
     config = {
         "command": command,
@@ -597,6 +629,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
         "num_prompts": len(prompts),
         "categories": categories,
         "methods": args.methods,
+        "peers": {name: peer.info for name, peer in peers.items()},
         "method_order": "rotating per prompt (prompt i starts with method i mod k)",
         "timing": "wall clock per whole call incl. prefill, after one warm-up call per method",
         "data": str(data),
@@ -611,7 +644,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
     }
 
     t_start = time.perf_counter()
-    records = run_benchmark(prompts, runners, args.methods, tokenizer, args.max_new_tokens, device)
+    try:
+        records = run_benchmark(prompts, runners, args.methods, tokenizer, args.max_new_tokens, device)
+    finally:
+        for peer in peers.values():
+            peer.close()
     wall = time.perf_counter() - t_start
 
     summary = summarize(records, args.methods)

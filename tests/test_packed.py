@@ -1,0 +1,86 @@
+"""Prepacked oneDNN linears (core.packed) against F.linear, the reference they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import hf_greedy, random_heads, tiny_model
+
+import treespec
+from treespec.core.packed import PackedMatrix, packed_linears, packing_supported
+
+pytestmark = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN"
+)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 17, 64])
+def test_packed_matrix_equals_f_linear_on_fresh_random_inputs(rows):
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(300, 96, generator=gen)  # [out, in]
+    x = torch.randn(2, rows, 96, generator=gen)  # [B, n, in]
+    matrix = PackedMatrix(weight)
+    assert matrix.packed is not None
+    with torch.inference_mode():
+        torch.testing.assert_close(matrix(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_linears_match_the_stock_model_and_restore_it_afterwards():
+    model = tiny_model("llama", dtype=torch.float32)
+    assert packing_supported(model)
+    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        stock = model(ids).logits
+        with packed_linears(model):
+            with packed_linears(model):  # nested users share one packing
+                pass
+            assert all("forward" in m.__dict__ for m in model.modules() if isinstance(m, torch.nn.Linear))
+            packed = model(ids).logits
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    torch.testing.assert_close(packed, stock, rtol=1e-4, atol=1e-5)
+
+
+def test_a_changed_weight_is_repacked_not_served_stale():
+    model = tiny_model("llama", dtype=torch.float32)
+    ids = torch.tensor([[5, 9, 2, 7]])
+    with torch.inference_mode(), packed_linears(model):
+        model(ids)  # packs
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.5)  # in place: same storage, new version
+    with torch.inference_mode():
+        stock = model(ids).logits
+        with packed_linears(model):
+            packed = model(ids).logits
+    torch.testing.assert_close(packed, stock, rtol=1e-4, atol=1e-5)
+
+
+def test_autograd_inside_the_block_uses_f_linear():
+    model = tiny_model("llama", dtype=torch.float32)
+    with packed_linears(model):
+        loss = model(torch.tensor([[1, 2, 3]])).logits.sum()
+    loss.backward()
+    assert model.lm_head.weight.grad is not None
+
+
+def test_other_dtypes_run_stock():
+    model = tiny_model("llama", dtype=torch.float64)
+    assert not packing_supported(model)
+    with packed_linears(model):
+        assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_greedy_output_with_packed_linears_equals_hf_and_the_unpacked_decoder(arch):
+    model = tiny_model(arch, dtype=torch.float32, seed=3)
+    heads = random_heads(model, seed=4)
+    prompt = [3, 17, 5, 9, 22, 4]
+    outs = {}
+    for packed in (True, False):
+        drafter = treespec.make_drafter(heads, treespec.default_tree(16, 4), model)
+        decoder = treespec.Decoder(model, drafter, acceptance="greedy", packed=packed)
+        out = [decoder.prefill(prompt, max_new_tokens=40)]
+        while len(out) < 40:
+            out += decoder.step().committed
+        outs[packed] = out[:40]
+    assert outs[True] == outs[False] == hf_greedy(model, prompt, 40)

@@ -1,0 +1,76 @@
+"""Peer engines for the benchmark: vLLM's CPU build, run in its own virtual environment.
+
+vLLM pins an older transformers than treespec, so it cannot live in treespec's environment. `make
+vllm-env` (scripts/make_vllm_env.sh) creates `.venv-vllm`; `VllmPeer` starts `vllm_worker.py` there as
+a subprocess and sends it the same prompt token ids (same chat template) the other methods get.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+DEFAULT_VLLM_PYTHON = Path(".venv-vllm") / "bin" / "python"
+WORKER = Path(__file__).with_name("vllm_worker.py")
+
+
+class PeerUnavailable(RuntimeError):
+    """The peer engine cannot be started (the message says how to set it up)."""
+
+
+def vllm_python(explicit: str | os.PathLike | None = None) -> Path:
+    """The vLLM environment's interpreter: `explicit`, $TREESPEC_VLLM_PYTHON, or ./.venv-vllm."""
+    path = Path(explicit or os.environ.get("TREESPEC_VLLM_PYTHON") or DEFAULT_VLLM_PYTHON)
+    if not path.is_file():
+        raise PeerUnavailable(
+            f"no vLLM environment at {path}: run `make vllm-env` in the treespec checkout (it creates "
+            ".venv-vllm with vLLM's CPU build), or point --vllm-python / TREESPEC_VLLM_PYTHON at one"
+        )
+    return path
+
+
+class VllmPeer:
+    """One vLLM engine in a subprocess; `run(ids, max_new_tokens)` -> {"token_ids", "seconds"}."""
+
+    def __init__(self, model_folder: str | os.PathLike, dtype: str, ngram: int = 0, python=None,
+                 max_len: int = 4096, log: str | os.PathLike | None = None):
+        command = [str(vllm_python(python)), str(WORKER), "--model", str(model_folder),
+                   "--dtype", dtype, "--ngram", str(ngram), "--max-len", str(max_len)]
+        self.log_path = Path(log) if log else None
+        stderr = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1
+        )
+        self.info = self._read()
+        if not self.info.get("ready"):
+            raise PeerUnavailable(f"vLLM worker did not start: {self.info}")
+
+    def _read(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            code = self.process.wait()
+            where = f"; its log: {self.log_path}" if self.log_path else ""
+            raise PeerUnavailable(f"the vLLM worker exited (code {code}){where}")
+        return json.loads(line)
+
+    def run(self, ids: list[int], max_new_tokens: int) -> dict:
+        self.process.stdin.write(json.dumps({"ids": list(ids), "max_new_tokens": max_new_tokens}) + "\n")
+        self.process.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+    def __del__(self):  # best effort: never leave an engine running
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            print("treespec: could not stop the vLLM worker", file=sys.stderr)

@@ -1,0 +1,86 @@
+"""A vLLM engine behind a pipe, for the benchmark's `vllm` and `vllm_ngram` methods.
+
+Runs inside vLLM's own virtual environment (`make vllm-env`; vLLM pins an older transformers than
+treespec), so it imports nothing from treespec. The parent (`treespec.tools.peers`) starts it as
+
+    <vllm-venv>/bin/python vllm_worker.py --model FOLDER --dtype float32 [--ngram K] [--max-len N]
+
+and speaks JSON lines: the worker prints {"ready": ...} once its engine is up, then answers each request
+{"ids": [prompt token ids], "max_new_tokens": m} with {"token_ids": [...], "seconds": s} (greedy,
+stopping at the model's end-of-sequence tokens), and exits on end of input. Everything vLLM prints
+goes to stderr so that stdout carries only these lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="HF model folder")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--ngram", type=int, default=0, help="n-gram speculation: tokens per step (0 = off)")
+    p.add_argument("--max-len", type=int, default=4096, help="max model length (prompt + new tokens)")
+    return p.parse_args()
+
+
+def make_engine(args):
+    from vllm import LLM
+
+    speculative = None
+    if args.ngram:
+        speculative = {
+            "method": "ngram",
+            "num_speculative_tokens": args.ngram,
+            "prompt_lookup_max": 4,
+            "prompt_lookup_min": 1,
+        }
+    return LLM(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_len,
+        speculative_config=speculative,
+        enforce_eager=False,
+        seed=0,
+    )
+
+
+def serve(llm, reply) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        request = json.loads(line)
+        params = SamplingParams(temperature=0.0, max_tokens=int(request["max_new_tokens"]))
+        t0 = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=request["ids"])], params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        reply({"token_ids": list(out[0].outputs[0].token_ids), "seconds": seconds})
+
+
+def main() -> None:
+    args = parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    real_stdout = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # vLLM's own prints go to stderr
+
+    def reply(obj: dict) -> None:
+        real_stdout.write(json.dumps(obj) + "\n")
+        real_stdout.flush()
+
+    import vllm
+
+    llm = make_engine(args)
+    reply({"ready": True, "vllm": vllm.__version__, "ngram": args.ngram})
+    serve(llm, reply)
+
+
+if __name__ == "__main__":  # vLLM spawns processes: the guard keeps them from re-running this
+    main()
