@@ -24,7 +24,12 @@ try:
 except ModuleNotFoundError:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import treespec
-from treespec.training.calibrate import acceptance_table, choose_budget, forward_costs
+from treespec.training.calibrate import (
+    acceptance_table,
+    choose_budget,
+    format_budget_report,
+    forward_costs,
+)
 from treespec.training.distill import load_distill_data
 from treespec.training.heads_train import cached_examples
 
@@ -61,13 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     budgets = [int(b) for b in args.budgets.split(",")]
     costs = forward_costs(model, budgets, heads, table=table)
     best, report = choose_budget(table, costs)
-    print("\nbudget  expected accept  step ms  expected tokens/s")
-    for n, r in report.items():
-        mark = "  <- chosen" if n == best else ""
-        print(
-            f"{n:6d}  {r['expected_accept_length']:15.2f}  {r['step_seconds'] * 1e3:7.1f}  "
-            f"{r['tokens_per_s']:17.1f}{mark}"
-        )
+    print("\n" + format_budget_report(report, best))
     tree = treespec.Tree.from_acceptance(table, best)
     tree.save(heads_dir / "tree.json")
     (heads_dir / "acceptance.json").write_text(

@@ -1,21 +1,25 @@
-"""`make demo`: the embedded default model answers a few prompts twice, plainly and with treespec.
+"""`make demo`: the embedded default model answers a few prompts with HF generate and with treespec.
 
-Shows the first answer from both runs, then for every prompt the tokens/s of each run, the speedup and
-the mean accepted length, and the overall speedup (all tokens / all time). One prompt says little:
-the accepted length varies from about 1.5 to 4 tokens per step from one prompt to the next. Uses the
-default model's trained heads and their calibrated tree (heads/smollm2-135m-instruct/, packaged in the
-wheel as well) when they exist, untrained heads (no speedup) otherwise.
+Shows the first answer of HF generate and of treespec, then for every prompt the tokens/s of HF generate,
+HF prompt lookup and treespec, the speedup over HF generate and the mean accepted length, and the overall
+figures (all tokens / all time). One prompt says little: the accepted length varies from about 1.5 to 4
+tokens per step from one prompt to the next. Uses the default model's trained heads
+(heads/smollm2-135m-instruct/, packaged in the wheel as well) with their tree priced on this machine
+(measured once, then kept in ~/.cache/treespec/costs/) when they exist, untrained heads (no speedup)
+otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 import treespec
+from treespec.tools.drafter_options import MACHINE, pick_tree
 from treespec.tools.models import default_heads_folder
 
 PROMPTS = [
@@ -31,14 +35,106 @@ PROMPTS = [
 
 
 def load_heads(model, folder: Path) -> tuple[treespec.MedusaHeads, treespec.Tree | None, str]:
-    """Trained heads (and their calibrated tree, heads.tree) if present, else untrained identity heads."""
+    """Trained heads and their tree priced on this machine (`--tree machine`: measured once, then kept)
+    if present, else untrained identity heads."""
     if (folder / "config.json").is_file():
         heads = treespec.MedusaHeads.from_pretrained(folder, model=model)
-        return heads, heads.tree, f"trained heads from {folder}"
+        tree, source = pick_tree(MACHINE, heads, "--tree", folder, model)
+        return heads, tree, f"trained heads from {folder}; tree {source}"
     return (
         treespec.MedusaHeads.for_model(model, num_heads=4),
         None,
         "UNTRAINED heads (no trained heads shipped yet)",
+    )
+
+
+def hf_generate(model, tokenizer, prompt_ids, n, **extra) -> tuple[list[int], float]:
+    """HF `generate` greedy on the same prompt ids: (new tokens up to the first end token, seconds)."""
+    ids = torch.tensor([prompt_ids])
+    t0 = time.perf_counter()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=n,
+        do_sample=False,
+        pad_token_id=tokenizer.eos_token_id,
+        **extra,
+    )
+    seconds = time.perf_counter() - t0
+    tokens = out[0, len(prompt_ids) :].tolist()
+    ends = [i for i, t in enumerate(tokens) if t == tokenizer.eos_token_id]
+    return (tokens[: ends[0] + 1] if ends else tokens), seconds
+
+
+def run_all(model, tokenizer, heads, tree, prompts, args) -> list[dict]:
+    """Every prompt through HF generate, HF prompt lookup and treespec: tokens, seconds, accepted."""
+    runs = []
+    for prompt in prompts:
+        ids = treespec.encode_prompt(prompt, tokenizer)
+        hf, t_hf = hf_generate(model, tokenizer, ids, args.max_new_tokens)
+        lookup, t_lookup = hf_generate(
+            model, tokenizer, ids, args.max_new_tokens, prompt_lookup_num_tokens=10
+        )
+        t0 = time.perf_counter()
+        res = treespec.generate(
+            model,
+            heads,
+            ids,
+            tokenizer=tokenizer,
+            tree=tree,
+            max_new_tokens=args.max_new_tokens,
+            lookup=args.lookup,
+        )
+        t_ts = time.perf_counter() - t0
+        runs.append(
+            {
+                "prompt": prompt,
+                "hf": (hf, t_hf),
+                "hf_prompt_lookup": (lookup, t_lookup),
+                "treespec": (list(res.token_ids), t_ts),
+                "result": res,
+            }
+        )
+    return runs
+
+
+def report(runs: list[dict], tokenizer) -> None:
+    first = runs[0]
+    print(f"\nprompt: {first['prompt']}\n")
+    print(f"--- HF generate\n{tokenizer.decode(first['hf'][0], skip_special_tokens=True)}\n")
+    print(f"--- treespec ({first['result'].stats.summary()})\n{first['result'].text}\n")
+    print(
+        f"{'prompt':<42} {'HF tok/s':>8} {'HF lookup':>9} {'treespec':>8} {'speedup':>8} "
+        f"{'accepted':>8}  same"
+    )
+    rate = lambda run: len(run[0]) / run[1]  # noqa: E731
+    for r in runs:
+        short = (r["prompt"][:39] + "...") if len(r["prompt"]) > 42 else r["prompt"]
+        same = "yes" if r["treespec"][0] == r["hf"][0] else "no"
+        print(
+            f"{short:<42} {rate(r['hf']):8.1f} {rate(r['hf_prompt_lookup']):9.1f} {rate(r['treespec']):8.1f} "
+            f"{rate(r['treespec']) / rate(r['hf']):7.2f}x {r['result'].stats.mean_accept_length:8.2f}  {same}"
+        )
+    total = {
+        m: sum(len(r[m][0]) for r in runs) / sum(r[m][1] for r in runs)
+        for m in ("hf", "hf_prompt_lookup", "treespec")
+    }
+    steps = sum(r["result"].stats.steps for r in runs)
+    accepted = sum(sum(r["result"].stats.accept_lengths) for r in runs)
+    print(f"\nHF generate      : {total['hf']:6.1f} tokens/s")
+    print(
+        f"HF prompt lookup : {total['hf_prompt_lookup']:6.1f} tokens/s "
+        f"({total['hf_prompt_lookup'] / total['hf']:.2f}x)"
+    )
+    print(f"treespec         : {total['treespec']:6.1f} tokens/s")
+    print(
+        f"speedup          : {total['treespec'] / total['hf']:.2f}x over HF generate   "
+        f"mean accepted length: {accepted / steps:.2f}"
+    )
+    print("same             : answers equal to HF generate's (float32 is exact; bf16 near-ties can flip)")
+    print(
+        "vLLM             : not in this environment; scripts/bench.py --methods ...,vllm,vllm_ngram "
+        "runs it beside these (make vllm-env)"
     )
 
 
@@ -48,57 +144,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     parser.add_argument("--heads", type=Path, default=default_heads_folder())
-    parser.add_argument("--lookup", type=int, default=8, help="prompt-lookup branch nodes (0: heads only)")
+    parser.add_argument("--lookup", type=int, default=4, help="prompt-lookup branch nodes (0: heads only)")
     args = parser.parse_args(argv)
     prompts = [args.prompt] if args.prompt else PROMPTS
-
     dtype = treespec.tools.models.fast_dtype() if args.dtype == "auto" else args.dtype
     name = str(dtype).removeprefix("torch.")
     print(f"loading {treespec.tools.models.DEFAULT_MODEL_NAME} ({name}) ...", flush=True)
     model, tokenizer = treespec.load_model(dtype=dtype)
     heads, tree, heads_note = load_heads(model, args.heads)
     tree = tree or treespec.default_tree(32, heads.num_heads)
-    print(f"{heads_note}; tree of {tree.num_nodes} nodes, depth {tree.max_depth}; lookup {args.lookup}")
+    print(f"{heads_note}\ntree of {tree.num_nodes} nodes, depth {tree.max_depth}; lookup {args.lookup}")
     torch.manual_seed(0)
-
-    def plain(prompt, n):
-        return treespec.generate_baseline(model, prompt, tokenizer=tokenizer, max_new_tokens=n)
-
-    def fast(prompt, n):
-        return treespec.generate(
-            model, heads, prompt, tokenizer=tokenizer, tree=tree, max_new_tokens=n, lookup=args.lookup
-        )
-
-    plain("Hi", 4), fast("Hi", 4)  # warm-up so neither run pays one-time costs
-    rows, totals = [], {"plain": [0, 0.0], "treespec": [0, 0.0]}
-    for i, prompt in enumerate(prompts):
-        a, b = plain(prompt, args.max_new_tokens), fast(prompt, args.max_new_tokens)
-        if i == 0:
-            print(f"\nprompt: {prompt}\n")
-            print(f"--- plain decoding ({a.stats.summary()})\n{a.text}\n")
-            print(f"--- treespec ({b.stats.summary()})\n{b.text}\n")
-        for name, res in (("plain", a), ("treespec", b)):
-            totals[name][0] += res.stats.new_tokens
-            totals[name][1] += res.stats.time_total
-        rows.append((prompt, a, b))
-
-    print(f"{'prompt':<42} {'plain tok/s':>11} {'treespec tok/s':>14} {'speedup':>8} {'accepted':>8}  same")
-    for prompt, a, b in rows:
-        short = (prompt[:39] + "...") if len(prompt) > 42 else prompt
-        speedup = b.stats.tokens_per_second / a.stats.tokens_per_second
-        same = "yes" if a.token_ids == b.token_ids else "no"
-        print(
-            f"{short:<42} {a.stats.tokens_per_second:11.1f} {b.stats.tokens_per_second:14.1f} "
-            f"{speedup:7.2f}x {b.stats.mean_accept_length:8.2f}  {same}"
-        )
-    plain_rate = totals["plain"][0] / totals["plain"][1]
-    fast_rate = totals["treespec"][0] / totals["treespec"][1]
-    steps = sum(b.stats.steps for _, _, b in rows)
-    accepted = sum(sum(b.stats.accept_lengths) for _, _, b in rows)
-    print(f"\nplain    : {plain_rate:6.1f} tokens/s")
-    print(f"treespec : {fast_rate:6.1f} tokens/s")
-    print(f"speedup  : {fast_rate / plain_rate:.2f}x   mean accepted length: {accepted / steps:.2f}")
-    print("same     : answers that differ from plain decoding are bf16 near-ties (float32 is exact)")
+    print("warming up ...", flush=True)
+    run_all(model, tokenizer, heads, tree, ["Hi"], argparse.Namespace(max_new_tokens=4, lookup=args.lookup))
+    report(run_all(model, tokenizer, heads, tree, prompts, args), tokenizer)
     return 0
 
 

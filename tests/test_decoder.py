@@ -165,4 +165,3 @@ def test_saved_heads_keep_their_tree(tmp_path):
     heads.tree = treespec.Tree.from_choices([[0], [1], [0, 0]])
     heads.save_pretrained(tmp_path)
     assert treespec.MedusaHeads.from_pretrained(tmp_path, model=model).tree == heads.tree
-

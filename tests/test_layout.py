@@ -47,6 +47,6 @@ def test_nothing_reads_the_sibling_shared_folder():
     offenders = [
         str(p.relative_to(ROOT))
         for p in files
-        if needle in p.read_text() or ' / '.join(['"shared"', '"data"']) in p.read_text()
+        if needle in p.read_text() or " / ".join(['"shared"', '"data"']) in p.read_text()
     ]
     assert not offenders

@@ -82,7 +82,11 @@ class _PackedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features]
         m = self.module
-        if x.dtype != m.weight.dtype or x.device.type != "cpu" or (torch.is_grad_enabled() and m.weight.requires_grad):
+        if (
+            x.dtype != m.weight.dtype
+            or x.device.type != "cpu"
+            or (torch.is_grad_enabled() and m.weight.requires_grad)
+        ):
             return F.linear(x, m.weight, m.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, m.bias, "none", [], "")
 

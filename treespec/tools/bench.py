@@ -105,7 +105,8 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
     p.add_argument(
         "--tree",
         default=None,
-        help="tree JSON file, folder with tree.json, or default tree size (overrides --tree-size and "
+        help="tree JSON file, folder with tree.json, default tree size, or 'machine' "
+        "(priced on this machine once, then kept; overrides --tree-size and "
         "the heads' tree.json)",
     )
     p.add_argument(
@@ -141,7 +142,9 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
     )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave)")
     p.add_argument(
-        "--vllm-python", default=None, help="python of vLLM's environment (default .venv-vllm, `make vllm-env`)"
+        "--vllm-python",
+        default=None,
+        help="python of vLLM's environment (default .venv-vllm, `make vllm-env`)",
     )
     p.add_argument("--vllm-ngram", type=int, default=5, help="vllm_ngram: tokens per step (default 5)")
     args = p.parse_args(argv)
@@ -212,7 +215,7 @@ def load_heads_and_tree(args, model) -> tuple[MedusaHeads, Tree, str, str]:
     folder = options.heads_folder(args.heads, args.model)
     heads, heads_desc = options.load_heads(folder, model, args.num_heads)
     choice = options.parse_tree(args.tree) if args.tree else args.tree_size
-    tree, source = options.pick_tree(choice, heads, args.tree or "--tree")
+    tree, source = options.pick_tree(choice, heads, args.tree or "--tree", folder, model)
     if tree is None:
         tree, source = default_tree(32, heads.num_heads), f"default_tree(32, {heads.num_heads})"
     elif tree is heads.tree:

@@ -162,7 +162,8 @@ def _add_generate(commands) -> None:
     p.add_argument(
         "--tree",
         default=None,
-        help="tree JSON file, a folder with tree.json, or a default tree size (8, 16, 32, 64); "
+        help="tree JSON file, a folder with tree.json, a default tree size (8, 16, 32, 64), or "
+        "'machine' (the heads' trees priced on this machine once, then kept); "
         "default: the heads folder's tree.json, else the 32-node default tree",
     )
     p.add_argument("--num-heads", type=int, default=4, help="number of untrained heads (default 4)")
@@ -249,7 +250,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     heads, tree = None, None
     if not chained:
         heads, _ = options.load_heads(folder, model, args.num_heads)
-        tree, _ = options.pick_tree(tree_choice, heads, args.tree or "--tree")
+        tree, _ = options.pick_tree(tree_choice, heads, args.tree or "--tree", folder, model)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if args.stream else None
     want_trace = args.show_tree or args.trace is not None
     result = treespec.generate(

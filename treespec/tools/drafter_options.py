@@ -55,10 +55,15 @@ def load_heads(folder: Path | None, model: nn.Module, num_heads: int = 4) -> tup
     return heads, f"untrained identity heads ({heads.num_heads})"
 
 
+MACHINE = "machine"  # --tree machine: the heads' tree priced on this machine
+
+
 def parse_tree(spec: str) -> Tree | int:
     """--tree: a tree JSON file, a folder holding tree.json, or a default tree size ("32", returned as
-    an int for `default_tree` once the number of heads is known). A bad file raises ValueError now,
-    before any model loads."""
+    an int for `default_tree` once the number of heads is known), or "machine" (the heads' tree priced on
+    this machine, `training.costs.machine_tree`). A bad file raises ValueError now, before any model loads."""
+    if spec == MACHINE:
+        return MACHINE
     if spec.isdigit():
         return int(spec)
     path = Path(spec)
@@ -70,11 +75,18 @@ def parse_tree(spec: str) -> Tree | int:
 
 
 def pick_tree(
-    choice: Tree | int | None, heads: MedusaHeads, source: str = "--tree"
+    choice: Tree | int | str | None, heads: MedusaHeads, source: str = "--tree", folder=None, model=None
 ) -> tuple[Tree | None, str]:
     """(tree, description) for `heads`: an explicit tree (from `parse_tree`) wins; a size becomes
-    `default_tree(size, heads.num_heads)`; None gives `heads.tree` (the heads folder's tree.json), which
-    is None for heads without one (generate then uses its 32-node default tree)."""
+    `default_tree(size, heads.num_heads)`; "machine" prices the trees of the heads `folder` on `model`
+    here (measured once, then kept); None gives `heads.tree` (the heads folder's tree.json), which is None
+    for heads without one (generate then uses its 32-node default tree)."""
+    if choice == MACHINE:
+        from ..training.costs import machine_tree
+
+        if folder is None or model is None:
+            raise ValueError("--tree machine needs a heads folder (trained heads with acceptance.json)")
+        return machine_tree(model, heads, folder, progress=lambda m: print(m, file=sys.stderr, flush=True))
     if isinstance(choice, int):
         tree = default_tree(choice, heads.num_heads)
         return tree, f"default_tree({choice}, {heads.num_heads})"

@@ -101,7 +101,6 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
     plain.load_state_dict(model.state_dict())
     plain.generation_config = model.generation_config
 
-
     def write(tmp: Path) -> None:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 DEFAULT_VLLM_PYTHON = Path(".venv-vllm") / "bin" / "python"
 WORKER = Path(__file__).with_name("vllm_worker.py")
 
@@ -35,16 +37,44 @@ def vllm_python(explicit: str | os.PathLike | None = None) -> Path:
 class VllmPeer:
     """One vLLM engine in a subprocess; `run(ids, max_new_tokens)` -> {"token_ids", "seconds"}."""
 
-    def __init__(self, model_folder: str | os.PathLike, dtype: str, ngram: int = 0, python=None,
-                 max_len: int = 4096, log: str | os.PathLike | None = None):
-        command = [str(vllm_python(python)), str(WORKER), "--model", str(model_folder),
-                   "--dtype", dtype, "--ngram", str(ngram), "--max-len", str(max_len)]
+    def __init__(
+        self,
+        model_folder: str | os.PathLike,
+        dtype: str,
+        ngram: int = 0,
+        python=None,
+        max_len: int = 4096,
+        log: str | os.PathLike | None = None,
+    ):
+        command = [
+            str(vllm_python(python)),
+            str(WORKER),
+            "--model",
+            str(model_folder),
+            "--dtype",
+            dtype,
+            "--ngram",
+            str(ngram),
+            "--max-len",
+            str(max_len),
+        ]
         self.log_path = Path(log) if log else None
         stderr = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        # vLLM serves with one thread unless OMP_NUM_THREADS says otherwise: give it the threads torch has
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(torch.get_num_threads())),
+        }
         self.process = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            bufsize=1,
+            env=env,
         )
-        self.info = self._read()
+        self.info = self._read() | {"threads": env["OMP_NUM_THREADS"]}
         if not self.info.get("ready"):
             raise PeerUnavailable(f"vLLM worker did not start: {self.info}")
 

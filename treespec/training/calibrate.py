@@ -109,3 +109,15 @@ def choose_budget(
         for n, rate in rates.items()
     }
     return best, report
+
+
+def format_budget_report(report: dict[int, dict[str, float]], best: int) -> str:
+    """The table of `choose_budget`'s numbers, the chosen budget marked."""
+    lines = ["budget  expected accept  step ms  expected tokens/s"]
+    for n, r in report.items():
+        mark = "  <- chosen" if n == best else ""
+        lines.append(
+            f"{n:6d}  {r['expected_accept_length']:15.2f}  {r['step_seconds'] * 1e3:7.1f}  "
+            f"{r['tokens_per_s']:17.1f}{mark}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,52 @@
+"""The benchmark's vLLM peer: a clear message without vLLM's environment; the real engine when it is there."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from treespec.tools import bench
+from treespec.tools.peers import PeerUnavailable, VllmPeer, vllm_python
+
+VLLM_PYTHON = Path(
+    os.environ.get("TREESPEC_VLLM_PYTHON", Path(__file__).parents[1] / ".venv-vllm/bin/python")
+)
+
+
+def test_a_missing_vllm_environment_says_how_to_make_one(tmp_path):
+    with pytest.raises(PeerUnavailable, match="make vllm-env"):
+        vllm_python(tmp_path / "nowhere" / "python")
+
+
+def test_a_worker_that_dies_at_start_is_reported_with_its_log(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'no vllm here' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    log = tmp_path / "worker.log"
+    with pytest.raises(PeerUnavailable, match="exited \\(code 3\\)"):
+        VllmPeer(tmp_path, "float32", python=fake, log=log)
+    assert "no vllm here" in log.read_text()
+
+
+def test_bench_knows_the_vllm_methods():
+    args = bench.parse_args(["--methods", "hf,vllm,vllm_ngram", "--vllm-ngram", "3"])
+    assert args.methods == ["hf", "vllm", "vllm_ngram"] and args.vllm_ngram == 3
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason="no vLLM environment (make vllm-env)")
+def test_vllm_greedy_equals_treespec_plain_greedy(smollm2):
+    import treespec
+    from treespec.tools.models import default_model_folder
+
+    model, tokenizer = smollm2
+    ids = treespec.encode_prompt("Name three primary colors.", tokenizer)
+    peer = VllmPeer(default_model_folder(), "float32", python=VLLM_PYTHON)
+    try:
+        theirs = peer.run(ids, 24)["token_ids"]
+    finally:
+        peer.close()
+    ours = treespec.generate(model, None, ids, tokenizer=tokenizer, max_new_tokens=24, temperature=0.0)
+    assert theirs == list(ours.token_ids)

@@ -1,0 +1,177 @@
+"""The cost curve of this machine: what one verification forward costs, by node count and prefix length.
+
+    verify_ms[path][prefix][n] = median ms of `Decoder.score` over n tree nodes after `prefix` committed
+                                 tokens (the forward, the tree attention and the logits of every node)
+
+for the eager path (transformers' modules as they are) and the packed path (`core.packed`: prepacked
+oneDNN linears), plus each row relative to a one-token step (n = 1) of the same path and prefix. It is
+written as JSON (`save_cost_curve`; default `$TREESPEC_CACHE/costs/<model>-<dtype>.json`) and read by
+`treespec.training.calibrate` and `scripts/cost_curve.py`, which prices trees with it.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from ..core.decoder import Decoder
+from ..core.tree import Tree
+from ..drafters.base import BaseDrafter
+from ..io import atomic_write_json
+
+NODES = (1, 4, 8, 16, 32, 64)
+PREFIXES = (128, 512, 1024)
+PATHS = {"eager": False, "packed": True}  # name -> Decoder(packed=...)
+
+
+def default_cost_file(model_name: str, dtype: torch.dtype) -> Path:
+    """`$TREESPEC_CACHE/costs/<model>-<dtype>.json` (default cache `~/.cache/treespec`)."""
+    root = Path(os.environ.get("TREESPEC_CACHE", Path.home() / ".cache" / "treespec"))
+    name = model_name.replace("/", "--")
+    return root / "costs" / f"{name}-{str(dtype).removeprefix('torch.')}.json"
+
+
+class _Shape(BaseDrafter):
+    """A drafter that only declares a tree shape (`Decoder.score` verifies given tokens; nothing drafted)."""
+
+    def __init__(self, tree: Tree):
+        self.tree = tree
+
+    def propose(self, hidden, roots):
+        raise RuntimeError("a cost-curve shape drafts nothing: use Decoder.score")
+
+
+def _chain(n: int) -> Tree:
+    """An n-node chain: its cost is the cost of any n-node tree (attention differs only in the mask)."""
+    return Tree.from_choices([[0] * d for d in range(1, n)])
+
+
+@torch.inference_mode()
+def verify_ms(model, n: int, prefix: int, packed: bool, repeats: int = 7, seed: int = 0) -> float:
+    """Median ms of one verification of n nodes after `prefix` random committed tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    decoder = Decoder(model, _Shape(_chain(n)), acceptance="greedy", packed=packed)
+    prompt = torch.randint(0, vocab, (prefix,), generator=gen).tolist()
+    decoder.prefill(prompt, max_new_tokens=n + 1)
+    tokens = torch.randint(0, vocab, (1, n), generator=gen).to(decoder.device)  # [1, n]
+    times = []
+    for _ in range(repeats + 1):
+        t0 = decoder.clock()
+        decoder.score(tokens)
+        times.append(decoder.clock() - t0)
+    return 1e3 * statistics.median(times[1:])  # the first call warms up
+
+
+def cost_curve(
+    model,
+    nodes: Sequence[int] = NODES,
+    prefixes: Sequence[int] = PREFIXES,
+    paths: Sequence[str] = tuple(PATHS),
+    repeats: int = 7,
+    progress=None,
+) -> dict:
+    """Measure verify_ms for every path x prefix x node count (interleaved by path at each point, so
+    machine noise falls on both). progress: called with a label before each point."""
+    curve = {path: {str(p): {} for p in prefixes} for path in paths}
+    for prefix in prefixes:
+        for n in nodes:
+            for path in paths:
+                if progress:
+                    progress(f"{path} n={n} prefix={prefix}")
+                curve[path][str(prefix)][str(n)] = verify_ms(model, n, prefix, PATHS[path], repeats)
+    param = next(model.parameters())
+    return {
+        "format": "treespec.cost_curve",
+        "version": 1,
+        "model": getattr(model.config, "name_or_path", ""),
+        "dtype": str(param.dtype).removeprefix("torch."),
+        "device": str(param.device),
+        "threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+        "repeats": repeats,
+        "verify_ms": curve,
+    }
+
+
+def relative(curve: dict, path: str, prefix: int) -> dict[int, float]:
+    """n -> verify_ms(n) / verify_ms(1) for one path and prefix."""
+    row = {int(n): ms for n, ms in curve["verify_ms"][path][str(prefix)].items()}
+    return {n: ms / row[1] for n, ms in sorted(row.items())} if 1 in row else {}
+
+
+def interpolate(curve: dict, path: str, prefix: int, n: int) -> float:
+    """verify ms at n nodes (linear between measured counts, clamped at the ends) for the measured
+    prefix nearest to `prefix`."""
+    prefixes = sorted(int(p) for p in curve["verify_ms"][path])
+    nearest = min(prefixes, key=lambda p: abs(p - prefix))
+    row = sorted((int(k), v) for k, v in curve["verify_ms"][path][str(nearest)].items())
+    if n <= row[0][0]:
+        return row[0][1]
+    for (n0, v0), (n1, v1) in zip(row, row[1:], strict=False):
+        if n <= n1:
+            return v0 + (v1 - v0) * (n - n0) / (n1 - n0)
+    return row[-1][1]
+
+
+def save_cost_curve(path: str | os.PathLike, curve: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, curve, indent=1)
+
+
+def load_cost_curve(path: str | os.PathLike) -> dict:
+    """Read a cost curve written by `save_cost_curve`; refuses other files with a clear message."""
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        curve = json.load(f)
+    if curve.get("format") != "treespec.cost_curve" or "verify_ms" not in curve:
+        raise ValueError(f"{path} is not a treespec cost curve (make one with scripts/cost_curve.py)")
+    return curve
+
+
+def machine_tree_file(model, heads_folder: str | os.PathLike) -> Path:
+    """Where `machine_tree` keeps its choice: next to the cost curves, per model, dtype and heads folder."""
+    name = getattr(model.config, "name_or_path", "") or "model"
+    curve_file = default_cost_file(name, next(model.parameters()).dtype)
+    return curve_file.with_name(f"{curve_file.stem}-{Path(heads_folder).name}-tree.json")
+
+
+def machine_tree(
+    model,
+    heads,
+    heads_folder: str | os.PathLike,
+    budgets: Sequence[int] = (4, 8, 16, 32),
+    repeats: int = 3,
+    progress=None,
+) -> tuple[Tree, str]:
+    """The heads' best tree on this machine: for each node budget the best tree for the heads' acceptance
+    table (acceptance.json in `heads_folder`), one speculative step timed on this machine, the most
+    expected tokens per second. Measured once (a few seconds per budget) and kept in `machine_tree_file`;
+    heads without acceptance.json keep their own tree. Returns (tree, description)."""
+    import json
+
+    from .calibrate import choose_budget, forward_costs
+
+    table_file = Path(heads_folder) / "acceptance.json"
+    if not table_file.is_file():
+        return heads.tree, "the heads' tree.json (no acceptance.json to price trees with)"
+    saved = machine_tree_file(model, heads_folder)
+    if saved.is_file():
+        tree = Tree.load(saved, max_depth=heads.num_heads)
+        return tree, f"priced on this machine ({tree.num_nodes} nodes; {saved}, delete it to re-measure)"
+    if progress:
+        progress(f"pricing trees of {', '.join(map(str, budgets))} nodes on this machine (once) ...")
+    table = json.loads(table_file.read_text())["acceptance"]
+    costs = forward_costs(model, budgets, heads, prefix=300, repeats=repeats, table=table)
+    best, _ = choose_budget(table, costs)
+    tree = Tree.from_acceptance(table, best)
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    tree.save(saved)
+    return tree, f"priced on this machine ({best} nodes; kept in {saved})"
