@@ -6,6 +6,7 @@
 
 #include <vector>
 
+#include "block_linear.h"
 #include "tensor_args.h"
 #include "tree_attention.h"
 
@@ -46,6 +47,34 @@ void commit_kv_cpu_op(at::TensorList keys, at::TensorList values, const at::Tens
   commit_kv_cpu(p);
 }
 
+// x [..., K] float32 -> out [..., N]; the weight tensors as `block_linear.h` says.
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d,
+                        const std::optional<at::Tensor>& m) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && d.scalar_type() == at::kFloat,
+              "treespec block linear takes float32 x and scales, got ", x.scalar_type(), ", ", d.scalar_type());
+  const int64_t K = x.size(-1), N = q.size(0);
+  const bool q4 = m.has_value();
+  TORCH_CHECK(K % 32 == 0, "treespec block linear: in_features ", K, " is not a multiple of 32");
+  TORCH_CHECK(q.is_contiguous() && d.is_contiguous() && q.dim() == 2 && q.size(1) == (q4 ? K / 2 : K),
+              "treespec block linear: weight blocks of shape ", q.sizes(), " do not fit in_features ", K);
+  TORCH_CHECK(q.scalar_type() == (q4 ? at::kByte : at::kChar), "treespec block linear: q4 weights are uint8, "
+              "q8 weights int8; got ", q.scalar_type());
+  TORCH_CHECK(d.numel() == N * (K / 32) && (!q4 || (m->is_contiguous() && m->numel() == d.numel() &&
+                                                      m->scalar_type() == at::kFloat)),
+              "treespec block linear: scales must be contiguous float32 [", N, ", ", K / 32, "]");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.numel() / K;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor out = at::empty(shape, x.options());
+  if (q4)
+    q4_linear_cpu(xc.data_ptr<float>(), M, K, q.data_ptr<uint8_t>(), d.data_ptr<float>(), m->data_ptr<float>(),
+                  out.data_ptr<float>(), N);
+  else
+    q8_linear_cpu(xc.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), out.data_ptr<float>(), N);
+  return out;
+}
+
 }  // namespace
 }  // namespace treespec
 
@@ -59,10 +88,12 @@ TORCH_LIBRARY(treespec, m) {
   m.def(
       "commit_kv(Tensor(a!)[] keys, Tensor(b!)[] values, Tensor src, Tensor dst) -> ()",
       {at::Tag::pt2_compliant_tag});
+  m.def("block_linear(Tensor x, Tensor q, Tensor d, Tensor? m) -> Tensor", {at::Tag::pt2_compliant_tag});
 }
 
 TORCH_LIBRARY_IMPL(treespec, CPU, m) {
   m.impl("tree_attention", &treespec::tree_attention_cpu_op);
   m.impl("tree_attention_out", &treespec::tree_attention_out_cpu_op);
   m.impl("commit_kv", &treespec::commit_kv_cpu_op);
+  m.impl("block_linear", &treespec::block_linear);
 }

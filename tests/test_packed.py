@@ -76,11 +76,11 @@ def test_greedy_output_with_packed_linears_equals_hf_and_the_unpacked_decoder(ar
     heads = random_heads(model, seed=4)
     prompt = [3, 17, 5, 9, 22, 4]
     outs = {}
-    for packed in (True, False):
+    for linears in ("auto", "onednn", "torch"):
         drafter = treespec.make_drafter(heads, treespec.default_tree(16, 4), model)
-        decoder = treespec.Decoder(model, drafter, acceptance="greedy", packed=packed)
+        decoder = treespec.Decoder(model, drafter, acceptance="greedy", linears=linears)
         out = [decoder.prefill(prompt, max_new_tokens=40)]
         while len(out) < 40:
             out += decoder.step().committed
-        outs[packed] = out[:40]
-    assert outs[True] == outs[False] == hf_greedy(model, prompt, 40)
+        outs[linears] = out[:40]
+    assert outs["auto"] == outs["onednn"] == outs["torch"] == hf_greedy(model, prompt, 40)

@@ -20,6 +20,9 @@ Ops (namespace `torch.ops.treespec`, traceable by torch.compile through the fake
     tree_attention_out(q, k, v, bits, scale, out) -> None
         The same, written into a caller's contiguous [B, n, H, D] buffer (no allocation).
         CPU: float32, bfloat16. CUDA: float32, float16, bfloat16; head_dim 64, 128 or 256.
+    block_linear(x, q, d, m) -> out
+        x [..., K] float32 @ w^T -> [..., N] where w [N, K] is stored as exact block-quantized values
+        (csrc/block_linear.h; treespec.core.blocks recovers them): q4 (m given) or q8 (m None).
     commit_kv(keys, values, src, dst) -> None
         For each tensor (every layer's keys and values, [B, Hkv, max_len, D], same shape, strides and
         dtype; elements of 1, 2, 4 or 8 bytes) copy slot src[i] to slot dst[i], i in order, in one
@@ -41,9 +44,9 @@ from pathlib import Path
 
 import torch
 
-_SOURCES_CPU = ("bindings.cpp", "tree_attention_cpu.cpp")
+_SOURCES_CPU = ("bindings.cpp", "tree_attention_cpu.cpp", "block_linear_cpu.cpp")
 _SOURCES_CUDA = ("bindings_cuda.cpp", "tree_attention_cuda.cu")
-_HEADERS = ("tree_attention.h", "tensor_args.h")
+_HEADERS = ("tree_attention.h", "tensor_args.h", "block_linear.h")
 
 _lock = threading.Lock()
 _state: dict = {"tried": False, "ok": False, "cuda": False, "error": None, "path": None, "seconds": None}
@@ -142,6 +145,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("treespec::commit_kv")
     def _commit_kv_fake(keys, values, src, dst):
         return None
+
+    @torch.library.register_fake("treespec::block_linear")
+    def _block_linear_fake(x, q, d, m):
+        return x.new_empty((*x.shape[:-1], q.shape[0]))
 
 
 def _build_and_load() -> None:

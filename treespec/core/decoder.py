@@ -27,6 +27,7 @@ from ..drafters.base import Drafter, RootOnlyDrafter, SequenceStart
 from .acceptance import RULES, SamplingConfig, verify
 from .attention import KERNELS, AttentionPlan, auto_kernel, tree_attention_enabled
 from .cache import CacheCapacityError, TreeKVCache
+from .packed import MODES as LINEAR_MODES
 from .packed import packed_linears
 from .stats import GenerationStats
 
@@ -85,10 +86,13 @@ class Decoder:
         sampling: SamplingConfig | None = None,
         kernel: str = "auto",
         seed: int | None = None,
-        packed: bool = True,
+        linears: str = "auto",
     ):
-        """packed: run the model's linear layers on prepacked oneDNN weights during prefill and steps
-        (`core.packed`; CPU only, float32 or bf16 where oneDNN has it; ignored elsewhere)."""
+        """linears: how the model's linear layers run during prefill and steps (`core.packed`): "auto"
+        (exact block weights where the weights are such, else oneDNN prepacked), "onednn" or "torch"
+        (as the model is); CPU only (float32, or bf16 where oneDNN has it), ignored elsewhere."""
+        if linears not in LINEAR_MODES:
+            raise ValueError(f"unknown linears mode {linears!r}; choose one of {LINEAR_MODES}")
         if acceptance not in RULES:
             raise ValueError(f"unknown acceptance rule {acceptance!r}; choose one of {RULES}")
         if kernel not in KERNELS and kernel != "auto":
@@ -106,7 +110,7 @@ class Decoder:
         self.depth = self.tree.depth.to(self.device)  # [N]
         self.scorer = self.drafter.scorer() or partial(full_forward, model)
         self.generator = None if seed is None else torch.Generator(self.device).manual_seed(seed)
-        self.packed = packed
+        self.linears = linears
         self.cache: TreeKVCache | None = None
         self.stats = GenerationStats()
         self.hidden: torch.Tensor | None = None  # [B, H] at the last committed token
@@ -115,7 +119,7 @@ class Decoder:
     @contextlib.contextmanager
     def running(self):
         """The model's mode for treespec's forwards: tree attention, and packed linears when asked."""
-        with tree_attention_enabled(self.model), packed_linears(self.model, self.packed):
+        with tree_attention_enabled(self.model), packed_linears(self.model, mode=self.linears):
             yield
 
     def clock(self) -> float:

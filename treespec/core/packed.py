@@ -1,18 +1,23 @@
-"""Prepacked linear layers for the CPU: every `nn.Linear` of a model (lm_head included) through oneDNN.
+"""Fast linear layers for the CPU: every `nn.Linear` of a model (lm_head included), switched per block.
 
-On the CPU, `F.linear` goes to a BLAS GEMM that repacks the weight on every call and is slow for the
-few rows a decoding step has: measured on an AVX2 EPYC (float32, 30 layers of SmolLM2's MLP gate,
-weights out of cache), 13 ms at 1 row but 22-27 ms at 2-16 rows and 42 ms at 32. oneDNN with the
-weight reordered once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, then
-`_linear_pointwise`, what inductor's `freezing` emits) took 11 ms at 1 row, 12-16 ms at 2-16 and 23 ms
-at 32: a tree of 8-16 nodes then costs little more than one token. Results equal `F.linear` to float
-rounding (~1e-6 relative in float32), not bitwise.
+Two fast forms, chosen per weight (`mode="auto"`):
 
-`packed_linears(model)` switches a model to the packed path inside a `with` block and back after it,
+- **exact blocks** (`core.blocks`): a float32 weight whose values are exactly Q4_1 / Q8_0 blocks (a model
+  converted from a quantized checkpoint, like the embedded SmolLM2) is read in that form by treespec's
+  `block_linear` op: the same weights bit for bit, 0.6-1.1 bytes per weight instead of 4.
+- **oneDNN prepacked**: the weight reordered once into oneDNN's blocked layout
+  (`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`, what inductor's `freezing`
+  emits). On an AVX2 EPYC (float32, 30 layers of SmolLM2's MLP gate, weights out of cache) `F.linear`
+  took 13 ms at 1 row, 22-27 ms at 2-16 rows and 42 ms at 32; the prepacked weight 11, 12-16 and 23 ms.
+
+`mode="onednn"` skips the block search, `mode="torch"` (or `enabled=False`) leaves the model as it is.
+Results equal `F.linear` to float rounding (summation order), not bitwise.
+
+`packed_linears(model)` switches a model to the fast path inside a `with` block and back after it,
 counted per model like `tree_attention_enabled`, so HF's own `generate` on the same model object
-outside the block runs stock. The packed weights are built on first use (about one extra copy of the
-linear weights in memory) and rebuilt when a weight tensor changes (its storage or version), so a
-model trained between two uses never runs on stale weights.
+outside the block runs stock. The fast weights are built on first use (a one-time cost of seconds,
+memory beside the model's own weights) and rebuilt when a weight tensor changes (its storage or
+version), so a model trained between two uses never runs on stale weights.
 """
 
 from __future__ import annotations
@@ -25,11 +30,14 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-PACKED_DTYPES = (torch.float32, torch.bfloat16)
+from .. import ops
+from .blocks import BlockMatrix, recover_blocks
+
+MODES = ("auto", "onednn", "torch")
 
 
 def packing_supported(model) -> bool:
-    """Whether `packed_linears` speeds this model up: CPU weights in float32 (or bfloat16 where oneDNN
+    """Whether `packed_linears` can speed this model up: CPU weights in float32 (or bfloat16 where oneDNN
     has bf16 instructions), and oneDNN in this torch build."""
     return _supported(next(model.parameters()))
 
@@ -42,31 +50,53 @@ def _supported(tensor: torch.Tensor) -> bool:
     return tensor.dtype == torch.float32
 
 
-class PackedMatrix:
-    """x @ weight.T for a fixed weight [out, in] (e.g. a drafter's output rows): oneDNN on a prepacked
-    copy where `packing_supported` would say so, else `F.linear`. The weight must not change after."""
+def _blocks_of(weight: torch.Tensor):
+    """The exact blocks of `weight` when treespec's compiled ops are there to read them, else None."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or not ops.available("cpu"):
+        return None
+    blocks = recover_blocks(weight)
+    return None if blocks is None else BlockMatrix(blocks)
 
-    def __init__(self, weight: torch.Tensor, enabled: bool = True):
+
+class PackedMatrix:
+    """x @ weight.T (+ bias) for a fixed weight [out, in]: exact blocks (mode "auto", when the weight has
+    them), else oneDNN prepacked, else `F.linear`. The weight must not change afterwards."""
+
+    def __init__(self, weight: torch.Tensor, mode: str = "auto"):
+        if mode not in MODES:
+            raise ValueError(f"unknown linear mode {mode!r}; choose one of {MODES}")
         self.weight = weight  # [out, in]
+        self.blocks = _blocks_of(weight) if mode == "auto" else None
         self.packed = None
-        if enabled and _supported(weight):
+        if self.blocks is None and mode != "torch" and _supported(weight):
             with torch.no_grad():
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def kind(self) -> str:
+        """ "blocks-q4_1", "blocks-q8_0", "onednn" or "torch": how this matrix multiplies."""
+        if self.blocks is not None:
+            return f"blocks-{self.blocks.blocks.kind}"
+        return "onednn" if self.packed is not None else "torch"
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # x: [..., in] -> [..., out]
-        if self.packed is None or x.dtype != self.weight.dtype or torch.is_grad_enabled():
-            return F.linear(x.to(self.weight.dtype), self.weight)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        if x.dtype != self.weight.dtype or torch.is_grad_enabled() or x.device.type != "cpu":
+            return F.linear(x.to(self.weight.dtype), self.weight, bias)
+        if self.blocks is not None:
+            return self.blocks(x, bias)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return F.linear(x, self.weight, bias)
 
 
 class _PackedLinear:
-    """The replacement forward of one `nn.Linear`: oneDNN with the prepacked weight, or `F.linear` for
-    inputs it does not take (another dtype or device, autograd on)."""
+    """The replacement forward of one `nn.Linear`: its weight as a `PackedMatrix`, rebuilt when the
+    weight changed; inputs the fast forms do not take (autograd, other dtypes) go to `F.linear`."""
 
-    def __init__(self, module: torch.nn.Linear):
-        self.module = module
-        self.packed: torch.Tensor | None = None
+    def __init__(self, module: torch.nn.Linear, mode: str):
+        self.module, self.mode = module, mode
+        self.matrix: PackedMatrix | None = None
         self.key: tuple | None = None
         self.refresh()
 
@@ -75,26 +105,29 @@ class _PackedLinear:
         w = self.module.weight
         key = (w.data_ptr(), w._version, w.dtype)
         if key != self.key:
-            with torch.no_grad():
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach())  # opaque oneDNN layout
+            self.matrix = PackedMatrix(w, self.mode)
             self.key = key
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features]
         m = self.module
-        if (
-            x.dtype != m.weight.dtype
-            or x.device.type != "cpu"
-            or (torch.is_grad_enabled() and m.weight.requires_grad)
-        ):
+        if torch.is_grad_enabled() and m.weight.requires_grad:
             return F.linear(x, m.weight, m.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, m.bias, "none", [], "")
+        return self.matrix(x, m.bias)
 
 
 class _ModelPacking:
-    def __init__(self, model):
-        self.linears = [_PackedLinear(m) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    def __init__(self, model, mode: str):
+        self.mode = mode
+        self.linears = [_PackedLinear(m, mode) for m in model.modules() if isinstance(m, torch.nn.Linear)]
         self.users = 0
+
+    def kinds(self) -> dict[str, int]:
+        """How many linears run in each form ("blocks-q4_1": 210, ...)."""
+        counts: dict[str, int] = {}
+        for linear in self.linears:
+            counts[linear.matrix.kind] = counts.get(linear.matrix.kind, 0) + 1
+        return counts
 
 
 _packings: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _ModelPacking
@@ -102,16 +135,23 @@ _lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def packed_linears(model, enabled: bool = True) -> Iterator[None]:
-    """Run every `nn.Linear` of `model` on prepacked oneDNN weights inside the block (a no-op when
-    `enabled` is False or `packing_supported(model)` is not)."""
-    if not enabled or not packing_supported(model):
+def packed_linears(model, enabled: bool = True, mode: str = "auto") -> Iterator[None]:
+    """Run every `nn.Linear` of `model` on its fast form (`mode`: "auto", "onednn") inside the block; a
+    no-op when `enabled` is False, mode is "torch" or `packing_supported(model)` is not. One packing per
+    model at a time: another mode than the current one's is refused while the first is in use."""
+    if mode not in MODES:
+        raise ValueError(f"unknown linear mode {mode!r}; choose one of {MODES}")
+    if not enabled or mode == "torch" or not packing_supported(model):
         yield
         return
     with _lock:
         packing = _packings.get(model)
+        if packing is not None and packing.mode != mode:
+            if packing.users:
+                raise RuntimeError(f"the model's linears are in use in mode {packing.mode!r}, not {mode!r}")
+            packing = None
         if packing is None:
-            packing = _packings[model] = _ModelPacking(model)
+            packing = _packings[model] = _ModelPacking(model, mode)
         if packing.users == 0:
             for linear in packing.linears:
                 linear.refresh()
@@ -125,3 +165,9 @@ def packed_linears(model, enabled: bool = True) -> Iterator[None]:
             if packing.users == 0:
                 for linear in packing.linears:
                     del linear.module.forward  # back to nn.Linear.forward
+
+
+def linear_kinds(model) -> dict[str, int]:
+    """How the model's linears ran in its last `packed_linears` block ({} before any)."""
+    packing = _packings.get(model)
+    return packing.kinds() if packing is not None else {}

@@ -3,8 +3,9 @@
     verify_ms[path][prefix][n] = median ms of `Decoder.score` over n tree nodes after `prefix` committed
                                  tokens (the forward, the tree attention and the logits of every node)
 
-for the eager path (transformers' modules as they are) and the packed path (`core.packed`: prepacked
-oneDNN linears), plus each row relative to a one-token step (n = 1) of the same path and prefix. It is
+for the eager path (transformers' modules as they are), oneDNN prepacked linears and exact block weights
+(`core.packed`; "blocks" is the decoder's default "auto", which falls back to oneDNN for weights without
+blocks), plus each row relative to a one-token step (n = 1) of the same path and prefix. It is
 written as JSON (`save_cost_curve`; default `$TREESPEC_CACHE/costs/<model>-<dtype>.json`) and read by
 `treespec.training.calibrate` and `scripts/cost_curve.py`, which prices trees with it.
 """
@@ -26,7 +27,7 @@ from ..io import atomic_write_json
 
 NODES = (1, 4, 8, 16, 32, 64)
 PREFIXES = (128, 512, 1024)
-PATHS = {"eager": False, "packed": True}  # name -> Decoder(packed=...)
+PATHS = {"eager": "torch", "onednn": "onednn", "blocks": "auto"}  # name -> Decoder(linears=...)
 
 
 def default_cost_file(model_name: str, dtype: torch.dtype) -> Path:
@@ -52,11 +53,11 @@ def _chain(n: int) -> Tree:
 
 
 @torch.inference_mode()
-def verify_ms(model, n: int, prefix: int, packed: bool, repeats: int = 7, seed: int = 0) -> float:
+def verify_ms(model, n: int, prefix: int, linears: str, repeats: int = 7, seed: int = 0) -> float:
     """Median ms of one verification of n nodes after `prefix` random committed tokens."""
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
-    decoder = Decoder(model, _Shape(_chain(n)), acceptance="greedy", packed=packed)
+    decoder = Decoder(model, _Shape(_chain(n)), acceptance="greedy", linears=linears)
     prompt = torch.randint(0, vocab, (prefix,), generator=gen).tolist()
     decoder.prefill(prompt, max_new_tokens=n + 1)
     tokens = torch.randint(0, vocab, (1, n), generator=gen).to(decoder.device)  # [1, n]

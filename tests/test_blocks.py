@@ -1,0 +1,101 @@
+"""Exact block weights (core.blocks) and the block_linear op against F.linear on the dequantized weight."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import hf_greedy, random_heads, tiny_model
+
+import treespec
+from treespec import ops
+from treespec.core.blocks import BlockMatrix, recover_blocks
+from treespec.core.packed import linear_kinds, packed_linears
+
+needs_ops = pytest.mark.skipif(not ops.available("cpu"), reason="treespec's compiled ops did not build here")
+
+
+def q4_1_weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """A float32 weight [n, k] whose blocks are Q4_1 values, made the way a GGUF file is read."""
+    d = (torch.rand(n, k // 32, generator=gen) * 0.01).half().float()
+    m = (-torch.rand(n, k // 32, generator=gen) * 0.08).half().float()
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=gen).float()
+    q[..., 0], q[..., 1] = 0, 15  # quantization puts the block's minimum at 0 and its maximum at 15
+    return (d[..., None] * q + m[..., None]).reshape(n, k)
+
+
+def q8_0_weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    d = (torch.rand(n, k // 32, generator=gen) * 0.002).half().float()
+    q = torch.randint(-127, 128, (n, k // 32, 32), generator=gen).float()
+    q[..., 0] = 127
+    return (d[..., None] * q).reshape(n, k)
+
+
+def blockify(model: torch.nn.Module) -> None:
+    """Round every linear weight of `model` to Q4_1 values in place (a stand-in for a GGUF-converted model)."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                w = module.weight.view(module.out_features, -1, 32)
+                lo, hi = w.amin(-1), w.amax(-1)
+                d, m = ((hi - lo) / 15).half().float(), lo.half().float()
+                q = torch.round((w - m[..., None]) / d[..., None]).clamp(0, 15)
+                module.weight.copy_((d[..., None] * q + m[..., None]).reshape_as(module.weight))
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_exact_blocks_are_found_and_rebuild_the_weight_bit_for_bit(kind):
+    gen = torch.Generator().manual_seed(1)
+    weight = (q4_1_weight if kind == "q4_1" else q8_0_weight)(40, 96, gen)
+    blocks = recover_blocks(weight)
+    assert blocks is not None and blocks.kind == kind
+    assert torch.equal(blocks.dequantize().view(torch.int32), weight.view(torch.int32))
+    assert blocks.nbytes() < weight.numel() * 4 / (3 if kind == "q4_1" else 2)
+
+
+def test_weights_without_exact_blocks_are_refused_whole():
+    gen = torch.Generator().manual_seed(2)
+    assert recover_blocks(torch.randn(16, 64, generator=gen)) is None  # plain float32
+    weight = q4_1_weight(16, 64, gen)
+    weight[7, 33] += 1e-4  # one weight off the grid: no partial blocks
+    assert recover_blocks(weight) is None
+    assert recover_blocks(q4_1_weight(16, 64, gen)[:, :48]) is None  # not a multiple of 32
+    assert recover_blocks(q4_1_weight(16, 64, gen).double()) is None
+
+
+@needs_ops
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 32])
+def test_block_linear_equals_f_linear_on_the_dequantized_weight(kind, rows):
+    gen = torch.Generator().manual_seed(rows)
+    weight = (q4_1_weight if kind == "q4_1" else q8_0_weight)(70, 160, gen)
+    bias = torch.randn(70, generator=gen)
+    x = torch.randn(2, rows, 160, generator=gen)  # [B, n, K]
+    matrix = BlockMatrix(recover_blocks(weight))
+    with torch.inference_mode():
+        got = matrix(x, bias)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_ops
+def test_a_model_with_block_weights_decodes_exactly_through_them():
+    model = tiny_model("llama", dtype=torch.float32, hidden_size=64, intermediate_size=128, num_attention_heads=4)
+    blockify(model)
+    heads = random_heads(model, seed=5)
+    prompt = [3, 17, 5, 9, 22, 4]
+    outs = {}
+    for linears in ("auto", "onednn"):
+        decoder = treespec.Decoder(
+            model, treespec.make_drafter(heads, treespec.default_tree(16, 4), model), acceptance="greedy",
+            linears=linears,
+        )
+        out = [decoder.prefill(prompt, max_new_tokens=30)]
+        while len(out) < 30:
+            out += decoder.step().committed
+        outs[linears] = out[:30]
+        kinds = linear_kinds(model)
+        assert set(kinds) == ({"blocks-q4_1"} if linears == "auto" else {"onednn"}), kinds
+    assert outs["auto"] == outs["onednn"] == hf_greedy(model, prompt, 30)
+    with torch.inference_mode(), packed_linears(model):
+        pass
+    assert not any("forward" in m.__dict__ for m in model.modules())

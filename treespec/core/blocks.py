@@ -1,0 +1,120 @@
+"""Float32 weights that are exactly block-quantized values, found and read in that compact form.
+
+A model converted from a quantized checkpoint (the embedded SmolLM2 comes from a GGUF file with Q4_1
+linear layers and a Q8_0 embedding) holds float32 weights that are, block of 32 by block of 32,
+
+    Q4_1: w = fma(d, q, m), q in [0, 15]          Q8_0: w = d * q, q in [-127, 127]
+
+with d and m float16 values. `recover_blocks(weight)` finds d, m and q when every block fits one of
+these forms exactly (it checks the reconstruction bit for bit) and returns None otherwise; `BlockMatrix`
+then computes x @ w^T through treespec's `block_linear` op (csrc/block_linear_cpu.cpp), which rebuilds
+each weight exactly in registers. The weights used are the model's own, bit for bit; only the summation
+order differs from a float32 GEMM (like any other GEMM). It reads 0.625 (Q4_1) or 1.125 (Q8_0) bytes
+per weight instead of 4: on a CPU whose one-token step is bound by memory reads this is most of a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 32
+
+
+@dataclass
+class BlockWeights:
+    """One weight [N, K] as blocks: q4 [N, K/2] uint8 (with m) or q8 [N, K] int8; d, m [N, K/32] float32."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None
+
+    @property
+    def kind(self) -> str:
+        return "q4_1" if self.m is not None else "q8_0"
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K] (the reference the kernel is tested against)."""
+        if self.m is None:
+            N, K = self.q.shape
+            return (self.d[..., None] * self.q.view(N, K // BLOCK, BLOCK).float()).reshape(N, K)
+        N, half = self.q.shape
+        low, high = self.q & 0x0F, self.q >> 4  # [N, K/2] each
+        q = torch.cat([low.view(N, -1, 16), high.view(N, -1, 16)], dim=-1).float()  # [N, K/32, 32]
+        return (self.d[..., None] * q + self.m[..., None]).reshape(N, 2 * half)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m) if t is not None)
+
+
+def _fp16_neighbours(d: torch.Tensor) -> list[torch.Tensor]:
+    """d [..] (float16 values in float32) and its float16 neighbours up and down, as float32."""
+    h = d.half()
+    up = torch.nextafter(h, torch.full_like(h, float("inf"))).float()
+    down = torch.nextafter(h, torch.full_like(h, float("-inf"))).float()
+    return [d, up, down]
+
+
+def _fit(blocks: torch.Tensor, offset: torch.Tensor | None, scale: torch.Tensor, lo: int, hi: int):
+    """For each block [N, B, 32] the first candidate scale whose integers q in [lo, hi] rebuild it exactly:
+    (ok [N, B], d [N, B], q [N, B, 32] as float)."""
+    ok = torch.zeros(blocks.shape[:-1], dtype=torch.bool)
+    best_d = torch.zeros_like(scale)
+    best_q = torch.zeros_like(blocks)
+    base = blocks if offset is None else blocks - offset[..., None]
+    for d in _fp16_neighbours(scale):
+        safe = torch.where(d == 0, torch.ones_like(d), d)
+        q = torch.round(base / safe[..., None]).clamp_(lo, hi)  # [N, B, 32]
+        rebuilt = d[..., None] * q if offset is None else d[..., None] * q + offset[..., None]
+        fits = (rebuilt == blocks).all(-1) & ~ok  # [N, B]
+        best_d = torch.where(fits, d, best_d)
+        best_q = torch.where(fits[..., None], q, best_q)
+        ok |= fits
+        if bool(ok.all()):
+            break
+    return ok, best_d, best_q
+
+
+@torch.no_grad()
+def recover_blocks(weight: torch.Tensor) -> BlockWeights | None:
+    """The exact Q4_1 or Q8_0 blocks of a float32 CPU weight [N, K], or None when it has none."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
+        return None
+    if weight.shape[1] % BLOCK:
+        return None
+    N, K = weight.shape
+    blocks = weight.detach().reshape(N, K // BLOCK, BLOCK)  # [N, B, 32]
+    if not bool(torch.isfinite(blocks).all()):
+        return None
+    lo, hi = blocks.amin(-1), blocks.amax(-1)  # [N, B]
+    if bool((lo.half().float() == lo).all()):  # Q4_1: the block minimum is m itself (q = 0)
+        ok, d, q = _fit(blocks, lo, ((hi - lo) / 15).half().float(), 0, 15)
+        if bool(ok.all()):
+            q = q.to(torch.uint8)
+            packed = (q[..., :16] | (q[..., 16:] << 4)).reshape(N, K // 2).contiguous()
+            return _checked(BlockWeights(packed, d.contiguous(), lo.contiguous()), weight)
+    amax = torch.maximum(lo.abs(), hi.abs())
+    ok, d, q = _fit(blocks, None, (amax / 127).half().float(), -127, 127)
+    if bool(ok.all()):
+        q8 = q.to(torch.int8).reshape(N, K).contiguous()
+        return _checked(BlockWeights(q8, d.contiguous(), None), weight)
+    return None
+
+
+def _checked(blocks: BlockWeights, weight: torch.Tensor) -> BlockWeights | None:
+    """The blocks when they rebuild `weight` bit for bit (float32 bit patterns, so -0.0 counts), else None."""
+    same = torch.equal(blocks.dequantize().view(torch.int32), weight.detach().view(torch.int32))
+    return blocks if same else None
+
+
+class BlockMatrix:
+    """x @ w^T (+ bias) with w held as exact blocks: x [..., K] float32 -> [..., N]."""
+
+    def __init__(self, blocks: BlockWeights):
+        self.blocks = blocks
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        b = self.blocks
+        out = torch.ops.treespec.block_linear(x, b.q, b.d, b.m)
+        return out if bias is None else out + bias
