@@ -14,7 +14,7 @@ from treespec.training.costs import cost_curve, interpolate, load_cost_curve, re
 def test_cost_curve_measures_every_point_and_round_trips(tmp_path):
     model = tiny_model("llama", dtype=torch.float32)
     curve = cost_curve(model, nodes=[1, 4, 8], prefixes=[16, 40], repeats=2)
-    for path in ("eager", "packed"):
+    for path in ("eager", "onednn", "blocks"):
         for prefix in ("16", "40"):
             row = curve["verify_ms"][path][prefix]
             assert set(row) == {"1", "4", "8"} and all(ms > 0 for ms in row.values())
@@ -36,3 +36,39 @@ def test_a_file_that_is_not_a_cost_curve_is_refused(tmp_path):
     bad.write_text(json.dumps({"format": "treespec.tree", "choices": []}))
     with pytest.raises(ValueError, match="not a treespec cost curve"):
         load_cost_curve(bad)
+
+
+def test_machine_tree_prices_once_then_reuses_its_choice(tmp_path, monkeypatch):
+    from conftest import random_heads
+
+    from treespec.training import calibrate
+    from treespec.training.costs import machine_tree, machine_tree_file
+
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path / "cache"))
+    model = tiny_model("llama", dtype=torch.float32)
+    heads = random_heads(model, num_heads=3)
+    folder = tmp_path / "heads"
+    heads.save_pretrained(folder)
+    table = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.1, 0.05]]
+    (folder / "acceptance.json").write_text(json.dumps({"acceptance": table}))
+    tree, note = machine_tree(model, heads, folder, budgets=(2, 4, 8), repeats=1)
+    assert tree.num_nodes in (2, 4, 8) and "priced on this machine" in note
+    assert machine_tree_file(model, folder).is_file()
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("the kept choice must be reused, not measured again")
+
+    monkeypatch.setattr(calibrate, "forward_costs", no_measuring)
+    again, _ = machine_tree(model, heads, folder, budgets=(2, 4, 8), repeats=1)
+    assert again.choices == tree.choices
+
+
+def test_heads_without_an_acceptance_table_keep_their_own_tree(tmp_path):
+    from conftest import random_heads
+
+    from treespec.training.costs import machine_tree
+
+    model = tiny_model("llama", dtype=torch.float32)
+    heads = random_heads(model, num_heads=3)
+    tree, note = machine_tree(model, heads, tmp_path)
+    assert tree is heads.tree and "no acceptance.json" in note
