@@ -32,7 +32,7 @@ def q8_0_weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def blockify(model: torch.nn.Module) -> None:
-    """Round every linear weight of `model` to Q4_1 values in place (a stand-in for a GGUF-converted model)."""
+    """Round every linear weight of `model` to Q4_1 values in place (as a GGUF-converted model has them)."""
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):
@@ -79,14 +79,17 @@ def test_block_linear_equals_f_linear_on_the_dequantized_weight(kind, rows):
 
 @needs_ops
 def test_a_model_with_block_weights_decodes_exactly_through_them():
-    model = tiny_model("llama", dtype=torch.float32, hidden_size=64, intermediate_size=128, num_attention_heads=4)
+    sizes = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4)
+    model = tiny_model("llama", dtype=torch.float32, **sizes)
     blockify(model)
     heads = random_heads(model, seed=5)
     prompt = [3, 17, 5, 9, 22, 4]
     outs = {}
     for linears in ("auto", "onednn"):
         decoder = treespec.Decoder(
-            model, treespec.make_drafter(heads, treespec.default_tree(16, 4), model), acceptance="greedy",
+            model,
+            treespec.make_drafter(heads, treespec.default_tree(16, 4), model),
+            acceptance="greedy",
             linears=linears,
         )
         out = [decoder.prefill(prompt, max_new_tokens=30)]
