@@ -3,19 +3,19 @@
 
     python scripts/cost_curve.py --dtype float32
 
-1. Verification ms by node count (--nodes) and prefix length (--prefixes), eager vs packed linears
+1. Verification ms by node count (--nodes) and prefix length (--prefixes), for eager, oneDNN and block linears
    (`treespec.training.costs`), printed and written as JSON (--out, default
    $TREESPEC_CACHE/costs/<model>-<dtype>.json).
 2. For each node budget (--budgets): the best tree for the heads' acceptance table (acceptance.json of
    the heads folder), its expected accepted length, and one whole speculative step timed through
-   `Decoder.step` (drafting included, packed path); the budget with the most expected tokens per second
-   is written as a tree file (--tree-out, default next to the JSON) for `--tree` of generate and bench.
+   `Decoder.step` (drafting included, the decoder's default linears); the budget with the most expected
+   tokens per second is written as a tree file (--tree-out, default next to the JSON) for `--tree` of
+   generate and bench.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -25,8 +25,17 @@ except ModuleNotFoundError:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import treespec
 from treespec.tools.models import default_heads_folder
-from treespec.training.calibrate import choose_budget, format_budget_report, forward_costs
-from treespec.training.costs import NODES, PREFIXES, cost_curve, default_cost_file, relative, save_cost_curve
+from treespec.training.calibrate import format_budget_report
+from treespec.training.costs import (
+    NODES,
+    PREFIXES,
+    cost_curve,
+    default_cost_file,
+    price_trees,
+    read_acceptance,
+    relative,
+    save_cost_curve,
+)
 
 
 def ints(text: str) -> list[int]:
@@ -46,9 +55,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tree-out", default=None)
     args = p.parse_args(argv)
     model, _ = treespec.load_model(args.model, dtype=args.dtype)
-    name = args.model or "smollm2-135m-instruct"
-    dtype = next(model.parameters()).dtype
-    out = Path(args.out) if args.out else default_cost_file(name, dtype)
+    out = Path(args.out) if args.out else default_cost_file(model)
 
     curve = cost_curve(
         model,
@@ -70,9 +77,12 @@ def main(argv: list[str] | None = None) -> dict:
     if budgets:
         folder = Path(args.heads) if args.heads else default_heads_folder()
         heads = treespec.MedusaHeads.from_pretrained(folder, model=model)
-        table = json.loads((folder / "acceptance.json").read_text())["acceptance"]
-        costs = forward_costs(model, budgets, heads, prefix=300, repeats=args.repeats, table=table)
-        best, report = choose_budget(table, costs)
+        table = read_acceptance(folder)
+        if table is None:
+            raise SystemExit(
+                f"{folder} has no acceptance.json to price trees with: run scripts/calibrate_tree.py"
+            )
+        best, report = price_trees(model, heads, table, budgets, args.repeats)
         print("\n" + format_budget_report(report, best))
         tree = treespec.Tree.from_acceptance(table, best)
         tree_out = Path(args.tree_out) if args.tree_out else out.with_name(out.stem + "-tree.json")

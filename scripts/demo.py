@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 import treespec
+from treespec.tools.bench import hf_greedy
 from treespec.tools.drafter_options import MACHINE, pick_tree
 from treespec.tools.models import default_heads_folder
 
@@ -49,21 +50,10 @@ def load_heads(model, folder: Path) -> tuple[treespec.MedusaHeads, treespec.Tree
 
 
 def hf_generate(model, tokenizer, prompt_ids, n, **extra) -> tuple[list[int], float]:
-    """HF `generate` greedy on the same prompt ids: (new tokens up to the first end token, seconds)."""
-    ids = torch.tensor([prompt_ids])
+    """HF `generate` greedy on the same prompt ids (`tools.bench.hf_greedy`): (new tokens, seconds)."""
     t0 = time.perf_counter()
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=n,
-        do_sample=False,
-        pad_token_id=tokenizer.eos_token_id,
-        **extra,
-    )
-    seconds = time.perf_counter() - t0
-    tokens = out[0, len(prompt_ids) :].tolist()
-    ends = [i for i, t in enumerate(tokens) if t == tokenizer.eos_token_id]
-    return (tokens[: ends[0] + 1] if ends else tokens), seconds
+    tokens = hf_greedy(model, tokenizer, prompt_ids, n, **extra)
+    return tokens, time.perf_counter() - t0
 
 
 def run_all(model, tokenizer, heads, tree, prompts, args) -> list[dict]:

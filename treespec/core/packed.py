@@ -110,10 +110,7 @@ class _PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features]
-        m = self.module
-        if torch.is_grad_enabled() and m.weight.requires_grad:
-            return F.linear(x, m.weight, m.bias)
-        return self.matrix(x, m.bias)
+        return self.matrix(x, self.module.bias)
 
 
 class _ModelPacking:

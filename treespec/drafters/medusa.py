@@ -80,16 +80,16 @@ class SequentialDrafter(BaseDrafter):
         tokens[0] = root
         probs = torch.ones(n, device=hidden.device)  # [N]
         states = hidden.new_empty(n, self.hidden_size, dtype=self.dtype)  # [N, H] u at each expanded node
-        for d, (expanded, parents, children, row, rank, k) in enumerate(self.levels):
-            before = hidden[None] if d == 0 else states[parents]  # [n_d, H] state of each node's parent
-            emb = self.heads.embed_tokens(self.embedding, tokens[expanded])  # [n_d, H]
-            with packed_linears(self.heads):
+        with packed_linears(self.heads):
+            for d, (expanded, parents, children, row, rank, k) in enumerate(self.levels):
+                before = hidden[None] if d == 0 else states[parents]  # [n_d, H] state of each node's parent
+                emb = self.heads.embed_tokens(self.embedding, tokens[expanded])  # [n_d, H]
                 u = self.heads.advance(d, before, emb)  # [n_d, H]
+                states[expanded] = u.to(states.dtype)
                 logits = _logits(self, u, d)  # [n_d, V']
-            states[expanded] = u.to(states.dtype)
-            top = logits.float().softmax(dim=-1).topk(k, dim=-1)  # values, indices: [n_d, k]
-            tokens[children] = self.heads.token_ids(top.indices[row, rank])  # [c_d]
-            probs[children] = top.values[row, rank]
+                top = logits.float().softmax(dim=-1).topk(k, dim=-1)  # values, indices: [n_d, k]
+                tokens[children] = self.heads.token_ids(top.indices[row, rank])  # [c_d]
+                probs[children] = top.values[row, rank]
         return Proposal(tokens[None], probs[None])  # [1, N] each
 
 

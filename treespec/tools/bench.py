@@ -235,6 +235,27 @@ def load_chain_drafters(args, model) -> dict[str, options.ChainSource | None]:
     }
 
 
+def hf_greedy(model, tokenizer, ids: list[int], max_new_tokens: int, **extra) -> list[int]:
+    """HF `model.generate(do_sample=False)` on prompt token ids: the new tokens, up to and including the
+    first of the model's end tokens. extra: more generate arguments (e.g. prompt_lookup_num_tokens)."""
+    eos = set(eos_token_ids(model, tokenizer))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
+    input_ids = torch.tensor([ids], device=next(model.parameters()).device)
+    out = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=pad,
+        **extra,
+    )
+    tokens = out[0, len(ids) :].tolist()
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
 def make_runners(
     model,
     tokenizer,
@@ -250,26 +271,9 @@ def make_runners(
     chains: from `load_chain_drafters` (the draft-model methods and hf_assisted need "draft_model",
     self_spec needs "exit_head")."""
     chains = chains or {}
-    eos = set(eos_token_ids(model, tokenizer))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
-    device = next(model.parameters()).device
 
     def hf(ids, max_new_tokens, **extra):
-        input_ids = torch.tensor([ids], device=device)
-        out = model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=pad,
-            **extra,
-        )
-        tokens = out[0, len(ids) :].tolist()
-        for i, t in enumerate(tokens):  # up to and including the first eos
-            if t in eos:
-                tokens = tokens[: i + 1]
-                break
-        return {"token_ids": tokens}
+        return {"token_ids": hf_greedy(model, tokenizer, ids, max_new_tokens, **extra)}
 
     def from_result(res):
         s = res.stats
@@ -348,7 +352,7 @@ def start_peers(args, model) -> dict:
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     for name, ngram in PEER_METHODS.items():
         if name in args.methods:
-            log = Path(args.out or DEFAULT_OUT_DIR / "x").parent / f"{name}-worker.log"
+            log = (Path(args.out).parent if args.out else DEFAULT_OUT_DIR) / f"{name}-worker.log"
             log.parent.mkdir(parents=True, exist_ok=True)
             print(f"starting {name} (vLLM worker log: {log})", file=sys.stderr)
             k = args.vllm_ngram if ngram is None else ngram
@@ -357,7 +361,8 @@ def start_peers(args, model) -> dict:
 
 
 def peer_runner(peer: VllmPeer):
-    """A bench runner over a peer engine: its tokens, up to and including the first eos."""
+    """A bench runner over a peer engine: the tokens it returns (vLLM stops at the model's end tokens
+    itself)."""
     return lambda ids, m: {"token_ids": peer.run(ids, m)["token_ids"]}
 
 

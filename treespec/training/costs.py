@@ -6,12 +6,14 @@
 for the eager path (transformers' modules as they are), oneDNN prepacked linears and exact block weights
 (`core.packed`; "blocks" is the decoder's default "auto", which falls back to oneDNN for weights without
 blocks), plus each row relative to a one-token step (n = 1) of the same path and prefix. It is
-written as JSON (`save_cost_curve`; default `$TREESPEC_CACHE/costs/<model>-<dtype>.json`) and read by
-`treespec.training.calibrate` and `scripts/cost_curve.py`, which prices trees with it.
+written as JSON (`save_cost_curve`; default `$TREESPEC_CACHE/costs/<model>-<dtype>.json`) for people and
+later tools (`load_cost_curve`, `interpolate`); the tree choice itself (`price_trees`, `machine_tree`)
+times whole steps through `Decoder.step`, drafting included.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
@@ -24,17 +26,19 @@ from ..core.decoder import Decoder
 from ..core.tree import Tree
 from ..drafters.base import BaseDrafter
 from ..io import atomic_write_json
+from . import calibrate
 
 NODES = (1, 4, 8, 16, 32, 64)
 PREFIXES = (128, 512, 1024)
 PATHS = {"eager": "torch", "onednn": "onednn", "blocks": "auto"}  # name -> Decoder(linears=...)
 
 
-def default_cost_file(model_name: str, dtype: torch.dtype) -> Path:
-    """`$TREESPEC_CACHE/costs/<model>-<dtype>.json` (default cache `~/.cache/treespec`)."""
+def default_cost_file(model) -> Path:
+    """`$TREESPEC_CACHE/costs/<model name>-<dtype>.json` (default cache `~/.cache/treespec`)."""
     root = Path(os.environ.get("TREESPEC_CACHE", Path.home() / ".cache" / "treespec"))
-    name = model_name.replace("/", "--")
-    return root / "costs" / f"{name}-{str(dtype).removeprefix('torch.')}.json"
+    name = (getattr(model.config, "name_or_path", "") or "model").replace("/", "--")
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return root / "costs" / f"{name}-{dtype}.json"
 
 
 class _Shape(BaseDrafter):
@@ -128,8 +132,6 @@ def save_cost_curve(path: str | os.PathLike, curve: dict) -> None:
 
 def load_cost_curve(path: str | os.PathLike) -> dict:
     """Read a cost curve written by `save_cost_curve`; refuses other files with a clear message."""
-    import json
-
     with open(path, encoding="utf-8") as f:
         curve = json.load(f)
     if curve.get("format") != "treespec.cost_curve" or "verify_ms" not in curve:
@@ -137,10 +139,28 @@ def load_cost_curve(path: str | os.PathLike) -> dict:
     return curve
 
 
+def read_acceptance(heads_folder: str | os.PathLike) -> list[list[float]] | None:
+    """acceptance[head][rank] from the heads folder's acceptance.json (`scripts/calibrate_tree.py`), or
+    None when the folder has none."""
+    table_file = Path(heads_folder) / "acceptance.json"
+    if not table_file.is_file():
+        return None
+    return json.loads(table_file.read_text())["acceptance"]
+
+
+def price_trees(
+    model, heads, table: Sequence[Sequence[float]], budgets: Sequence[int], repeats: int
+) -> tuple[int, dict[int, dict[str, float]]]:
+    """For each node budget the best tree for `table`, one speculative step of it timed on this machine
+    (`calibrate.forward_costs`, prefix 300): (the budget with the most expected tokens per second, the
+    numbers behind it, as `calibrate.choose_budget` gives them)."""
+    costs = calibrate.forward_costs(model, budgets, heads, prefix=300, repeats=repeats, table=table)
+    return calibrate.choose_budget(table, costs)
+
+
 def machine_tree_file(model, heads_folder: str | os.PathLike) -> Path:
     """Where `machine_tree` keeps its choice: next to the cost curves, per model, dtype and heads folder."""
-    name = getattr(model.config, "name_or_path", "") or "model"
-    curve_file = default_cost_file(name, next(model.parameters()).dtype)
+    curve_file = default_cost_file(model)
     return curve_file.with_name(f"{curve_file.stem}-{Path(heads_folder).name}-tree.json")
 
 
@@ -152,16 +172,11 @@ def machine_tree(
     repeats: int = 3,
     progress=None,
 ) -> tuple[Tree, str]:
-    """The heads' best tree on this machine: for each node budget the best tree for the heads' acceptance
-    table (acceptance.json in `heads_folder`), one speculative step timed on this machine, the most
-    expected tokens per second. Measured once (a few seconds per budget) and kept in `machine_tree_file`;
-    heads without acceptance.json keep their own tree. Returns (tree, description)."""
-    import json
-
-    from .calibrate import choose_budget, forward_costs
-
-    table_file = Path(heads_folder) / "acceptance.json"
-    if not table_file.is_file():
+    """The heads' best tree on this machine (`price_trees` over `budgets`), measured once (a few seconds
+    per budget) and kept in `machine_tree_file`; heads without acceptance.json keep their own tree.
+    Returns (tree, description)."""
+    table = read_acceptance(heads_folder)
+    if table is None:
         return heads.tree, "the heads' tree.json (no acceptance.json to price trees with)"
     saved = machine_tree_file(model, heads_folder)
     if saved.is_file():
@@ -169,9 +184,7 @@ def machine_tree(
         return tree, f"priced on this machine ({tree.num_nodes} nodes; {saved}, delete it to re-measure)"
     if progress:
         progress(f"pricing trees of {', '.join(map(str, budgets))} nodes on this machine (once) ...")
-    table = json.loads(table_file.read_text())["acceptance"]
-    costs = forward_costs(model, budgets, heads, prefix=300, repeats=repeats, table=table)
-    best, _ = choose_budget(table, costs)
+    best, _ = price_trees(model, heads, table, budgets, repeats)
     tree = Tree.from_acceptance(table, best)
     saved.parent.mkdir(parents=True, exist_ok=True)
     tree.save(saved)
