@@ -3,9 +3,9 @@
 
     python scripts/cost_curve.py --dtype float32
 
-1. Verification ms by node count (--nodes) and prefix length (--prefixes), for eager, oneDNN and block linears
-   (`treespec.training.costs`), printed and written as JSON (--out, default
-   $TREESPEC_CACHE/costs/<model>-<dtype>.json).
+1. Verification ms by node count (--nodes) and prefix length (--prefixes) for each path (--paths: eager,
+   oneDNN or block linears, and the block linears compiled; `treespec.training.costs`), printed and
+   written as JSON (--out, default $TREESPEC_CACHE/costs/<model>-<dtype>.json).
 2. For each node budget (--budgets): the best tree for the heads' acceptance table (acceptance.json of
    the heads folder), its expected accepted length, and one whole speculative step timed through
    `Decoder.step` (drafting included, the decoder's default linears); the budget with the most expected
@@ -28,6 +28,7 @@ from treespec.tools.models import default_heads_folder
 from treespec.training.calibrate import format_budget_report
 from treespec.training.costs import (
     NODES,
+    PATHS,
     PREFIXES,
     cost_curve,
     default_cost_file,
@@ -50,6 +51,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--nodes", default=",".join(map(str, NODES)))
     p.add_argument("--prefixes", default=",".join(map(str, PREFIXES)))
     p.add_argument("--budgets", default="4,6,8,12,16,24,32", help="tree node budgets to price ('' = skip)")
+    p.add_argument(
+        "--paths",
+        default="eager,blocks,compiled",
+        help=f"verification paths to measure, of {','.join(PATHS)} (compiled: ~1 minute per node count)",
+    )
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--out", default=None)
     p.add_argument("--tree-out", default=None)
@@ -61,6 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
         model,
         ints(args.nodes),
         ints(args.prefixes),
+        [p.strip() for p in args.paths.split(",") if p.strip()],
         repeats=args.repeats,
         progress=lambda label: print(f"  measuring {label}", file=sys.stderr, flush=True),
     )

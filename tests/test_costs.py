@@ -13,7 +13,9 @@ from treespec.training.costs import cost_curve, interpolate, load_cost_curve, re
 
 def test_cost_curve_measures_every_point_and_round_trips(tmp_path):
     model = tiny_model("llama", dtype=torch.float32)
-    curve = cost_curve(model, nodes=[1, 4, 8], prefixes=[16, 40], repeats=2)
+    curve = cost_curve(
+        model, nodes=[1, 4, 8], prefixes=[16, 40], paths=("eager", "onednn", "blocks"), repeats=2
+    )
     for path in ("eager", "onednn", "blocks"):
         for prefix in ("16", "40"):
             row = curve["verify_ms"][path][prefix]

@@ -27,6 +27,7 @@ from ..drafters.base import Drafter, RootOnlyDrafter, SequenceStart
 from .acceptance import RULES, SamplingConfig, verify
 from .attention import KERNELS, AttentionPlan, auto_kernel, tree_attention_enabled
 from .cache import CacheCapacityError, TreeKVCache
+from .compiled import CompiledForward
 from .packed import MODES as LINEAR_MODES
 from .packed import packed_linears
 from .stats import GenerationStats
@@ -87,10 +88,13 @@ class Decoder:
         kernel: str = "auto",
         seed: int | None = None,
         linears: str = "auto",
+        compile: bool = False,
     ):
         """linears: how the model's linear layers run during prefill and steps (`core.packed`): "auto"
         (exact block weights where the weights are such, else oneDNN prepacked), "onednn" or "torch"
-        (as the model is); CPU only (float32, or bf16 where oneDNN has it), ignored elsewhere."""
+        (as the model is); CPU only (float32, or bf16 where oneDNN has it), ignored elsewhere.
+        compile: run the verification forward through torch.compile (`core.compiled`; the first step of
+        each node count compiles, about a minute on a small CPU); drafters with their own scorer keep it."""
         if linears not in LINEAR_MODES:
             raise ValueError(f"unknown linears mode {linears!r}; choose one of {LINEAR_MODES}")
         if acceptance not in RULES:
@@ -108,7 +112,8 @@ class Decoder:
         self.plan = AttentionPlan.for_tree(self.tree, self.kernel, self.device)
         self.children = [self.tree.children(i) for i in range(self.tree.num_nodes)]
         self.depth = self.tree.depth.to(self.device)  # [N]
-        self.scorer = self.drafter.scorer() or partial(full_forward, model)
+        default_scorer = CompiledForward(model, linears) if compile else partial(full_forward, model)
+        self.scorer = self.drafter.scorer() or default_scorer
         self.generator = None if seed is None else torch.Generator(self.device).manual_seed(seed)
         self.linears = linears
         self.cache: TreeKVCache | None = None

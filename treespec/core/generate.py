@@ -127,6 +127,7 @@ def generate(
     drafter: Drafter | None = None,
     trace: bool = False,
     lookup: int = 0,
+    compile: bool = False,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens with tree speculation; returns a `GenerationResult`.
 
@@ -139,16 +140,14 @@ def generate(
     strings that end generation; streamer: HF-style (`put`, `end`). kernel: "auto" ("compiled" when the
     extension builds for the model's dtype and device, else "sdpa"), "compiled", "sdpa" or "reference".
     max_length: cache capacity (default: max_position_embeddings). trace: keep every step's tree.
+    compile: verify through torch.compile (`Decoder(compile=True)`; the first call per tree size compiles).
     """
     stopping = StopCondition(eos_token_ids(model, tokenizer, eos_token_id), stop, tokenizer, max_new_tokens)
     prompt_ids = encode_prompt(prompt_or_input_ids, tokenizer, chat, vocab_size=_vocab_size(model))
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    drafter = choose_drafter(model, heads, tree, drafter, lookup)
     decoder = Decoder(
-        model,
-        choose_drafter(model, heads, tree, drafter, lookup),
-        acceptance=acceptance,
-        sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p),
-        kernel=kernel,
-        seed=seed,
+        model, drafter, acceptance=acceptance, sampling=sampling, kernel=kernel, seed=seed, compile=compile
     )
     if streamer is not None:
         streamer.put(torch.tensor([prompt_ids]))

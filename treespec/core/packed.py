@@ -85,7 +85,8 @@ class PackedMatrix:
             return F.linear(x.to(self.weight.dtype), self.weight, bias)
         if self.blocks is not None:
             return self.blocks(x, bias)
-        if self.packed is not None:
+        if self.packed is not None and not torch.compiler.is_compiling():
+            # (inductor lowers this op only for weights it froze itself: compiled graphs get F.linear)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
 

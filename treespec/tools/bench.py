@@ -50,6 +50,7 @@ import shlex
 import sys
 import time
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -126,6 +127,11 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
         "--methods", default=",".join(DEFAULT_METHODS), help=f"comma list from {','.join(METHODS)}"
     )
     p.add_argument("--lookup", type=int, default=8, help="prompt-lookup branch length (lookup methods)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="treespec methods verify through torch.compile (compiled during each method's warm-up call)",
+    )
     p.add_argument("--draft-model", default=None, help="HF draft model folder (draft_model*, hf_assisted)")
     p.add_argument(
         "--exit-head", default=None, help="exit head folder (self_spec; train_heads.py --exit-layer)"
@@ -265,12 +271,16 @@ def make_runners(
     lookup: int = 8,
     chains: dict[str, options.ChainSource | None] | None = None,
     branching_spec: str = "1:4",
+    compile: bool = False,
 ) -> dict:
     """name -> run(ids, max_new_tokens) -> dict(token_ids, steps, accepted, library_seconds).
+    compile: every treespec method verifies through torch.compile (`Decoder(compile=True)`).
 
     chains: from `load_chain_drafters` (the draft-model methods and hf_assisted need "draft_model",
     self_spec needs "exit_head")."""
     chains = chains or {}
+    generate = partial(treespec.generate, compile=compile)
+    generate_baseline = partial(treespec.generate_baseline, compile=compile)
 
     def hf(ids, max_new_tokens, **extra):
         return {"token_ids": hf_greedy(model, tokenizer, ids, max_new_tokens, **extra)}
@@ -296,34 +306,28 @@ def make_runners(
         "hf": hf,
         "hf_prompt_lookup": lambda ids, m: hf(ids, m, prompt_lookup_num_tokens=10),
         "baseline": lambda ids, m: from_result(
-            treespec.generate_baseline(model, ids, tokenizer=tokenizer, max_new_tokens=m)
+            generate_baseline(model, ids, tokenizer=tokenizer, max_new_tokens=m)
         ),
         "baseline_sdpa": lambda ids, m: from_result(
-            treespec.generate_baseline(model, ids, tokenizer=tokenizer, max_new_tokens=m, kernel="sdpa")
+            generate_baseline(model, ids, tokenizer=tokenizer, max_new_tokens=m, kernel="sdpa")
         ),
         "treespec": lambda ids, m: from_result(
-            treespec.generate(
-                model, heads, ids, tokenizer=tokenizer, tree=tree, max_new_tokens=m, temperature=0.0
-            )
+            generate(model, heads, ids, tokenizer=tokenizer, tree=tree, max_new_tokens=m, temperature=0.0)
         ),
         "treespec_sdpa": lambda ids, m: from_result(
-            treespec.generate(
-                model, heads, ids, tokenizer=tokenizer, tree=tree, max_new_tokens=m, kernel="sdpa"
-            )
+            generate(model, heads, ids, tokenizer=tokenizer, tree=tree, max_new_tokens=m, kernel="sdpa")
         ),
         "lookup": lambda ids, m: from_result(
-            treespec.generate(model, None, ids, tokenizer=tokenizer, lookup=lookup, max_new_tokens=m)
+            generate(model, None, ids, tokenizer=tokenizer, lookup=lookup, max_new_tokens=m)
         ),
         "treespec_lookup": lambda ids, m: from_result(
-            treespec.generate(
-                model, heads, ids, tokenizer=tokenizer, tree=tree, lookup=lookup, max_new_tokens=m
-            )
+            generate(model, heads, ids, tokenizer=tokenizer, tree=tree, lookup=lookup, max_new_tokens=m)
         ),
     }
 
     def with_drafter(make):  # no heads; a fresh drafter from make() for every call
         return lambda ids, m: from_result(
-            treespec.generate(model, None, ids, tokenizer=tokenizer, max_new_tokens=m, drafter=make())
+            generate(model, None, ids, tokenizer=tokenizer, max_new_tokens=m, drafter=make())
         )
 
     chain = chains.get("draft_model")
@@ -617,7 +621,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
         heads, tree, heads_desc, tree_desc = load_heads_and_tree(args, model)
     chains = load_chain_drafters(args, model)
     ours = [m for m in args.methods if m not in PEER_METHODS]
-    runners = make_runners(model, tokenizer, heads, tree, ours, args.lookup, chains, args.branching)
+    runners = make_runners(
+        model, tokenizer, heads, tree, ours, args.lookup, chains, args.branching, args.compile
+    )
     peers = start_peers(args, model)
     runners |= {name: peer_runner(peer) for name, peer in peers.items()}
 
@@ -634,6 +640,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
         "threads": torch.get_num_threads(),
         "max_new_tokens": args.max_new_tokens,
         "lookup": args.lookup if {"lookup", "treespec_lookup"} & set(args.methods) else None,
+        "compile": args.compile,
         "num_prompts": len(prompts),
         "categories": categories,
         "methods": args.methods,

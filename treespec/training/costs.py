@@ -3,12 +3,13 @@
     verify_ms[path][prefix][n] = median ms of `Decoder.score` over n tree nodes after `prefix` committed
                                  tokens (the forward, the tree attention and the logits of every node)
 
-for the eager path (transformers' modules as they are), oneDNN prepacked linears and exact block weights
+for the eager path (transformers' modules as they are), oneDNN prepacked linears, exact block weights
 (`core.packed`; "blocks" is the decoder's default "auto", which falls back to oneDNN for weights without
-blocks), plus each row relative to a one-token step (n = 1) of the same path and prefix. It is
-written as JSON (`save_cost_curve`; default `$TREESPEC_CACHE/costs/<model>-<dtype>.json`) for people and
-later tools (`load_cost_curve`, `interpolate`); the tree choice itself (`price_trees`, `machine_tree`)
-times whole steps through `Decoder.step`, drafting included.
+blocks) and the same compiled with torch.compile ("compiled", `core.compiled`), plus each row relative
+to a one-token step (n = 1) of the same path and prefix. It is written as JSON (`save_cost_curve`;
+default `$TREESPEC_CACHE/costs/<model>-<dtype>.json`) for people and later tools (`load_cost_curve`,
+`interpolate`); the tree choice itself (`price_trees`, `machine_tree`) times whole steps through
+`Decoder.step`, drafting included.
 """
 
 from __future__ import annotations
@@ -30,7 +31,13 @@ from . import calibrate
 
 NODES = (1, 4, 8, 16, 32, 64)
 PREFIXES = (128, 512, 1024)
-PATHS = {"eager": "torch", "onednn": "onednn", "blocks": "auto"}  # name -> Decoder(linears=...)
+# name -> Decoder(linears=..., compile=...)
+PATHS = {
+    "eager": {"linears": "torch"},
+    "onednn": {"linears": "onednn"},
+    "blocks": {"linears": "auto"},
+    "compiled": {"linears": "auto", "compile": True},
+}
 
 
 def default_cost_file(model) -> Path:
@@ -57,11 +64,14 @@ def _chain(n: int) -> Tree:
 
 
 @torch.inference_mode()
-def verify_ms(model, n: int, prefix: int, linears: str, repeats: int = 7, seed: int = 0) -> float:
-    """Median ms of one verification of n nodes after `prefix` random committed tokens."""
+def verify_ms(
+    model, n: int, prefix: int, linears: str, repeats: int = 7, seed: int = 0, compile: bool = False
+) -> float:
+    """Median ms of one verification of n nodes after `prefix` random committed tokens (the first call,
+    which compiles when `compile`, is not counted)."""
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
-    decoder = Decoder(model, _Shape(_chain(n)), acceptance="greedy", linears=linears)
+    decoder = Decoder(model, _Shape(_chain(n)), acceptance="greedy", linears=linears, compile=compile)
     prompt = torch.randint(0, vocab, (prefix,), generator=gen).tolist()
     decoder.prefill(prompt, max_new_tokens=n + 1)
     tokens = torch.randint(0, vocab, (1, n), generator=gen).to(decoder.device)  # [1, n]
@@ -77,19 +87,22 @@ def cost_curve(
     model,
     nodes: Sequence[int] = NODES,
     prefixes: Sequence[int] = PREFIXES,
-    paths: Sequence[str] = tuple(PATHS),
+    paths: Sequence[str] = ("eager", "blocks", "compiled"),
     repeats: int = 7,
     progress=None,
 ) -> dict:
     """Measure verify_ms for every path x prefix x node count (interleaved by path at each point, so
     machine noise falls on both). progress: called with a label before each point."""
+    unknown = [path for path in paths if path not in PATHS]
+    if unknown:
+        raise ValueError(f"unknown cost-curve paths {unknown}; choose from {list(PATHS)}")
     curve = {path: {str(p): {} for p in prefixes} for path in paths}
     for prefix in prefixes:
         for n in nodes:
             for path in paths:
                 if progress:
                     progress(f"{path} n={n} prefix={prefix}")
-                curve[path][str(prefix)][str(n)] = verify_ms(model, n, prefix, PATHS[path], repeats)
+                curve[path][str(prefix)][str(n)] = verify_ms(model, n, prefix, repeats=repeats, **PATHS[path])
     param = next(model.parameters())
     return {
         "format": "treespec.cost_curve",
