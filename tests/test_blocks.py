@@ -102,3 +102,22 @@ def test_a_model_with_block_weights_decodes_exactly_through_them():
     with torch.inference_mode(), packed_linears(model):
         pass
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+@needs_ops
+@pytest.mark.parametrize("rows", [1, 16, 17, 300])
+def test_packed_block_weights_use_the_kernel_for_few_rows_and_a_gemm_for_many(rows, monkeypatch):
+    from treespec.core import packed
+
+    gen = torch.Generator().manual_seed(rows)
+    weight = q4_1_weight(70, 160, gen)
+    x = torch.randn(1, rows, 160, generator=gen)  # [B, n, K]
+    matrix = packed.PackedMatrix(weight)
+    assert matrix.kind == "blocks-q4_1"
+    calls = []
+    kernel = BlockMatrix.__call__
+    monkeypatch.setattr(BlockMatrix, "__call__", lambda self, *a: calls.append(1) or kernel(self, *a))
+    with torch.inference_mode():
+        got = matrix(x)
+    assert bool(calls) == (rows <= packed.BLOCK_ROWS_MAX)
+    torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-5)

@@ -34,6 +34,9 @@ from .. import ops
 from .blocks import BlockMatrix, recover_blocks
 
 MODES = ("auto", "onednn", "torch")
+# rows up to which the block kernel beats a GEMM on the same weight (cost curve, AVX2, float32: blocks win
+# at 1-8 rows, lose from about 32; prefill of hundreds of rows was 3x slower through blocks)
+BLOCK_ROWS_MAX = 16
 
 
 def packing_supported(model) -> bool:
@@ -83,8 +86,10 @@ class PackedMatrix:
         # x: [..., in] -> [..., out]
         if x.dtype != self.weight.dtype or torch.is_grad_enabled() or x.device.type != "cpu":
             return F.linear(x.to(self.weight.dtype), self.weight, bias)
-        if self.blocks is not None:
+        if self.blocks is not None and x.numel() <= BLOCK_ROWS_MAX * x.shape[-1]:
             return self.blocks(x, bias)
+        if self.blocks is not None:  # many rows (prefill): a GEMM over the same float32 weight is faster
+            return F.linear(x, self.weight, bias)
         if self.packed is not None and not torch.compiler.is_compiling():
             # (inductor lowers this op only for weights it froze itself: compiled graphs get F.linear)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
