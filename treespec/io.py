@@ -6,6 +6,9 @@ built the same way and swapped in; the previous one waits aside as `.<name>.old`
 place, and `restore_folder` puts it back if a crash came between the two moves. Temporaries that a
 killed process left behind match TEMP_GLOB (`remove_temps`).
 
+`cache_root()` is the one folder treespec keeps files in across runs (`$TREESPEC_CACHE`, default
+`~/.cache/treespec`): converted models, the compiled extension, compiled steps, cost curves.
+
 This module depends on nothing in treespec: every layer (core, drafters, training, tools) may use it.
 """
 
@@ -20,6 +23,11 @@ from pathlib import Path
 from typing import Any
 
 TEMP_GLOB = ".*.tmp"
+
+
+def cache_root() -> Path:
+    """`$TREESPEC_CACHE`, default `~/.cache/treespec`: where treespec keeps files across runs."""
+    return Path(os.environ.get("TREESPEC_CACHE", Path.home() / ".cache" / "treespec"))
 
 
 def _modes() -> tuple[int, int]:

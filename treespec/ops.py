@@ -44,6 +44,8 @@ from pathlib import Path
 
 import torch
 
+from .io import cache_root
+
 _SOURCES_CPU = ("bindings.cpp", "tree_attention_cpu.cpp", "block_linear_cpu.cpp")
 _SOURCES_CUDA = ("bindings_cuda.cpp", "tree_attention_cuda.cu")
 _HEADERS = ("tree_attention.h", "tensor_args.h", "block_linear.h")
@@ -69,8 +71,7 @@ def csrc_dir() -> Path:
 
 def ext_cache_dir() -> Path:
     """`$TREESPEC_CACHE/ext` (default `~/.cache/treespec/ext`)."""
-    root = Path(os.environ.get("TREESPEC_CACHE", Path.home() / ".cache" / "treespec"))
-    return root / "ext"
+    return cache_root() / "ext"
 
 
 def _cpu_identity() -> str:

