@@ -89,13 +89,19 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(
                 f"{folder} has no acceptance.json to price trees with: run scripts/calibrate_tree.py"
             )
-        best, report = price_trees(model, heads, table, budgets, args.repeats)
+        # verification from the curve just measured (its fastest path), drafting timed
+        path = next((p for p in ("compiled", "blocks") if p in curve["verify_ms"]), None)
+        priced = curve if path else None
+        best, report = price_trees(
+            model, heads, table, budgets, args.repeats, curve=priced, path=path or "blocks"
+        )
         print("\n" + format_budget_report(report, best))
         tree = treespec.Tree.from_acceptance(table, best)
         tree_out = Path(args.tree_out) if args.tree_out else out.with_name(out.stem + "-tree.json")
         tree.save(tree_out)
         curve["step"] = {
             "heads": str(folder),
+            "verification": path or "timed steps",
             "budgets": {str(n): r for n, r in report.items()},
             "best_budget": best,
             "tree_file": str(tree_out),

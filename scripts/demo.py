@@ -36,12 +36,12 @@ PROMPTS = [
 ]
 
 
-def load_heads(model, folder: Path) -> tuple[treespec.MedusaHeads, treespec.Tree | None, str]:
+def load_heads(model, folder: Path, compile: bool) -> tuple[treespec.MedusaHeads, treespec.Tree | None, str]:
     """Trained heads and their tree priced on this machine (`--tree machine`: measured once, then kept)
     if present, else untrained identity heads."""
     if (folder / "config.json").is_file():
         heads = treespec.MedusaHeads.from_pretrained(folder, model=model)
-        tree, source = pick_tree(MACHINE, heads, "--tree", folder, model)
+        tree, source = pick_tree(MACHINE, heads, "--tree", folder, model, compile=compile)
         return heads, tree, f"trained heads from {folder}; tree {source}"
     return (
         treespec.MedusaHeads.for_model(model, num_heads=4),
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     name = str(dtype).removeprefix("torch.")
     print(f"loading {treespec.tools.models.DEFAULT_MODEL_NAME} ({name}) ...", flush=True)
     model, tokenizer = treespec.load_model(dtype=dtype)
-    heads, tree, heads_note = load_heads(model, args.heads)
+    heads, tree, heads_note = load_heads(model, args.heads, args.compile)
     tree = tree or treespec.default_tree(32, heads.num_heads)
     print(f"{heads_note}\ntree of {tree.num_nodes} nodes, depth {tree.max_depth}; lookup {args.lookup}")
     torch.manual_seed(0)

@@ -65,7 +65,7 @@ def test_weights_without_exact_blocks_are_refused_whole():
 
 @needs_ops
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 32])
 def test_block_linear_equals_f_linear_on_the_dequantized_weight(kind, rows):
     gen = torch.Generator().manual_seed(rows)
     weight = (q4_1_weight if kind == "q4_1" else q8_0_weight)(70, 160, gen)

@@ -74,3 +74,39 @@ def test_heads_without_an_acceptance_table_keep_their_own_tree(tmp_path):
     heads = random_heads(model, num_heads=3)
     tree, note = machine_tree(model, heads, tmp_path)
     assert tree is heads.tree and "no acceptance.json" in note
+
+
+def test_machine_tree_prices_verification_from_the_cost_curve_of_its_path(tmp_path, monkeypatch):
+    from conftest import random_heads
+
+    from treespec.training import calibrate
+    from treespec.training.costs import default_cost_file, machine_tree, machine_tree_file
+
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path / "cache"))
+    model = tiny_model("llama", dtype=torch.float32)
+    heads = random_heads(model, num_heads=3)
+    folder = tmp_path / "heads"
+    heads.save_pretrained(folder)
+    table = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.1, 0.05]]
+    (folder / "acceptance.json").write_text(json.dumps({"acceptance": table}))
+
+    def no_timed_steps(*args, **kwargs):
+        raise AssertionError("with a cost curve of the path, verification comes from the curve")
+
+    monkeypatch.setattr(calibrate, "forward_costs", no_timed_steps)
+    # a second per verification whatever the node count on the compiled path (drafting is noise beside it):
+    # the bigger tree wins; on the uncompiled path 8 nodes cost a hundred times more: the small one wins
+    curve = {
+        "format": "treespec.cost_curve",
+        "verify_ms": {
+            "compiled": {"300": {"1": 1000.0, "64": 1000.0}},
+            "blocks": {"300": {"1": 1000.0, "2": 1000.0, "8": 100000.0}},
+        },
+    }
+    save_cost_curve(default_cost_file(model), curve)
+    flat, note = machine_tree(model, heads, folder, budgets=(2, 8), repeats=1, compile=True)
+    assert flat.num_nodes == 8 and "compiled cost curve" in note
+    steep, note = machine_tree(model, heads, folder, budgets=(2, 8), repeats=1, compile=False)
+    assert steep.num_nodes == 2 and "blocks cost curve" in note
+    assert machine_tree_file(model, folder, "compiled").is_file()
+    assert machine_tree_file(model, folder, "blocks").is_file()

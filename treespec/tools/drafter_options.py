@@ -75,18 +75,25 @@ def parse_tree(spec: str) -> Tree | int:
 
 
 def pick_tree(
-    choice: Tree | int | str | None, heads: MedusaHeads, source: str = "--tree", folder=None, model=None
+    choice: Tree | int | str | None,
+    heads: MedusaHeads,
+    source: str = "--tree",
+    folder=None,
+    model=None,
+    compile: bool = False,
 ) -> tuple[Tree | None, str]:
     """(tree, description) for `heads`: an explicit tree (from `parse_tree`) wins; a size becomes
     `default_tree(size, heads.num_heads)`; "machine" prices the trees of the heads `folder` on `model`
-    here (measured once, then kept); None gives `heads.tree` (the heads folder's tree.json), which is None
-    for heads without one (generate then uses its 32-node default tree)."""
+    here, for the compiled step or the uncompiled one (`compile`; measured once, then kept); None gives
+    `heads.tree` (the heads folder's tree.json), which is None for heads without one (generate then uses
+    its 32-node default tree)."""
     if choice == MACHINE:
         from ..training.costs import machine_tree
 
         if folder is None or model is None:
             raise ValueError("--tree machine needs a heads folder (trained heads with acceptance.json)")
-        return machine_tree(model, heads, folder, progress=lambda m: print(m, file=sys.stderr, flush=True))
+        progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+        return machine_tree(model, heads, folder, progress=progress, compile=compile)
     if isinstance(choice, int):
         tree = default_tree(choice, heads.num_heads)
         return tree, f"default_tree({choice}, {heads.num_heads})"

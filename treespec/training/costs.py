@@ -8,8 +8,9 @@ for the eager path (transformers' modules as they are), oneDNN prepacked linears
 blocks) and the same compiled with torch.compile ("compiled", `core.compiled`), plus each row relative
 to a one-token step (n = 1) of the same path and prefix. It is written as JSON (`save_cost_curve`;
 default `$TREESPEC_CACHE/costs/<model>-<dtype>.json`) for people and later tools (`load_cost_curve`,
-`interpolate`); the tree choice itself (`price_trees`, `machine_tree`) times whole steps through
-`Decoder.step`, drafting included.
+`interpolate`). The tree choice (`price_trees`, `machine_tree`) reads it: a step of a tree costs its
+drafting (timed) plus the verification of its node count (from the curve); without a curve it times whole
+steps through `Decoder.step`.
 """
 
 from __future__ import annotations
@@ -161,19 +162,60 @@ def read_acceptance(heads_folder: str | os.PathLike) -> list[list[float]] | None
 
 
 def price_trees(
-    model, heads, table: Sequence[Sequence[float]], budgets: Sequence[int], repeats: int
+    model,
+    heads,
+    table: Sequence[Sequence[float]],
+    budgets: Sequence[int],
+    repeats: int,
+    curve: dict | None = None,
+    path: str = "blocks",
 ) -> tuple[int, dict[int, dict[str, float]]]:
-    """For each node budget the best tree for `table`, one speculative step of it timed on this machine
-    (`calibrate.forward_costs`, prefix 300): (the budget with the most expected tokens per second, the
-    numbers behind it, as `calibrate.choose_budget` gives them)."""
-    costs = calibrate.forward_costs(model, budgets, heads, prefix=300, repeats=repeats, table=table)
+    """For each node budget the best tree for `table` and what one speculative step of it costs on this
+    machine (prefix 300): drafting timed here plus the verification read from `curve` for `path` when
+    given (`step_costs`), else whole steps timed through `Decoder.step` (`calibrate.forward_costs`).
+    Returns (the budget with the most expected tokens per second, the numbers behind it)."""
+    if curve is not None:
+        costs = step_costs(model, heads, table, budgets, curve, path, repeats=repeats)
+    else:
+        costs = calibrate.forward_costs(model, budgets, heads, prefix=300, repeats=repeats, table=table)
     return calibrate.choose_budget(table, costs)
 
 
-def machine_tree_file(model, heads_folder: str | os.PathLike) -> Path:
-    """Where `machine_tree` keeps its choice: next to the cost curves, per model, dtype and heads folder."""
+def step_costs(
+    model, heads, table, budgets: Sequence[int], curve: dict, path: str, prefix: int = 300, repeats: int = 3
+) -> dict[int, float]:
+    """Seconds of one step per budget: the tree's drafting and commit, timed here through `Decoder.step`
+    on the uncompiled path (the drafter runs the same on every path), plus the verification of its node
+    count read from the cost curve of `path` (`interpolate`: no compile per budget)."""
+    from ..drafters.medusa import make_drafter
+
+    if path not in curve["verify_ms"]:
+        raise ValueError(
+            f"the cost curve has no {path!r} path; measure it: scripts/cost_curve.py --paths {path}"
+        )
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (prefix,), generator=gen).tolist()
+    costs = {}
+    for n in budgets:
+        tree = Tree.from_acceptance(table, n)
+        decoder = Decoder(model, make_drafter(heads, tree, model), acceptance="greedy")
+        decoder.prefill(prompt, max_new_tokens=(repeats + 1) * (tree.max_depth + 1))
+        decoder.step()  # warm-up
+        stats = decoder.stats
+        before = (stats.time_draft, stats.time_commit, stats.steps)
+        for _ in range(repeats):
+            decoder.step()
+        steps = stats.steps - before[2]
+        around = (stats.time_draft - before[0] + stats.time_commit - before[1]) / steps
+        costs[n] = around + interpolate(curve, path, prefix, tree.num_nodes) / 1e3
+    return costs
+
+
+def machine_tree_file(model, heads_folder: str | os.PathLike, path: str = "blocks") -> Path:
+    """Where `machine_tree` keeps its choice: next to the cost curves, per model, dtype, heads folder and
+    verification path ("blocks" or "compiled")."""
     curve_file = default_cost_file(model)
-    return curve_file.with_name(f"{curve_file.stem}-{Path(heads_folder).name}-tree.json")
+    return curve_file.with_name(f"{curve_file.stem}-{Path(heads_folder).name}-{path}-tree.json")
 
 
 def machine_tree(
@@ -183,21 +225,34 @@ def machine_tree(
     budgets: Sequence[int] = (4, 8, 16, 32),
     repeats: int = 3,
     progress=None,
+    compile: bool = False,
 ) -> tuple[Tree, str]:
-    """The heads' best tree on this machine (`price_trees` over `budgets`), measured once (a few seconds
-    per budget) and kept in `machine_tree_file`; heads without acceptance.json keep their own tree.
-    Returns (tree, description)."""
+    """The heads' best tree on this machine for the verification path generate will run (`compile`: the
+    compiled step, else the uncompiled one), chosen once by `price_trees` over `budgets` and kept in
+    `machine_tree_file`. It reads this machine's cost curve (`default_cost_file`, `scripts/cost_curve.py`)
+    when that has the path, else times whole uncompiled steps (a compiled step would compile once per
+    budget). Heads without acceptance.json keep their own tree. Returns (tree, description)."""
     table = read_acceptance(heads_folder)
     if table is None:
         return heads.tree, "the heads' tree.json (no acceptance.json to price trees with)"
-    saved = machine_tree_file(model, heads_folder)
+    path = "compiled" if compile else "blocks"
+    saved = machine_tree_file(model, heads_folder, path)
     if saved.is_file():
         tree = Tree.load(saved, max_depth=heads.num_heads)
         return tree, f"priced on this machine ({tree.num_nodes} nodes; {saved}, delete it to re-measure)"
+    curve_file = default_cost_file(model)
+    curve = load_cost_curve(curve_file) if curve_file.is_file() else None
+    if curve is not None and path not in curve["verify_ms"]:
+        curve = None
+    how = f"the {path} cost curve in {curve_file}" if curve else "timed uncompiled steps"
+    if compile and curve is None:
+        how += (
+            f" (for the compiled step's costs: scripts/cost_curve.py --paths compiled, then delete {saved})"
+        )
     if progress:
-        progress(f"pricing trees of {', '.join(map(str, budgets))} nodes on this machine (once) ...")
-    best, _ = price_trees(model, heads, table, budgets, repeats)
+        progress(f"pricing trees of {', '.join(map(str, budgets))} nodes on this machine (once; {how}) ...")
+    best, _ = price_trees(model, heads, table, budgets, repeats, curve=curve, path=path)
     tree = Tree.from_acceptance(table, best)
     saved.parent.mkdir(parents=True, exist_ok=True)
     tree.save(saved)
-    return tree, f"priced on this machine ({best} nodes; kept in {saved})"
+    return tree, f"priced on this machine ({best} nodes with {how}; kept in {saved})"
