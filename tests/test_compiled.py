@@ -60,6 +60,43 @@ def test_greedy_output_compiled_equals_hf_for_several_tree_sizes(arch):
     assert out == hf_greedy(model, long_prompt, 30)
 
 
+def test_one_graph_serves_every_node_count_of_a_size_class():
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("llama", dtype=torch.float32, seed=6)
+    gen = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, model.config.vocab_size, (12,), generator=gen).tolist()
+    graphs = []
+    for n in (3, 5, 9, 14):  # all in the size class 2-16
+        drafter = treespec.make_drafter(random_heads(model, seed=n), treespec.default_tree(n, 4), model)
+        eager = treespec.Decoder(model, drafter, acceptance="greedy")
+        fast = treespec.Decoder(model, drafter, acceptance="greedy", compile=True)
+        fast.scorer.progress = None
+        for decoder in (eager, fast):
+            decoder.prefill(prompt, max_new_tokens=8)
+        for _ in range(2):
+            tokens = torch.randint(0, model.config.vocab_size, (1, n), generator=gen)
+            torch.testing.assert_close(fast.score(tokens), eager.score(tokens), rtol=1e-4, atol=1e-4)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1:] == graphs[:1] * 3, graphs  # no graph compiled after the first node count
+
+
+def test_a_graph_split_the_size_classes_did_not_foresee_is_compiled_not_refused(monkeypatch):
+    monkeypatch.setattr(compiled, "size_class", lambda n: "every n")  # n = 1 and n = 4 then share a key
+    model = tiny_model("llama", dtype=torch.float32, seed=9)
+    gen = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, model.config.vocab_size, (10,), generator=gen).tolist()
+    for n in (4, 1):  # dynamo splits n = 1 off (its 0/1 rule) under a key already seen
+        drafter = treespec.make_drafter(random_heads(model, seed=n), treespec.default_tree(n, 4), model)
+        eager = treespec.Decoder(model, drafter, acceptance="greedy")
+        fast = treespec.Decoder(model, drafter, acceptance="greedy", compile=True)
+        fast.scorer.progress = None
+        for decoder in (eager, fast):
+            decoder.prefill(prompt, max_new_tokens=8)
+        tokens = torch.randint(0, model.config.vocab_size, (1, n), generator=gen)
+        torch.testing.assert_close(fast.score(tokens), eager.score(tokens), rtol=1e-4, atol=1e-4)
+
+
 def test_the_first_call_of_a_node_count_says_it_compiles_and_later_ones_are_quiet():
     model = tiny_model("llama", dtype=torch.float32, seed=8)
     stream = io.StringIO()
@@ -69,7 +106,7 @@ def test_the_first_call_of_a_node_count_says_it_compiles_and_later_ones_are_quie
     decoder.prefill([1, 2, 3, 4], max_new_tokens=6)
     for _ in range(4):
         decoder.step()
-    assert stream.getvalue().count("compiling the verification step for 1 node") == 1
+    assert stream.getvalue().count("compiling the verification step for trees of 1 node") == 1
     assert "compiled in" in stream.getvalue()
 
 

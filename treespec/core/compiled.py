@@ -1,16 +1,21 @@
-"""The verification forward compiled with torch.compile (inductor): one graph per node count.
+"""The verification forward compiled with torch.compile (inductor): a few graphs serve every tree.
 
     CompiledForward(model, linears)(ids [B, n], positions [B, n], cache, plan) -> hidden [B, n, H]
 
 is `decoder.full_forward` (the model's decoder layers, treespec's tree attention op, the cache write,
-the linear layers as `core.packed` switched them) traced once per node count n, with every other size
-(the committed length, the cache capacity) symbolic, so one graph serves a whole sequence and every
-later one. What compiling buys on CPU is the Python dispatch of ~35 small ops per layer (norms, rotary
+the linear layers as `core.packed` switched them) traced with every size symbolic: the node count n, the
+committed length, the cache capacity. Dynamo still splits on what changes the graph itself: n = 1
+(its 0/1 rule) and more than `packed.BLOCK_ROWS_MAX` rows (block weights go to a GEMM there), so the
+node counts fall into three size classes (`size_class`), one compile each: 1, 2-16 and 17 or more.
+A symbolic n was also faster than one graph per node count (AVX2, float32, 4 / 8 / 16 nodes: 23 / 38 /
+58 ms against 31-34 / 44-53 / 76 ms), and it lets trees change size from step to step.
+
+What compiling buys on CPU is the Python dispatch of ~35 small ops per layer (norms, rotary
 embedding, residuals) fused into a few C++ loops; the linear layers and the attention stay the ops
 they were.
 
 Guards: dynamo checks ~9,000 guards (mostly the model's modules) before every call, 3-5 ms here. After
-the first call for a key (model, node count, attention kernel, linear mode) has compiled or found its
+the first call for a key (model, size class, attention kernel, linear mode) has compiled or found its
 graph with every guard checked, later calls with that key run under
 `set_stance(skip_guard_eval_unsafe=True)`, which checks only the guards that tell the cached graphs
 apart. That is sound as long as nothing else about the model changes between calls (its modules,
@@ -18,7 +23,7 @@ weight shapes, attention implementation); change them and start a new process.
 
 The compiled code is cached on disk (inductor's caches under `$TREESPEC_CACHE/inductor` unless
 TORCHINDUCTOR_CACHE_DIR names another place), so a second process skips code generation; dynamo still
-traces the model again, and the first call of each node count says so on stderr.
+traces the model again, and the first call of each size class says so on stderr.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pathlib import Path
 import torch
 
 from ..io import cache_root
+from .packed import BLOCK_ROWS_MAX
 
 _compiled_forward = None  # one torch.compile wrapper per process: its graphs live on full_forward's code
 # model -> keys whose first call ran with every guard checked (weak: a new model never inherits them)
@@ -57,14 +63,21 @@ def _compiled():
 
         # torch sets the variable to its /tmp default on import; inductor reads it at every cache access
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir())
-        # a graph per node count (and per model): more than dynamo's default of 8 in one process
+        # a few graphs per model and attention kernel: more than dynamo's default of 8 in one process
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         _compiled_forward = torch.compile(full_forward, dynamic=True)
     return _compiled_forward
 
 
+def size_class(n: int) -> str:
+    """The node counts one compiled graph serves: "1", "2-16" or "17+" (`packed.BLOCK_ROWS_MAX`)."""
+    if n == 1:
+        return "1"
+    return f"2-{BLOCK_ROWS_MAX}" if n <= BLOCK_ROWS_MAX else f"{BLOCK_ROWS_MAX + 1}+"
+
+
 class CompiledForward:
-    """A scorer (`drafters.base.Scorer`) running `full_forward` compiled; n is kept static per graph."""
+    """A scorer (`drafters.base.Scorer`) running `full_forward` compiled, the node count symbolic."""
 
     def __init__(self, model, linears: str = "auto", progress=sys.stderr):
         """linears: the decoder's linear mode (part of the key, since it changes the traced modules);
@@ -72,21 +85,24 @@ class CompiledForward:
         self.model, self.linears, self.progress = model, linears, progress
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache, plan) -> torch.Tensor:
-        # ids, positions: [B, n]; the node count is static in each graph, everything else symbolic
-        torch._dynamo.mark_static(ids, 1)
-        torch._dynamo.mark_static(positions, 1)
-        cache._reserve(ids.shape[1])  # the capacity check, outside the graph (its guard may be skipped)
+        # ids, positions: [B, n], every size symbolic; one graph per size class of n
+        n = ids.shape[1]
+        cache._reserve(n)  # the capacity check, outside the graph (its guard may be skipped)
         # committed lengths 0 and 1 would be specialised (dynamo's 0/1 rule): those calls keep all guards
-        key = (ids.shape[1], plan.kernel, self.linears, cache.committed > 1)
+        key = (size_class(n), plan.kernel, self.linears, cache.committed > 1)
         forward = _compiled()
         seen = _seen.setdefault(self.model, set())
         if key in seen:
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                return forward(self.model, ids, positions, cache, plan)
+            try:
+                with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                    return forward(self.model, ids, positions, cache, plan)
+            except RuntimeError as error:  # a graph split `size_class` did not foresee: compile it, guarded
+                if "skip_guard_eval_unsafe" not in str(error):
+                    raise
         if self.progress is not None:
             print(
-                f"treespec: compiling the verification step for {ids.shape[1]} node(s) (first use in "
-                f"this process, about a minute on a small CPU; code cached in {cache_dir()})",
+                f"treespec: compiling the verification step for trees of {size_class(n)} node(s) (first "
+                f"use in this process, one to two minutes on a small CPU; code cached in {cache_dir()})",
                 file=self.progress,
                 flush=True,
             )
