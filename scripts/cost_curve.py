@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
             cells = "  ".join(f"{n}: {ms:6.1f} ({rel.get(int(n), 0):.2f}x)" for n, ms in row.items())
             print(f"{path:7s} prefix {prefix:>5s}  {cells}")
 
+    save_cost_curve(out, curve)  # kept before the pricing below, which can take minutes
     budgets = ints(args.budgets)
     if budgets:
         folder = Path(args.heads) if args.heads else default_heads_folder()
@@ -98,6 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
         print("\n" + format_budget_report(report, best))
         tree = treespec.Tree.from_acceptance(table, best)
         tree_out = Path(args.tree_out) if args.tree_out else out.with_name(out.stem + "-tree.json")
+        tree_out.parent.mkdir(parents=True, exist_ok=True)
         tree.save(tree_out)
         curve["step"] = {
             "heads": str(folder),

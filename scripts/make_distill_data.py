@@ -3,6 +3,8 @@
 
     nice -n 10 python scripts/make_distill_data.py --threads 1                 # all prompts, resumable
     python scripts/make_distill_data.py --limit 32 --max-new-tokens 64 --out /tmp/distill-smoke
+    python scripts/make_distill_data.py --engine vllm --dtype float32 --out data/distill/v   # vLLM answers
+    python scripts/make_distill_data.py --engine vllm --temperature 0.8 --seed 1 --out ...  # a sampled set
 
 Prompts: ShareGPT first turns in data/sharegpt_prompts.json (the TRAINING set; Spec-Bench is
 for evaluation only). Output: token-id shards + meta.json in --out (see treespec/distill.py). Rerun the
@@ -24,6 +26,8 @@ try:
 except ModuleNotFoundError:  # a checkout without `pip install -e .`: import it from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import treespec
+from treespec.tools.models import default_model_folder
+from treespec.tools.peers import VllmPeer
 from treespec.training.distill import DistillDataError, make_distill_data
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -58,6 +62,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--limit", type=int, default=None, help="only the first N prompts of the fixed hash order")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave)")
+    p.add_argument(
+        "--engine",
+        default="hf",
+        choices=["hf", "vllm"],
+        help="hf: HF generate in padded batches (--batch-size); vllm: vLLM's CPU build (`make vllm-env`) "
+        "answers each shard in one call, batching it itself",
+    )
+    p.add_argument("--vllm-python", default=None, help="python of vLLM's environment (default .venv-vllm)")
+    p.add_argument("--kv-cache-gb", type=int, default=4, help="vLLM's CPU KV cache size (--engine vllm)")
     return p.parse_args(argv)
 
 
@@ -69,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else DEFAULT_OUT
     model, tokenizer = treespec.load_model(args.model, dtype=args.dtype, device=args.device)
     print(f"model {model.config.name_or_path} ({args.dtype}), prompts {prompts}, out {out}", flush=True)
+    peer = None
+    if args.engine == "vllm":
+        folder = args.model or default_model_folder()
+        print(f"starting vLLM on {folder} (a few minutes the first time) ...", flush=True)
+        peer = VllmPeer(folder, args.dtype, python=args.vllm_python, kv_cache_gb=args.kv_cache_gb)
     start = time.perf_counter()
     try:
         meta = make_distill_data(
@@ -86,10 +104,14 @@ def main(argv: list[str] | None = None) -> int:
             limit=args.limit,
             splits=tuple(s.strip() for s in args.splits.split(",")),
             data_source=DEFAULT_SOURCE if prompts.resolve() == DEFAULT_PROMPTS.resolve() else None,
+            answer=peer.run_batch if peer else None,
         )
     except DistillDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if peer:
+            peer.close()
     run = meta["last_run"]
     print(
         f"done in {time.perf_counter() - start:.0f} s: {run['new_tokens']} new tokens this run "

@@ -316,3 +316,36 @@ def test_splits_limit_what_is_generated(tmp_path, model, tokenizer, prompts_file
     assert sorted(p.name for p in out.glob("*.safetensors")) == sorted(
         p.name for p in made.glob("*.safetensors")
     )
+
+
+def test_another_engine_answers_each_shard_in_one_call_and_its_answers_are_cut_at_eos(
+    tmp_path, model, tokenizer, prompts_file, made
+):
+    calls = []
+
+    def engine(prompts, max_new_tokens, temperature, seed, eos_ids):
+        calls.append((len(prompts), temperature, seed))
+        # the model's own greedy answers, then tokens past the eos and past max_new_tokens: both cut
+        return [unbatched_greedy(model, p, max_new_tokens) + [EOS, 5, 6] for p in prompts]
+
+    out = tmp_path / "engine"
+    make_distill_data(out, model, tokenizer, prompts_file, progress=False, answer=engine, **SETTINGS)
+    shards = json.loads((made / "meta.json").read_text())["shards"]
+    assert [n for n, _, _ in calls] == [
+        s["prompts"] for s in sorted(shards, key=lambda s: s["split"] != "eval")
+    ]
+    assert all(t == 0.0 and seed is None for _, t, seed in calls)
+    for split in ("train", "eval"):
+        ours, reference = load_distill_data(out, split), load_distill_data(made, split)
+        assert ours.prompt_ids == reference.prompt_ids
+        assert [s.tolist() for s in ours.sequences] == [s.tolist() for s in reference.sequences]
+
+
+def test_an_engine_that_loses_answers_is_refused(tmp_path, model, tokenizer, prompts_file):
+    def engine(prompts, max_new_tokens, temperature, seed, eos_ids):
+        return [[EOS]] * (len(prompts) - 1)
+
+    with pytest.raises(RuntimeError, match="answers to"):
+        make_distill_data(
+            tmp_path / "d", model, tokenizer, prompts_file, progress=False, answer=engine, **SETTINGS
+        )

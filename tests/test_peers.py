@@ -37,16 +37,25 @@ def test_bench_knows_the_vllm_methods():
 
 @pytest.mark.integration
 @pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason="no vLLM environment (make vllm-env)")
-def test_vllm_greedy_equals_treespec_plain_greedy(smollm2):
+def test_vllm_greedy_equals_treespec_plain_greedy_and_its_batches_answer_the_same(smollm2):
     import treespec
+    from treespec.core.tokens import eos_token_ids
     from treespec.tools.models import default_model_folder
 
     model, tokenizer = smollm2
     ids = treespec.encode_prompt("Name three primary colors.", tokenizer)
+    other = treespec.encode_prompt("Say hello.", tokenizer)
+    stop = eos_token_ids(model, tokenizer)
     peer = VllmPeer(default_model_folder(), "float32", python=VLLM_PYTHON)
     try:
         theirs = peer.run(ids, 24)["token_ids"]
+        batch = peer.run_batch([other, ids], 24, 0.0, None, stop)  # distillation answers
+        sampled = [peer.run_batch([ids, other], 24, 0.9, seed, stop) for seed in (7, 7, 8)]
     finally:
         peer.close()
     ours = treespec.generate(model, None, ids, tokenizer=tokenizer, max_new_tokens=24, temperature=0.0)
     assert theirs == list(ours.token_ids)
+    assert batch[1] == theirs
+    short = treespec.generate(model, None, other, tokenizer=tokenizer, max_new_tokens=24, temperature=0.0)
+    assert batch[0][-1] in stop and batch[0][:-1] == list(short.token_ids)[: len(batch[0]) - 1]
+    assert sampled[0] == sampled[1] and sampled[0] != sampled[2]  # seeded sampling

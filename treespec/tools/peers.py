@@ -45,7 +45,9 @@ class VllmPeer:
         python=None,
         max_len: int = 4096,
         log: str | os.PathLike | None = None,
+        kv_cache_gb: int | None = None,
     ):
+        """kv_cache_gb: vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE; the worker's default is 2 GB)."""
         command = [
             str(vllm_python(python)),
             str(WORKER),
@@ -65,6 +67,8 @@ class VllmPeer:
             **os.environ,
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(torch.get_num_threads())),
         }
+        if kv_cache_gb:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gb)
         self.process = subprocess.Popen(
             command,
             stdin=subprocess.PIPE,
@@ -90,6 +94,22 @@ class VllmPeer:
         self.process.stdin.write(json.dumps({"ids": list(ids), "max_new_tokens": max_new_tokens}) + "\n")
         self.process.stdin.flush()
         return self._read()
+
+    def run_batch(
+        self, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int | None, stop_ids
+    ) -> list[list[int]]:
+        """Answers to many prompts at once (vLLM batches them itself), each ending with its stop token
+        when it hit one; temperature 0 is greedy, else plain sampling (no top-k / top-p) seeded by `seed`."""
+        request = {
+            "batch": [list(p) for p in prompts],
+            "max_new_tokens": max_new_tokens,
+            "temperature": temperature,
+            "seed": seed,
+            "stop_token_ids": list(stop_ids),
+        }
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        return self._read()["batch_token_ids"]
 
     def close(self) -> None:
         if self.process.poll() is None:

@@ -7,7 +7,10 @@ treespec), so it imports nothing from treespec. The parent (`treespec.tools.peer
 
 and speaks JSON lines: the worker prints {"ready": ...} once its engine is up, then answers each request
 {"ids": [prompt token ids], "max_new_tokens": m} with {"token_ids": [...], "seconds": s} (greedy,
-stopping at the model's end-of-sequence tokens), and exits on end of input. Everything vLLM prints
+stopping at the model's end-of-sequence tokens), and each batch request {"batch": [[ids], ...],
+"max_new_tokens": m, "temperature": t, "seed": s, "stop_token_ids": [...]} (distillation data: vLLM
+schedules the whole batch itself) with {"batch_token_ids": [[...], ...], "seconds": s}, the stop token
+kept at the end of each answer that ended on one; it exits on end of input. Everything vLLM prints
 goes to stderr so that stdout carries only these lines.
 """
 
@@ -58,11 +61,42 @@ def serve(llm, reply) -> None:
         if not line.strip():
             continue
         request = json.loads(line)
+        if "batch" in request:
+            reply(answer_batch(llm, request))
+            continue
         params = SamplingParams(temperature=0.0, max_tokens=int(request["max_new_tokens"]))
         t0 = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=request["ids"])], params, use_tqdm=False)
         seconds = time.perf_counter() - t0
         reply({"token_ids": list(out[0].outputs[0].token_ids), "seconds": seconds})
+
+
+def answer_batch(llm, request: dict) -> dict:
+    """Answers to a batch of prompts in one `generate` call, each ending with its stop token if it hit one."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    stop = [int(t) for t in request.get("stop_token_ids", [])]
+    params = SamplingParams(
+        temperature=float(request.get("temperature", 0.0)),
+        top_k=-1,
+        top_p=1.0,
+        max_tokens=int(request["max_new_tokens"]),
+        seed=request.get("seed"),
+        stop_token_ids=stop,
+    )
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["batch"]]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    answers = []
+    for out in outs:
+        completion = out.outputs[0]
+        tokens = list(completion.token_ids)
+        hit = completion.stop_reason if isinstance(completion.stop_reason, int) else None
+        if hit is not None and (not tokens or tokens[-1] != hit):
+            tokens.append(hit)  # vLLM leaves a stop_token_ids token out of the answer: keep it, as HF does
+        answers.append(tokens)
+    return {"batch_token_ids": answers, "seconds": time.perf_counter() - t0}
 
 
 def main() -> None:

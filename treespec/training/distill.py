@@ -33,7 +33,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -60,6 +60,10 @@ SPLIT_RULE = (
     "eval if int(sha256('eval:' + prompt_id).hexdigest()[:16], 16) / 2**64 < eval_fraction, else train"
 )
 ORDER_RULE = "ascending int(sha256('order:' + prompt_id).hexdigest()[:16], 16); limit N keeps the first N"
+
+
+# answer(prompts [n x [P_i]], max_new_tokens, temperature, seed, eos_ids) -> n responses (token ids)
+ShardAnswerer = Callable[[list[list[int]], int, float, "int | None", list[int]], list[list[int]]]
 
 
 class DistillDataError(ValueError):
@@ -369,6 +373,7 @@ def make_distill_data(
     data_source: str | None = None,
     progress: bool = True,
     splits: Sequence[str] = SPLITS,
+    answer: ShardAnswerer | None = None,
 ) -> dict:
     """Generate (or resume) a self-distillation dataset in `out`; returns its meta.json content.
 
@@ -380,8 +385,10 @@ def make_distill_data(
     data_source: a note on where the prompts come from, recorded in meta.json.
     splits: generate only these splits' missing shards (e.g. ("eval",) to make held-out data first);
     eval shards are generated before train shards.
-    batch_size and limit are not checked on resume (in bf16 a batch's padding can change rounding, so
-    rarely a token; the data stays the model's own output); every other setting must match.
+    answer: another engine for the answers (e.g. vLLM's, `tools.peers.VllmPeer.run_batch`), called once
+    per shard with all its prompts; default: HF `generate` in padded batches of `batch_size`.
+    batch_size, limit and the engine are not checked on resume (batching and kernels can change rounding,
+    so rarely a token; the data stays the model's own output); every other setting must match.
     """
     if max_new_tokens < 1 or max_prompt_chars < 1 or batch_size < 1:
         raise ValueError("max_new_tokens, max_prompt_chars and batch_size must be >= 1")
@@ -496,19 +503,29 @@ def make_distill_data(
     new_tokens, start = 0, time.perf_counter()
     for plan in pending:
         shard_start = time.perf_counter()
-        if temperature > 0:
-            torch.manual_seed(seed * 1_000_003 + int(_unit_hash(plan.name) * 2**31))
+        shard_seed = seed * 1_000_003 + int(_unit_hash(plan.name) * 2**31) if temperature > 0 else None
+        if shard_seed is not None:
+            torch.manual_seed(shard_seed)
         encoded = [
             encode_prompt(by_id[i].text[:max_prompt_chars], tokenizer) for i in plan.prompt_ids
         ]  # n x [P_i]
         responses: list[list[int]] = [[] for _ in encoded]
-        for rows in length_batches([len(e) for e in encoded], max_rows=batch_size):
-            batch = generate_batch(model, [encoded[r] for r in rows], config, eos_ids)
-            for row, response in zip(rows, batch, strict=True):
-                responses[row] = response
-            new_tokens += sum(len(responses[r]) for r in rows)
-            bar.update(len(rows))
+        if answer is not None:  # the whole shard at once: the engine batches it
+            answered = answer(encoded, max_new_tokens, temperature, shard_seed, eos_ids)
+            if len(answered) != len(encoded):
+                raise RuntimeError(f"the engine gave {len(answered)} answers to {len(encoded)} prompts")
+            responses = [trim_response(list(r)[:max_new_tokens], eos_ids) for r in answered]
+            new_tokens += sum(len(r) for r in responses)
+            bar.update(len(encoded))
             bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.1f}", shard=plan.name)
+        else:
+            for rows in length_batches([len(e) for e in encoded], max_rows=batch_size):
+                batch = generate_batch(model, [encoded[r] for r in rows], config, eos_ids)
+                for row, response in zip(rows, batch, strict=True):
+                    responses[row] = response
+                new_tokens += sum(len(responses[r]) for r in rows)
+                bar.update(len(rows))
+                bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.1f}", shard=plan.name)
         path = folder / plan.name
         write_shard(
             path,
