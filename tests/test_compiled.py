@@ -60,6 +60,17 @@ def test_greedy_output_compiled_equals_hf_for_several_tree_sizes(arch):
     assert out == hf_greedy(model, long_prompt, 30)
 
 
+def eager_and_compiled(model, n: int, prompt: list[int], new: int):
+    """Two decoders of one random n-node drafter, eager and compiled, each prefilled with `prompt`."""
+    drafter = treespec.make_drafter(random_heads(model, seed=n), treespec.default_tree(n, 4), model)
+    eager = treespec.Decoder(model, drafter, acceptance="greedy")
+    fast = treespec.Decoder(model, drafter, acceptance="greedy", compile=True)
+    fast.scorer.progress = None
+    for decoder in (eager, fast):
+        decoder.prefill(prompt, max_new_tokens=new)
+    return eager, fast
+
+
 def test_one_graph_serves_every_node_count_of_a_size_class():
     from torch._dynamo.utils import counters
 
@@ -68,12 +79,7 @@ def test_one_graph_serves_every_node_count_of_a_size_class():
     prompt = torch.randint(0, model.config.vocab_size, (12,), generator=gen).tolist()
     graphs = []
     for n in (3, 5, 9, 14):  # all in the size class 2-16
-        drafter = treespec.make_drafter(random_heads(model, seed=n), treespec.default_tree(n, 4), model)
-        eager = treespec.Decoder(model, drafter, acceptance="greedy")
-        fast = treespec.Decoder(model, drafter, acceptance="greedy", compile=True)
-        fast.scorer.progress = None
-        for decoder in (eager, fast):
-            decoder.prefill(prompt, max_new_tokens=8)
+        eager, fast = eager_and_compiled(model, n, prompt, 8)
         for _ in range(2):
             tokens = torch.randint(0, model.config.vocab_size, (1, n), generator=gen)
             torch.testing.assert_close(fast.score(tokens), eager.score(tokens), rtol=1e-4, atol=1e-4)
@@ -87,12 +93,7 @@ def test_a_graph_split_the_size_classes_did_not_foresee_is_compiled_not_refused(
     gen = torch.Generator().manual_seed(4)
     prompt = torch.randint(0, model.config.vocab_size, (10,), generator=gen).tolist()
     for n in (4, 1):  # dynamo splits n = 1 off (its 0/1 rule) under a key already seen
-        drafter = treespec.make_drafter(random_heads(model, seed=n), treespec.default_tree(n, 4), model)
-        eager = treespec.Decoder(model, drafter, acceptance="greedy")
-        fast = treespec.Decoder(model, drafter, acceptance="greedy", compile=True)
-        fast.scorer.progress = None
-        for decoder in (eager, fast):
-            decoder.prefill(prompt, max_new_tokens=8)
+        eager, fast = eager_and_compiled(model, n, prompt, 8)
         tokens = torch.randint(0, model.config.vocab_size, (1, n), generator=gen)
         torch.testing.assert_close(fast.score(tokens), eager.score(tokens), rtol=1e-4, atol=1e-4)
 

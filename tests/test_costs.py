@@ -40,11 +40,9 @@ def test_a_file_that_is_not_a_cost_curve_is_refused(tmp_path):
         load_cost_curve(bad)
 
 
-def test_machine_tree_prices_once_then_reuses_its_choice(tmp_path, monkeypatch):
+def heads_with_acceptance(tmp_path, monkeypatch):
+    """A tiny model and random heads saved with an acceptance table; the cache under tmp_path."""
     from conftest import random_heads
-
-    from treespec.training import calibrate
-    from treespec.training.costs import machine_tree, machine_tree_file
 
     monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path / "cache"))
     model = tiny_model("llama", dtype=torch.float32)
@@ -53,6 +51,14 @@ def test_machine_tree_prices_once_then_reuses_its_choice(tmp_path, monkeypatch):
     heads.save_pretrained(folder)
     table = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.1, 0.05]]
     (folder / "acceptance.json").write_text(json.dumps({"acceptance": table}))
+    return model, heads, folder
+
+
+def test_machine_tree_prices_once_then_reuses_its_choice(tmp_path, monkeypatch):
+    from treespec.training import calibrate
+    from treespec.training.costs import machine_tree, machine_tree_file
+
+    model, heads, folder = heads_with_acceptance(tmp_path, monkeypatch)
     tree, note = machine_tree(model, heads, folder, budgets=(2, 4, 8), repeats=1)
     assert tree.num_nodes in (2, 4, 8) and "priced on this machine" in note
     assert machine_tree_file(model, folder).is_file()
@@ -77,18 +83,10 @@ def test_heads_without_an_acceptance_table_keep_their_own_tree(tmp_path):
 
 
 def test_machine_tree_prices_verification_from_the_cost_curve_of_its_path(tmp_path, monkeypatch):
-    from conftest import random_heads
-
     from treespec.training import calibrate
     from treespec.training.costs import default_cost_file, machine_tree, machine_tree_file
 
-    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path / "cache"))
-    model = tiny_model("llama", dtype=torch.float32)
-    heads = random_heads(model, num_heads=3)
-    folder = tmp_path / "heads"
-    heads.save_pretrained(folder)
-    table = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.1, 0.05]]
-    (folder / "acceptance.json").write_text(json.dumps({"acceptance": table}))
+    model, heads, folder = heads_with_acceptance(tmp_path, monkeypatch)
 
     def no_timed_steps(*args, **kwargs):
         raise AssertionError("with a cost curve of the path, verification comes from the curve")

@@ -21,6 +21,9 @@ split. `limit=N` keeps the first N prompts of that order: an unbiased sample, an
 smaller one (its full shards are reused; only a shorter last shard is redone). Within a shard prompts are
 generated in batches sorted by token length, so batches pad little.
 
+The answers come from HF `generate` in padded batches, or from another engine that answers a whole shard
+in one call (`answer=`; `scripts/make_distill_data.py --engine vllm` uses vLLM's CPU build).
+
 Generation is resumable: each shard appears atomically (`treespec.io.atomic_write`) and `meta.json` is
 rewritten atomically after each one; a rerun keeps every valid shard and redoes only missing ones. It
 refuses a folder made for another model, other settings, or another prompts file.
