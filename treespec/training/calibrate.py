@@ -73,16 +73,10 @@ def forward_costs(
 
     table: the acceptance table; each budget is then timed with the tree `from_acceptance` builds for it
     (sequential heads draft depth by depth, so the tree's shape changes the drafting cost)."""
-    from ..core.decoder import Decoder
-    from ..drafters.medusa import make_drafter
-
     costs = {}
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, model.config.vocab_size, (prefix,), generator=gen).tolist()
     for n in budgets:
         tree = Tree.from_acceptance(table, n) if table else _tree_for_budget(n, heads.num_heads)
-        decoder = Decoder(model, make_drafter(heads, tree, model), acceptance="greedy")
-        decoder.prefill(prompt, max_new_tokens=(repeats + 1) * (tree.max_depth + 1))
+        decoder = timing_decoder(model, heads, tree, prefix, steps=repeats + 1)
         times = []
         for _ in range(repeats + 1):
             t0 = time.perf_counter()
@@ -90,6 +84,19 @@ def forward_costs(
             times.append(time.perf_counter() - t0)
         costs[n] = sorted(times[1:])[len(times[1:]) // 2]  # median after one warm-up
     return costs
+
+
+def timing_decoder(model, heads: MedusaHeads, tree: Tree, prefix: int, steps: int):
+    """A greedy `Decoder` drafting `tree` with `heads`, prefilled with `prefix` random token ids (seed 0)
+    and room for `steps` full-depth steps: what the step timings here run on."""
+    from ..core.decoder import Decoder
+    from ..drafters.medusa import make_drafter
+
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (prefix,), generator=gen).tolist()
+    decoder = Decoder(model, make_drafter(heads, tree, model), acceptance="greedy")
+    decoder.prefill(prompt, max_new_tokens=steps * (tree.max_depth + 1))
+    return decoder
 
 
 def _tree_for_budget(n: int, num_heads: int) -> Tree:

@@ -187,19 +187,14 @@ def step_costs(
     """Seconds of one step per budget: the tree's drafting and commit, timed here through `Decoder.step`
     on the uncompiled path (the drafter runs the same on every path), plus the verification of its node
     count read from the cost curve of `path` (`interpolate`: no compile per budget)."""
-    from ..drafters.medusa import make_drafter
-
     if path not in curve["verify_ms"]:
         raise ValueError(
             f"the cost curve has no {path!r} path; measure it: scripts/cost_curve.py --paths {path}"
         )
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, model.config.vocab_size, (prefix,), generator=gen).tolist()
     costs = {}
     for n in budgets:
         tree = Tree.from_acceptance(table, n)
-        decoder = Decoder(model, make_drafter(heads, tree, model), acceptance="greedy")
-        decoder.prefill(prompt, max_new_tokens=(repeats + 1) * (tree.max_depth + 1))
+        decoder = calibrate.timing_decoder(model, heads, tree, prefix, steps=repeats + 1)
         decoder.step()  # warm-up
         stats = decoder.stats
         before = (stats.time_draft, stats.time_commit, stats.steps)
