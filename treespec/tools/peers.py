@@ -90,10 +90,14 @@ class VllmPeer:
             raise PeerUnavailable(f"the vLLM worker exited (code {code}){where}")
         return json.loads(line)
 
-    def run(self, ids: list[int], max_new_tokens: int) -> dict:
-        self.process.stdin.write(json.dumps({"ids": list(ids), "max_new_tokens": max_new_tokens}) + "\n")
+    def _ask(self, request: dict) -> dict:
+        """One JSON line to the worker, its one-line answer back."""
+        self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         return self._read()
+
+    def run(self, ids: list[int], max_new_tokens: int) -> dict:
+        return self._ask({"ids": list(ids), "max_new_tokens": max_new_tokens})
 
     def run_batch(
         self, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int | None, stop_ids
@@ -107,9 +111,7 @@ class VllmPeer:
             "seed": seed,
             "stop_token_ids": list(stop_ids),
         }
-        self.process.stdin.write(json.dumps(request) + "\n")
-        self.process.stdin.flush()
-        return self._read()["batch_token_ids"]
+        return self._ask(request)["batch_token_ids"]
 
     def close(self) -> None:
         if self.process.poll() is None:
