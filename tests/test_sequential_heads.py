@@ -180,3 +180,32 @@ def test_identity_sequential_heads_accept_deep_on_a_repeating_model():
     res = treespec.generate(model, heads, prompt, max_new_tokens=30, eos_token_id=[])
     assert res.token_ids == hf_greedy(model, prompt, 30)
     assert res.stats.steps < 30
+
+
+@pytest.mark.parametrize("own_lm_head", [False, True])
+def test_narrowed_heads_keep_the_first_draft_tokens_and_their_logits(tmp_path, own_lm_head):
+    model = tiny_model("llama")
+    draft = _draft_vocab(model.config.vocab_size, 40, 3)
+    heads = treespec.MedusaHeads.for_model(
+        model, num_heads=3, sequential=True, own_lm_head=own_lm_head, draft_vocab=draft
+    )
+    gen = torch.Generator().manual_seed(7)
+    for p in heads.parameters():  # non-zero weights, so the comparison below can fail
+        p.data.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    narrow = heads.narrowed(25)
+    assert narrow.draft_vocab_size == 25 and torch.equal(narrow.draft_vocab, draft[:25])
+    lm = model.get_output_embeddings()
+    hidden = torch.randn(6, model.config.hidden_size, generator=gen)
+    tokens = torch.randint(model.config.vocab_size, (6, 3), generator=gen)
+    emb = model.get_input_embeddings()
+    with torch.no_grad():
+        wide_logits = heads.predict(hidden, tokens, lm, emb)  # [K, 6, 40]
+        narrow_logits = narrow.predict(hidden, tokens, lm, emb)  # [K, 6, 25]
+    torch.testing.assert_close(narrow_logits, wide_logits[..., :25])
+    narrow.save_pretrained(tmp_path / "narrow")
+    loaded = treespec.MedusaHeads.from_pretrained(tmp_path / "narrow", model=model)
+    assert loaded.draft_vocab_size == 25 and torch.equal(loaded.draft_vocab, draft[:25])
+    with pytest.raises(ValueError, match="draft_vocab_size must be in 1..40"):
+        heads.narrowed(41)
+    with pytest.raises(ValueError, match="no draft vocabulary"):
+        treespec.MedusaHeads.for_model(model).narrowed(10)

@@ -306,6 +306,30 @@ class MedusaHeads(nn.Module):
         table[self.draft_vocab.to(token_ids.device)] = index
         return torch.where(token_ids >= 0, table[token_ids.clamp(min=0)], torch.full_like(token_ids, -100))
 
+    def narrowed(self, draft_vocab_size: int) -> MedusaHeads:
+        """A copy whose draft vocabulary keeps only its first `draft_vocab_size` tokens (the most frequent:
+        the trainer orders them so), with the matching rows of their own output layers if they have
+        them. A smaller output matrix per drafted level; measure the acceptance it costs
+        (`training.calibrate.acceptance_table`) before shipping it."""
+        if self.draft_vocab is None:
+            raise ValueError("these heads have no draft vocabulary to narrow (they propose from all tokens)")
+        if not 0 < draft_vocab_size <= self.draft_vocab_size:
+            raise ValueError(
+                f"draft_vocab_size must be in 1..{self.draft_vocab_size} (the current size), "
+                f"got {draft_vocab_size}"
+            )
+        first = next(self.parameters())
+        config = {k: v for k, v in self.config.items() if k not in ("format", "version", "dtype")}
+        config["draft_vocab_size"] = draft_vocab_size
+        narrow = type(self)(**config, device=first.device, dtype=first.dtype)
+        state = {
+            name: value[:draft_vocab_size] if name == "draft_vocab" or name.startswith("lm_heads.") else value
+            for name, value in self.state_dict().items()
+        }
+        narrow.load_state_dict(state)
+        narrow.tree = self.tree
+        return narrow
+
     @staticmethod
     def embed_tokens(embedding: nn.Module | Tensor, token_ids: Tensor) -> Tensor:
         """Input embeddings of token ids (negative ids, i.e. padding, embed as token 0): [...] -> [..., H]."""
