@@ -15,6 +15,8 @@ from .core.stats import GenerationStats
 from .core.tree import DEFAULT_TREE_SIZES, Tree, default_tree
 from .drafters.base import BaseDrafter, Drafter, DrafterReport, Proposal, RootOnlyDrafter, SequenceStart
 from .drafters.draft_model import DraftModelDrafter
+from .drafters.eagle import EagleDrafter
+from .drafters.eagle_model import EagleDraftModel, EagleLoadError
 from .drafters.heads import ExitHead, HeadsLoadError, MedusaHeads
 from .drafters.lookup import LookupDrafter
 from .drafters.medusa import MedusaDrafter, SequentialDrafter, make_drafter
@@ -38,6 +40,9 @@ __all__ = [
     "CacheCapacityError",
     "DEFAULT_TREE_SIZES",
     "DraftModelDrafter",
+    "EagleDraftModel",
+    "EagleDrafter",
+    "EagleLoadError",
     "GenerationResult",
     "GenerationStats",
     "HeadsLoadError",

@@ -84,18 +84,20 @@ class CompiledForward:
         progress: a stream for the note before a node count compiles (None: quiet)."""
         self.model, self.linears, self.progress = model, linears, progress
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache, plan) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache, plan, feature_layers=()):
         # ids, positions: [B, n], every size symbolic; one graph per size class of n
+        # feature_layers: also return the target's hidden states there (`decoder.full_forward`)
         n = ids.shape[1]
         cache._reserve(n)  # the capacity check, outside the graph (its guard may be skipped)
         # committed lengths 0 and 1 would be specialised (dynamo's 0/1 rule): those calls keep all guards
-        key = (size_class(n), plan.kernel, self.linears, cache.committed > 1)
+        feature_layers = tuple(feature_layers)
+        key = (size_class(n), plan.kernel, self.linears, cache.committed > 1, feature_layers)
         forward = _compiled()
         seen = _seen.setdefault(self.model, set())
         if key in seen:
             try:
                 with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                    return forward(self.model, ids, positions, cache, plan)
+                    return forward(self.model, ids, positions, cache, plan, feature_layers)
             except RuntimeError as error:  # a graph split `size_class` did not foresee: compile it, guarded
                 if "skip_guard_eval_unsafe" not in str(error):
                     raise
@@ -107,7 +109,7 @@ class CompiledForward:
                 flush=True,
             )
         t0 = time.perf_counter()
-        hidden = forward(self.model, ids, positions, cache, plan)
+        hidden = forward(self.model, ids, positions, cache, plan, feature_layers)
         seen.add(key)
         if self.progress is not None:
             print(f"treespec: compiled in {time.perf_counter() - t0:.0f} s", file=self.progress, flush=True)

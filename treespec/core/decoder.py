@@ -57,13 +57,27 @@ class StepResult:
 
 
 def full_forward(
-    model, ids: torch.Tensor, positions: torch.Tensor, cache, plan: AttentionPlan
-) -> torch.Tensor:
-    """The decoder without lm_head: ids, positions [B, n] -> final hidden states [B, n, H]."""
+    model, ids: torch.Tensor, positions: torch.Tensor, cache, plan: AttentionPlan, feature_layers=()
+):
+    """The decoder without lm_head: ids, positions [B, n] -> final hidden states [B, n, H].
+
+    feature_layers: indices into transformers' `hidden_states` (0 = the embeddings, i = after layer i);
+    when given, returns (hidden [B, n, H], features [B, n, len(feature_layers) * H]) concatenated in order."""
+    if not feature_layers:
+        out = model.base_model(
+            input_ids=ids, position_ids=positions, cache=cache, use_cache=True, tree_attention=plan
+        )
+        return out.last_hidden_state
     out = model.base_model(
-        input_ids=ids, position_ids=positions, cache=cache, use_cache=True, tree_attention=plan
+        input_ids=ids,
+        position_ids=positions,
+        cache=cache,
+        use_cache=True,
+        tree_attention=plan,
+        output_hidden_states=True,
     )
-    return out.last_hidden_state
+    features = torch.cat([out.hidden_states[i] for i in feature_layers], dim=-1)  # [B, n, F]
+    return out.last_hidden_state, features
 
 
 def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
@@ -112,8 +126,14 @@ class Decoder:
         self.plan = AttentionPlan.for_tree(self.tree, self.kernel, self.device)
         self.children = [self.tree.children(i) for i in range(self.tree.num_nodes)]
         self.depth = self.tree.depth.to(self.device)  # [N]
+        # the target's hidden states the drafter reads (an EAGLE-style drafter); () = none
+        self.feature_layers = tuple(getattr(self.drafter, "feature_layers", ()))
         default_scorer = CompiledForward(model, linears) if compile else partial(full_forward, model)
         self.scorer = self.drafter.scorer() or default_scorer
+        if self.feature_layers:
+            if self.drafter.scorer() is not None:
+                raise ValueError("a drafter that reads the target's features cannot bring its own scorer")
+            self.scorer = partial(self.scorer, feature_layers=self.feature_layers)
         self.generator = None if seed is None else torch.Generator(self.device).manual_seed(seed)
         self.linears = linears
         self.cache: TreeKVCache | None = None
@@ -167,14 +187,20 @@ class Decoder:
         t0 = self.clock()
         ids = torch.tensor([prompt_ids], device=self.device)  # [1, P]
         positions = torch.arange(len(prompt_ids), device=self.device)[None]  # [1, P]
+        features = None  # [1, P, F] for a drafter that reads the target's features
         with self.running():
-            hidden = full_forward(self.model, ids, positions, self.cache, AttentionPlan(self.kernel))
+            hidden = full_forward(
+                self.model, ids, positions, self.cache, AttentionPlan(self.kernel), self.feature_layers
+            )
+            if self.feature_layers:
+                hidden, features = hidden
             logits = output_logits(self.model, hidden[0, -1])  # [V]
         self.cache.commit_all()
         self.hidden = hidden[:, -1]  # [1, H]
         root = self.sampling.sample(logits, self.generator)
         self.roots = torch.tensor([root], device=self.device)  # [1]
-        self.drafter.start(SequenceStart(list(prompt_ids) + [root], needed, self.cache, self.kernel))
+        start = SequenceStart(list(prompt_ids) + [root], needed, self.cache, self.kernel, features)
+        self.drafter.start(start)
         self.stats.time_prefill = self.clock() - t0
         return root
 
@@ -191,6 +217,9 @@ class Decoder:
             t1 = self.clock()
             positions = (self.cache.committed + self.depth)[None]  # [1, N]
             hidden_tree = self.scorer(proposal.tokens, positions, self.cache, self.plan)  # [1, N, H]
+            features = None
+            if self.feature_layers:
+                hidden_tree, features = hidden_tree  # features [1, N, F]
             logits = output_logits(self.model, hidden_tree[0])  # [N, V]
             tokens = proposal.tokens[0].tolist()
             path, bonus = verify(
@@ -202,7 +231,10 @@ class Decoder:
             self.roots = torch.tensor([bonus], device=self.device)  # [1]
             t3 = self.clock()
         committed = [tokens[i] for i in path[1:]] + [bonus]
-        self.drafter.observe([committed])
+        if self.feature_layers:  # the features of the accepted nodes: the positions just committed
+            self.drafter.observe([committed], features[:, path])
+        else:
+            self.drafter.observe([committed])
         self.stats.record_step(len(path), t1 - t0, t2 - t1, t3 - t2)
         probs = None if proposal.probs is None else proposal.probs[0].float().tolist()
         return StepResult(tokens, probs, path, committed, bonus, t1 - t0, t2 - t1, t3 - t2)
@@ -221,6 +253,8 @@ class Decoder:
             hidden = (scorer or self.scorer)(
                 tokens, (c + self.depth)[None], self.cache, self.plan
             )  # [B, N, H]
+            if isinstance(hidden, tuple):  # (hidden, features) for a drafter that reads features
+                hidden = hidden[0]
             logits = output_logits(self.model, hidden)  # [B, N, V]
         self.cache.rollback(c)
         return logits

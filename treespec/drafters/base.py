@@ -4,7 +4,9 @@ One decoding step, seen from a drafter:
 
     start(SequenceStart)            once per sequence, after the prefill (prompt + the first token)
     propose(hidden [B, H], roots [B]) -> Proposal(tokens [B, N], probs [B, N] | None)
-    observe(committed)              the tokens the step committed per row (accepted nodes, then the bonus)
+    observe(committed, features)    the tokens the step committed per row (accepted nodes, then the bonus),
+                                    and the target's features there when the drafter asked for them
+    feature_layers                  which of the target's hidden states the drafter reads (default none)
     report() -> DrafterReport       what the drafter measured and the memory of its own cache, if any
     scorer() -> Scorer | None       its own verification forward (partial-layer verification), or None
 
@@ -34,6 +36,9 @@ class SequenceStart:
     capacity: int  # positions the sequence may reach: prompt + max_new_tokens + one tree block
     cache: TreeKVCache  # the target's cache (only a drafter that runs the target's own layers writes it)
     kernel: str  # the tree-attention kernel the decoder uses
+    # [1, P, F] the target's hidden states at the prompt, from the layers in the drafter's
+    # `feature_layers` concatenated (None when it asks for none)
+    features: torch.Tensor | None = None
 
 
 @dataclass
@@ -67,12 +72,15 @@ class Drafter(Protocol):
     """Everything the decoder calls on a drafter."""
 
     tree: Tree
+    # indices into transformers' `hidden_states` (0 = the embeddings, i = after layer i) whose values the
+    # decoder hands to `start` and `observe` as features; () = none
+    feature_layers: tuple[int, ...]
 
     def start(self, sequence: SequenceStart) -> None: ...
 
     def propose(self, hidden: torch.Tensor, roots: torch.Tensor) -> Proposal: ...
 
-    def observe(self, committed: list[list[int]]) -> None: ...
+    def observe(self, committed: list[list[int]], features: torch.Tensor | None = None) -> None: ...
 
     def report(self) -> DrafterReport: ...
 
@@ -84,6 +92,7 @@ class BaseDrafter:
     the decoder's own full forward as scorer."""
 
     tree: Tree
+    feature_layers: tuple[int, ...] = ()
 
     def start(self, sequence: SequenceStart) -> None:
         pass
@@ -91,7 +100,7 @@ class BaseDrafter:
     def propose(self, hidden: torch.Tensor, roots: torch.Tensor) -> Proposal:
         raise NotImplementedError
 
-    def observe(self, committed: list[list[int]]) -> None:
+    def observe(self, committed: list[list[int]], features: torch.Tensor | None = None) -> None:
         pass
 
     def report(self) -> DrafterReport:

@@ -200,7 +200,7 @@ class DraftModelDrafter(BaseDrafter):
         self.stats.drafted += self.gamma
         return Proposal(torch.tensor([tokens], device=hidden.device))  # [1, N]
 
-    def observe(self, committed: list[list[int]]) -> None:
+    def observe(self, committed: list[list[int]], features: torch.Tensor | None = None) -> None:
         """Tokens the last step committed: the accepted drafts, then the bonus token."""
         tokens = committed[0]
         accepted = accepted_prefix(tokens, self.drafts)

@@ -60,6 +60,7 @@ class LookupDrafter(BaseDrafter):
                 "runs only the upper layers of the drafted chain); use lookup=0"
             )
         self.inner = inner
+        self.feature_layers = tuple(getattr(inner, "feature_layers", ()))
         self.length = length
         self.max_ngram = max_ngram
         inner_tree: Tree = inner.tree
@@ -84,10 +85,13 @@ class LookupDrafter(BaseDrafter):
         self.index.extend(sequence.tokens)
         self.inner.start(sequence)
 
-    def observe(self, committed: list[list[int]]) -> None:
+    def observe(self, committed: list[list[int]], features: torch.Tensor | None = None) -> None:
         """Tokens committed by the last step (the accepted ones, then the bonus token)."""
         self.index.extend(committed[0])
-        self.inner.observe(committed)
+        if self.feature_layers:
+            self.inner.observe(committed, features)
+        else:
+            self.inner.observe(committed)
 
     def report(self) -> DrafterReport:
         return self.inner.report()

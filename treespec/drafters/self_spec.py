@@ -143,7 +143,7 @@ class SelfSpeculativeDrafter(BaseDrafter):
         )
         return self.norm(h)  # [1, N, H]
 
-    def observe(self, committed: list[list[int]]) -> None:
+    def observe(self, committed: list[list[int]], features: torch.Tensor | None = None) -> None:
         """Tokens the last step committed: counts the accepted drafts (the cache is the target's)."""
         self.stats.accepted += accepted_prefix(committed[0], self.drafts)
 
