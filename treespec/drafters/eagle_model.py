@@ -54,7 +54,7 @@ class EagleLoadError(ValueError):
 def default_feature_layers(num_layers: int) -> list[int]:
     """Which of the target's hidden states the drafter fuses: after layers 2, L/2 and L-3 (EAGLE-3's
     low, middle and high), as indices into transformers' `hidden_states` (0 = the embeddings)."""
-    return [2, num_layers // 2, num_layers - 3]
+    return [min(2, num_layers), num_layers // 2, max(num_layers - 3, 0)]
 
 
 class RMSNorm(nn.Module):
@@ -294,6 +294,10 @@ class EagleDraftModel(nn.Module):
                 attended = attended + weights[..., t_len + i - 1 : t_len + i] * v_i
             outputs.append(self.finish(hidden, attended))
         return outputs
+
+    def forward(self, features: Tensor, emb: Tensor, steps: int) -> list[Tensor]:
+        """Training: `unrolled` (what DDP wraps)."""
+        return self.unrolled(features, emb, steps)
 
     # -- checkpoints -----------------------------------------------------------------------------------
     @property

@@ -1,0 +1,339 @@
+"""Train an EAGLE-style draft layer (`drafters.eagle_model`) on a frozen target, by self-distillation.
+
+Data: the target's own answers (`training.distill`). For every sequence the target runs once and its
+hidden states are cached on disk (bf16): the fused feature layers, and the final hidden state with the
+log-normaliser of its logits, from which the soft labels over the draft vocabulary are recomputed exactly
+(p_v = exp(h . w_v - logsumexp) for the V' draft rows), plus the target's greedy token.
+
+Training-time test: the layer is unrolled `ttt_steps` times over each batch (`EagleDraftModel.unrolled`),
+step j reading step j-1's outputs, with the attention each drafted position sees at decoding time. Step
+j's output at position t guesses token t+2 (target distribution at t+1) for the chain anchored at t-j;
+the loss is sum_j decay**j * CE(soft labels, draft distribution) over answer positions, so training sees
+what decoding sees. `ttt_steps=1` is plain (EAGLE-1-style) training on the target's features only.
+
+Evaluation (held-out split, every `eval_every` steps): for every anchor, whether each chain step's top
+guess is the target's greedy token; per-position acceptance (step k right given steps < k were) and the
+expected accepted length of a chain as deep as `ttt_steps` (+1 for the target's own token).
+
+Runs under `accelerate launch` (DDP, each process its share of each batch); checkpoints are atomic and
+`resume=True` continues from the last one with the same batch order.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+from tqdm import tqdm
+
+from ..drafters.eagle_model import EagleDraftModel, default_feature_layers
+from ..io import atomic_write, atomic_write_json
+from . import checkpoint
+from .batching import length_batches
+from .distill import load_distill_data
+from .heads_train import draft_vocabulary
+from .schedule import lr_at
+
+CHECKPOINT_DIR = "checkpoint"
+FEATURES_VERSION = 1
+
+
+@dataclass
+class EagleTrainConfig:
+    """Settings of one training run (saved with the checkpoint; a resume must match them)."""
+
+    data: str
+    out: str
+    max_steps: int = 2000
+    batch_tokens: int = 2048  # padded tokens per optimizer step, over all processes
+    max_length: int = 512  # sequences are cut to this many tokens
+    lr: float = 5e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 50
+    ttt_steps: int = 5  # unrolled steps (1 = no training-time test)
+    step_decay: float = 0.8
+    soft_labels: bool = True  # False: cross-entropy on the target's greedy token
+    feature_layers: list[int] | None = None  # default: low / middle / high (default_feature_layers)
+    draft_vocab_size: int = 4096
+    max_sequences: int | None = None  # use only the first N training sequences (data-size studies)
+    eval_every: int = 200
+    checkpoint_every: int = 100
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+# -- the target's features, cached once ----------------------------------------------------------------
+
+
+@torch.inference_mode()
+def cached_features(
+    model,
+    data_folder: str | Path,
+    cache: Path,
+    split: str,
+    layers: list[int],
+    max_length: int,
+    batch_tokens=4096,
+) -> dict[str, Tensor]:
+    """The target's features of every sequence of a split, concatenated along tokens (cut at max_length):
+
+    tokens [M] int64, starts [S+1] (sequence i is [starts[i], starts[i+1])), prompt_lengths [S],
+    features [M, len(layers) * H] bf16, final [M, H] bf16, lse [M] float32, greedy [M] int64.
+    Computed with one batched forward per length bucket and kept in `cache`."""
+    tag = f"{split}-L{'-'.join(map(str, layers))}-T{max_length}-v{FEATURES_VERSION}"
+    path = cache / f"features-{tag}.safetensors"
+    if path.is_file():
+        return load_file(str(path))
+    data = load_distill_data(data_folder, split)
+    sequences = [s[:max_length] for s in data.sequences]
+    lengths = [len(s) for s in sequences]
+    parts: dict[str, list[Tensor]] = {
+        k: [None] * len(sequences) for k in ("features", "final", "lse", "greedy")
+    }
+    lm = model.get_output_embeddings()
+    batches = length_batches(lengths, max_tokens=batch_tokens)
+    for batch in tqdm(batches, desc=f"target features ({split})", unit="batch"):
+        longest = max(lengths[i] for i in batch)
+        ids = torch.zeros(len(batch), longest, dtype=torch.long)
+        mask = torch.zeros(len(batch), longest, dtype=torch.long)
+        for row, i in enumerate(batch):
+            ids[row, : lengths[i]], mask[row, : lengths[i]] = sequences[i], 1
+        device = lm.weight.device
+        out = model.base_model(
+            input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True
+        )
+        features = torch.cat([out.hidden_states[k] for k in layers], dim=-1)  # [b, T, F]
+        final = out.last_hidden_state  # [b, T, H]
+        logits = lm(final).float()  # [b, T, V]
+        lse, greedy = logits.logsumexp(-1), logits.argmax(-1)  # [b, T] each
+        for row, i in enumerate(batch):
+            n = lengths[i]
+            parts["features"][i] = features[row, :n].to(torch.bfloat16).cpu()
+            parts["final"][i] = final[row, :n].to(torch.bfloat16).cpu()
+            parts["lse"][i], parts["greedy"][i] = lse[row, :n].cpu(), greedy[row, :n].cpu()
+    tensors = {k: torch.cat(v) for k, v in parts.items()}
+    tensors["tokens"] = torch.cat(sequences)
+    tensors["starts"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    tensors["prompt_lengths"] = torch.tensor(data.prompt_lengths)
+    cache.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp)))
+    return tensors
+
+
+def make_batch(
+    store: dict[str, Tensor], rows: list[int], embed: Tensor, lm_draft: Tensor
+) -> dict[str, Tensor]:
+    """Padded training tensors for sequences `rows` of a feature store (positions t = 0..T-2):
+
+    features [b, T-1, F] at t, emb [b, T-1, H] of x_t+1, labels [b, T-1, V'] the target's log-probs of the
+    draft tokens at t+1, greedy [b, T-1] its greedy token at t+1, valid [b, T-1] (x_t+2 exists and is
+    part of the answer)."""
+    starts, prompts = store["starts"], store["prompt_lengths"]
+    lengths = [int(starts[i + 1] - starts[i]) for i in rows]
+    t = max(lengths) - 1
+    b, feat = len(rows), store["features"].shape[1]
+    out = {
+        "features": torch.zeros(b, t, feat),
+        "tokens": torch.zeros(b, t, dtype=torch.long),
+        "final": torch.zeros(b, t, store["final"].shape[1]),
+        "lse": torch.zeros(b, t),
+        "greedy": torch.zeros(b, t, dtype=torch.long),
+        "valid": torch.zeros(b, t, dtype=torch.bool),
+    }
+    for row, (i, n) in enumerate(zip(rows, lengths, strict=True)):
+        s = int(starts[i])
+        out["features"][row, : n - 1] = store["features"][s : s + n - 1].float()
+        out["tokens"][row, : n - 1] = store["tokens"][s + 1 : s + n]  # x_t+1
+        out["final"][row, : n - 1] = store["final"][s + 1 : s + n].float()  # the target at t+1
+        out["lse"][row, : n - 1] = store["lse"][s + 1 : s + n]
+        out["greedy"][row, : n - 1] = store["greedy"][s + 1 : s + n]
+        first = max(int(prompts[i]) - 2, 0)  # x_t+2 in the answer: t >= P - 2; and t + 2 < n
+        out["valid"][row, first : n - 2] = True
+    return {
+        "features": out["features"],
+        "emb": embed[out["tokens"]].float(),  # [b, T-1, H]
+        "labels": out["final"] @ lm_draft.float().T - out["lse"][..., None],  # [b, T-1, V'] log-probs
+        "greedy": out["greedy"],
+        "valid": out["valid"],
+    }
+
+
+# -- loss and evaluation ------------------------------------------------------------------------------
+
+
+def eagle_loss(
+    draft: EagleDraftModel, outputs: list[Tensor], batch: dict[str, Tensor], cfg: EagleTrainConfig
+) -> tuple[Tensor, list[float]]:
+    """sum_j decay**j * mean CE of step j over its valid positions; also each step's top-1 agreement
+    with the target's greedy token."""
+    target_index = draft.draft_index(batch["greedy"])  # [b, T-1] (-100 outside the draft vocabulary)
+    total, agreement = 0.0, []
+    for j, h in enumerate(outputs):
+        valid = batch["valid"].clone()
+        valid[:, :j] = False  # no chain anchored before position 0
+        logq = draft.logits(h).float().log_softmax(-1)[valid]  # [m, V']
+        if cfg.soft_labels:
+            ce = -(batch["labels"][valid].exp() * logq).sum(-1)  # [m]
+        else:
+            ce = F.nll_loss(logq, target_index[valid], ignore_index=-100, reduction="none")
+        total = total + cfg.step_decay**j * ce.mean()
+        agreement.append(float((logq.argmax(-1) == target_index[valid]).float().mean()) if len(logq) else 0.0)
+    return total, agreement
+
+
+def at_anchor(x: Tensor, j: int) -> Tensor:
+    """x [b, T] at position a + j for every anchor a: [b, T] (False past the end)."""
+    shifted = torch.zeros_like(x)
+    shifted[:, : x.shape[1] - j] = x[:, j:]
+    return shifted
+
+
+@torch.no_grad()
+def evaluate(draft: EagleDraftModel, store, embed, lm_draft, steps: int, batch_tokens: int = 4096) -> dict:
+    """Chain acceptance on held-out sequences: acceptance[k] = P(step k right | steps < k right) and
+    the expected accepted length of a chain of `steps` drafted tokens (counting the target's own)."""
+    starts = store["starts"]
+    lengths = [int(starts[i + 1] - starts[i]) for i in range(len(starts) - 1)]
+    counts = torch.zeros(steps + 1)  # anchors whose first k steps were all right, k = 0..steps
+    for rows in length_batches(lengths, max_tokens=batch_tokens):
+        batch = make_batch(store, rows, embed, lm_draft)
+        outputs = draft.unrolled(batch["features"], batch["emb"], steps)
+        target = draft.draft_index(batch["greedy"])  # [b, T-1]
+
+        # anchors whose `steps` positions a .. a+steps-1 are all answer positions inside the sequence
+        anchors = batch["valid"].clone()
+        for j in range(steps):
+            anchors &= at_anchor(batch["valid"], j)
+        counts[0] += float(anchors.sum())
+        right = anchors
+        for j, h in enumerate(outputs):
+            right = right & at_anchor(draft.logits(h).argmax(-1) == target, j)
+            counts[j + 1] += float(right.sum())
+    reach = (counts / counts[0].clamp(min=1)).tolist()  # P(first k right), k = 0..steps
+    acceptance = [reach[k + 1] / reach[k] if reach[k] > 0 else 0.0 for k in range(steps)]
+    return {
+        "acceptance": acceptance,
+        "expected_accept_length": 1.0 + sum(reach[1:]),
+        "anchors": int(counts[0]),
+    }
+
+
+# -- the training loop ---------------------------------------------------------------------------------
+
+
+def train_eagle(cfg: EagleTrainConfig, model=None, resume: bool = False, accelerator=None) -> dict:
+    """Train a draft layer for `model` (default: cfg.extra['model'] or the embedded default, float32).
+    Returns the training record (also <out>/training.json); the drafter is saved in <out>/drafter."""
+    from accelerate import Accelerator
+
+    from ..tools.models import load_model
+
+    if cfg.ttt_steps < 1:
+        raise ValueError(f"ttt_steps must be >= 1, got {cfg.ttt_steps}")
+    accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
+    out = Path(cfg.out)
+    if model is None:
+        model, _ = load_model(cfg.extra.get("model"), dtype="float32")
+    model.requires_grad_(False)
+    num_layers = model.config.num_hidden_layers
+    layers = list(cfg.feature_layers or default_feature_layers(num_layers))
+    if any(not 0 <= k <= num_layers for k in layers):
+        raise ValueError(f"feature_layers must lie in 0..{num_layers} (hidden_states indices), got {layers}")
+    cache = out / "cache"
+    if accelerator.is_main_process:
+        for split in ("train", "eval"):
+            cached_features(model, cfg.data, cache, split, layers, cfg.max_length)
+    accelerator.wait_for_everyone()
+    train = cached_features(model, cfg.data, cache, "train", layers, cfg.max_length)
+    held_out = cached_features(model, cfg.data, cache, "eval", layers, cfg.max_length)
+
+    vocab = model.config.vocab_size
+    torch.manual_seed(cfg.seed)
+    draft_vocab = draft_vocabulary(cfg.data, cfg.draft_vocab_size, vocab)
+    draft = EagleDraftModel.for_model(model, draft_vocab, feature_layers=layers).float()
+    embed = model.get_input_embeddings().weight.detach().float()  # [V, H]
+    lm_draft = model.get_output_embeddings().weight.detach().float()[draft_vocab]  # [V', H]
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    step, log = 0, []
+    if resume and checkpoint.exists(out / CHECKPOINT_DIR):
+        step, log = checkpoint.load(
+            out / CHECKPOINT_DIR, draft.state_dict(), optimizer, cfg, checkpoint.RESUMABLE_CHANGES
+        )
+        accelerator.print(f"resumed from {out / CHECKPOINT_DIR} at step {step}")
+    ddp_draft, optimizer = accelerator.prepare(draft, optimizer)
+
+    count = len(train["starts"]) - 1
+    if cfg.max_sequences:
+        count = min(count, cfg.max_sequences)
+    lengths = [int(train["starts"][i + 1] - train["starts"][i]) for i in range(count)]
+    rank, world = accelerator.process_index, accelerator.num_processes
+    start = time.perf_counter()
+    bar = tqdm(total=cfg.max_steps, initial=step, desc="train eagle", disable=not accelerator.is_main_process)
+    while step < cfg.max_steps:
+        # the epoch's batches in a seeded order: a resumed run continues the same sequence of batches
+        batches = length_batches(lengths, max_tokens=cfg.batch_tokens)
+        epoch, offset = divmod(step, len(batches))
+        order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(cfg.seed + epoch))
+        rows = batches[int(order[offset])][rank::world] or batches[int(order[offset])][:1]
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        batch = make_batch(train, rows, embed, lm_draft)
+        outputs = ddp_draft(batch["features"], batch["emb"], cfg.ttt_steps)
+        loss, agreement = eagle_loss(draft, outputs, batch, cfg)
+        optimizer.zero_grad(set_to_none=True)
+        accelerator.backward(loss)
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        bar.update(1)
+        if step % 10 == 0 or step == 1:
+            log.append(
+                {
+                    "step": step,
+                    "loss": float(loss.detach()),
+                    "agreement": agreement,
+                    "lr": lr_at(step - 1, cfg),
+                }
+            )
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", top1=f"{agreement[0]:.3f}")
+        if accelerator.is_main_process and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+            result = evaluate(draft, held_out, embed, lm_draft, max(cfg.ttt_steps, 5))
+            log.append({"step": step, "eval": result})
+            accelerator.print(
+                f"step {step}: held-out acceptance {' '.join(f'{a:.3f}' for a in result['acceptance'])}, "
+                f"expected accepted length {result['expected_accept_length']:.2f}"
+            )
+        if accelerator.is_main_process and (step % cfg.checkpoint_every == 0 or step == cfg.max_steps):
+            checkpoint.save(out / CHECKPOINT_DIR, draft.state_dict(), optimizer, step, cfg, log)
+        accelerator.wait_for_everyone()
+    bar.close()
+
+    record = {}
+    if accelerator.is_main_process:
+        final = next((e["eval"] for e in reversed(log) if "eval" in e and e["step"] == step), None)
+        if final is None:
+            final = evaluate(draft, held_out, embed, lm_draft, max(cfg.ttt_steps, 5))
+            log.append({"step": step, "eval": final})
+        record = {
+            "config": asdict(cfg),
+            "feature_layers": layers,
+            "steps": step,
+            "processes": world,
+            "seconds_this_run": time.perf_counter() - start,
+            "train_sequences": count,
+            "train_answer_positions": int(
+                sum(max(n - int(train["prompt_lengths"][i]), 0) for i, n in enumerate(lengths))
+            ),
+            "eval": final,
+            "log": log,
+        }
+        draft.to(torch.bfloat16).save_pretrained(out / "drafter")
+        draft.float()
+        atomic_write_json(out / "training.json", record, indent=1)
+    accelerator.wait_for_everyone()
+    return record
