@@ -100,3 +100,32 @@ def test_bench_draft_model_self_spec_and_assisted(tmp_path, smollm2, capsys):
     assert "gamma 3" in result["config"]["draft_model"]
     printed = capsys.readouterr().out
     assert "accept rate" in printed and "x baseline" in printed
+
+
+def test_eagle_methods_need_a_drafter(capsys):
+    with pytest.raises(SystemExit) as info:
+        bench.parse_args(["--methods", "hf,eagle"])
+    assert info.value.code == 2
+    assert "--eagle FOLDER" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_bench_eagle_methods(tmp_path, smollm2):
+    """The EAGLE drafter (untrained here: initialised from the model) matches HF greedy in float32, alone
+    and with the lookup branch, drafting a chain from --eagle-tree."""
+    import torch
+
+    import treespec
+
+    model, _ = smollm2
+    folder = tmp_path / "eagle"
+    treespec.EagleDraftModel.for_model(model, torch.arange(2048)).save_pretrained(folder)
+    out = tmp_path / "b.json"
+    argv = ["--num-prompts", "2", "--max-new-tokens", "8", "--dtype", "float32", "--lookup", "3"]
+    argv += ["--eagle", str(folder), "--eagle-tree", "3", "--methods", "hf,eagle,eagle_lookup"]
+    result = bench.main([*argv, "--out", str(out)])
+    overall = result["summary"][-1]["methods"]
+    for m in ("eagle", "eagle_lookup"):
+        assert overall[m]["identical_to_hf"] == 2, m
+        assert overall[m]["draft_ms"] > 0
+    assert "chain of 3" in result["config"]["eagle"]

@@ -317,3 +317,16 @@ def test_generate_uses_the_shipped_heads_and_tree(capsys):
     summary = out.strip().splitlines()[-1]
     accepted = float(summary.split("mean accepted length ")[1].split(",")[0])
     assert accepted > 1.3, summary
+
+
+@pytest.mark.integration
+def test_generate_with_an_eagle_drafter(tmp_path, capsys, smollm2):
+    model, _ = smollm2
+    folder = tmp_path / "eagle"
+    treespec.EagleDraftModel.for_model(model, torch.arange(1024)).save_pretrained(folder)
+    args = ["generate", "Say hello.", "--max-new-tokens", 6, "--eagle", folder, "--eagle-tree", 2]
+    code, out, err = run([*args, "--dtype", "float32"], capsys)
+    assert code == 0, err
+    assert "mean accepted length" in out.strip().splitlines()[-1]
+    code, _, err = run(["generate", "Hi", "--eagle", tmp_path / "missing"], capsys)
+    assert code != 0 and "--eagle" in err

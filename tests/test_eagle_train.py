@@ -95,7 +95,7 @@ def test_held_out_acceptance_counts_chains_like_decoding(tiny_setup):
     starts, prompts = store["starts"], store["prompt_lengths"]
     with torch.no_grad():
         for i in range(len(starts) - 1):
-            batch = train_module.make_batch(store, [i], embed, lm_draft)
+            batch = train_module.make_batch(store, [i], layers, embed, lm_draft)
             outputs = draft.unrolled(batch["features"], batch["emb"], steps)
             n = int(starts[i + 1] - starts[i])
             for a in range(max(int(prompts[i]) - 2, 0), n - 2 - (steps - 1)):

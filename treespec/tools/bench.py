@@ -16,6 +16,8 @@ Methods (all run in the same process on the same prompt token ids):
                       draft_model_fp32 / _bf16 / _fp16 / _int8: its speculative KV cache in that precision
     draft_model_tree  draft_model plus the draft's runner-up tokens as leaves (`--branching`, default 1:4)
     self_spec         `treespec.generate` with a SelfSpeculativeDrafter (`--exit-head`)
+    eagle             `treespec.generate` with an EagleDrafter (`--eagle`, its tree from `--eagle-tree`)
+    eagle_lookup      the same plus the prompt-lookup branch
     hf_assisted       HF `model.generate(assistant_model=<--draft-model>)`, num_assistant_tokens = gamma
                       with the constant schedule (the same chain length as draft_model)
     vllm              vLLM's CPU build (`make vllm-env`), plain greedy decoding, in a subprocess that gets
@@ -85,7 +87,10 @@ SPECULATIVE = (  # the methods that draft and verify
     *STORAGE_METHODS,
     TREE_METHOD,
     "self_spec",
+    "eagle",
+    "eagle_lookup",
 )
+EAGLE_METHODS = ("eagle", "eagle_lookup")
 PEER_METHODS = {"vllm": 0, "vllm_ngram": None}  # name -> n-gram tokens (None: --vllm-ngram)
 METHODS = ("hf", "hf_prompt_lookup", "baseline", "baseline_sdpa", *SPECULATIVE, "hf_assisted", *PEER_METHODS)
 DEFAULT_METHODS = ("hf", "hf_prompt_lookup", "baseline", "treespec")
@@ -137,6 +142,15 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
         "--exit-head", default=None, help="exit head folder (self_spec; train_heads.py --exit-layer)"
     )
     p.add_argument(
+        "--eagle", default=None, help="EAGLE-style drafter folder (eagle methods; scripts/train_eagle.py)"
+    )
+    p.add_argument(
+        "--eagle-tree",
+        default=None,
+        help="eagle methods: tree JSON file, folder with tree.json, or N (a chain of N tokens); "
+        "default: the drafter's tree.json, else a chain of 4",
+    )
+    p.add_argument(
         "--gamma", type=int, default=None, help="tokens drafted per step (default: tune.json, else 4)"
     )
     p.add_argument(
@@ -164,6 +178,8 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
         p.error("the draft_model and hf_assisted methods need --draft-model FOLDER")
     if "self_spec" in args.methods and not args.exit_head:
         p.error("the self_spec method needs --exit-head FOLDER")
+    if set(EAGLE_METHODS) & set(args.methods) and not args.eagle:
+        p.error("the eagle methods need --eagle FOLDER")
     return args
 
 
@@ -231,9 +247,13 @@ def load_heads_and_tree(args, model) -> tuple[MedusaHeads, Tree, str, str]:
     return heads, tree, heads_desc, options.describe_tree(tree, source)
 
 
-def load_chain_drafters(args, model) -> dict[str, options.ChainSource | None]:
-    """The draft model (--draft-model) and exit head (--exit-head), each loaded once, with its gamma."""
+def load_chain_drafters(args, model) -> dict:
+    """The draft model (--draft-model) and exit head (--exit-head), each loaded once, with its gamma;
+    the EAGLE drafter (--eagle) with its tree."""
     return {
+        "eagle": options.load_eagle_option(args.eagle, model, args.eagle_tree)
+        if getattr(args, "eagle", None)
+        else None,
         "draft_model": options.load_draft_model_option(args.draft_model, model, args.gamma)
         if args.draft_model
         else None,
@@ -345,9 +365,25 @@ def make_runners(
     exit_chain = chains.get("exit_head")
     if exit_chain is not None:
         runners["self_spec"] = with_drafter(lambda: exit_chain.drafter(model))
+    eagle = chains.get("eagle")
+    if eagle is not None:
+        runners["eagle"] = with_drafter(lambda: eagle.drafter(model))
+        runners["eagle_lookup"] = lambda ids, m: from_result(
+            generate(
+                model,
+                None,
+                ids,
+                tokenizer=tokenizer,
+                max_new_tokens=m,
+                drafter=eagle.drafter(model),
+                lookup=lookup,
+            )
+        )
     missing = [name for name in methods if name not in runners]
     if missing:
-        raise ValueError(f"method(s) {missing} need --draft-model (draft_model*, hf_assisted) or --exit-head")
+        raise ValueError(
+            f"method(s) {missing} need --draft-model (draft_model*, hf_assisted), --exit-head or --eagle"
+        )
     return {name: runners[name] for name in methods}
 
 
@@ -638,6 +674,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
         "tree": tree_desc,
         "draft_model": chains["draft_model"].description if chains["draft_model"] else "-",
         "exit_head": chains["exit_head"].description if chains["exit_head"] else "-",
+        "eagle": chains["eagle"].description if chains["eagle"] else "-",
         "tree_choices": [list(c) for c in tree.choices] if tree is not None else None,
         "threads": torch.get_num_threads(),
         "max_new_tokens": args.max_new_tokens,

@@ -185,13 +185,26 @@ def _add_generate(commands) -> None:
     p.add_argument(
         "--lookup", type=int, default=0, help="add a prompt-lookup branch of N nodes (default 0: none)"
     )
-    _add_chain_drafter_options(p)
+    _add_chain_drafter_options(p, eagle=True)
     p.set_defaults(run=cmd_generate)
 
 
-def _add_chain_drafter_options(p, required: bool = False) -> None:
-    """--draft-model / --exit-head (instead of Medusa heads), --gamma, --storage."""
+def _add_chain_drafter_options(p, required: bool = False, eagle: bool = False) -> None:
+    """--draft-model / --exit-head (instead of Medusa heads), --gamma, --storage; with `eagle`, also
+    --eagle / --eagle-tree."""
     which = p.add_mutually_exclusive_group(required=required)
+    if eagle:
+        which.add_argument(
+            "--eagle",
+            metavar="FOLDER",
+            help="draft with this EAGLE-style draft layer (scripts/train_eagle.py) instead of heads",
+        )
+        p.add_argument(
+            "--eagle-tree",
+            default=None,
+            help="with --eagle: tree JSON file, folder with tree.json, or N (a chain of N tokens); "
+            "default: the drafter's tree.json, else a chain of 4",
+        )
     which.add_argument(
         "--draft-model", metavar="FOLDER", help="draft with this HF causal LM (same tokenizer)"
     )
@@ -238,15 +251,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     from transformers import TextStreamer
 
-    chained = args.draft_model or args.exit_head
+    chained = args.draft_model or args.exit_head or args.eagle
     # option errors (a missing folder, a bad tree file) are reported before the model loads
     if chained:
-        options.existing_folder(chained, "--draft-model" if args.draft_model else "--exit-head")
+        flag = "--draft-model" if args.draft_model else "--exit-head" if args.exit_head else "--eagle"
+        options.existing_folder(chained, flag)
     folder = None if chained else options.heads_folder(args.heads, args.model)
     tree_choice = None if chained or args.tree is None else options.parse_tree(args.tree)
     model, tokenizer = treespec.load_model(args.model, dtype=args.dtype, device=args.device)
-    make_chain = chain_drafter_factory(args, model)
-    drafter = make_chain() if make_chain else None
+    if args.eagle:
+        drafter = options.load_eagle_option(args.eagle, model, args.eagle_tree).drafter(model)
+    else:
+        make_chain = chain_drafter_factory(args, model)
+        drafter = make_chain() if make_chain else None
     heads, tree = None, None
     if not chained:
         heads, _ = options.load_heads(folder, model, args.num_heads)

@@ -4,6 +4,7 @@ and `treespec bench`.
     --heads FOLDER / --num-heads K / --tree SPEC        Medusa heads and their candidate tree
     --draft-model FOLDER / --exit-head FOLDER           a chain drafter (draft model, self-speculative)
     --gamma N / --branching D:K,... / --storage S      its settings
+    --eagle FOLDER / --eagle-tree SPEC                  an EAGLE-style draft layer and the tree it drafts
 
 Without --heads, the default model (no --model) gets its trained heads from `default_heads_folder()`
 (packaged in the wheel, or the checkout's heads/), with their calibrated tree.json as `heads.tree`;
@@ -183,3 +184,49 @@ def load_chain_option(
     if exit_head:
         return load_exit_head_option(exit_head, model, gamma)
     return None
+
+
+# ----- the EAGLE-style drafter -----
+
+EAGLE_DEFAULT_CHAIN = 4  # tokens drafted when the drafter folder has no tree.json and no --eagle-tree
+
+
+@dataclass
+class EagleSource:
+    """An EAGLE draft layer (--eagle), loaded once, and the tree it drafts (--eagle-tree, else the folder's
+    tree.json, else a chain of EAGLE_DEFAULT_CHAIN tokens). `drafter(model)` builds a fresh drafter."""
+
+    folder: Path
+    module: nn.Module  # EagleDraftModel
+    tree: Tree
+    tree_source: str
+
+    @property
+    def description(self) -> str:
+        return f"{self.folder} ({describe_tree(self.tree, self.tree_source)})"
+
+    def drafter(self, model: nn.Module):
+        from ..drafters.eagle import EagleDrafter
+
+        return EagleDrafter(self.module, self.tree, model)
+
+
+def load_eagle_option(folder: str, model: nn.Module, tree_spec: str | None = None) -> EagleSource:
+    """--eagle FOLDER (treespec.EagleDraftModel.save_pretrained / scripts/train_eagle.py) and --eagle-tree: a
+    tree JSON file, a folder with tree.json, or a number N (a chain of N drafted tokens)."""
+    from ..drafters.eagle_model import EagleDraftModel
+
+    path = existing_folder(folder, "--eagle")
+    module = EagleDraftModel.from_pretrained(path, model=model)
+    if tree_spec and tree_spec.isdigit():
+        depth = int(tree_spec)
+        return EagleSource(
+            path, module, Tree.from_choices([[0] * d for d in range(1, depth + 1)]), f"chain of {depth}"
+        )
+    if tree_spec:
+        tree = parse_tree(tree_spec)
+        return EagleSource(path, module, tree, tree_spec)
+    if module.tree is not None:
+        return EagleSource(path, module, module.tree, "the drafter's tree.json")
+    chain = [[0] * d for d in range(1, EAGLE_DEFAULT_CHAIN + 1)]
+    return EagleSource(path, module, Tree.from_choices(chain), f"chain of {EAGLE_DEFAULT_CHAIN}")

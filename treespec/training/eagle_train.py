@@ -80,41 +80,43 @@ def cached_features(
     max_length: int,
     batch_tokens=4096,
 ) -> dict[str, Tensor]:
-    """The target's features of every sequence of a split, concatenated along tokens (cut at max_length):
-
-    tokens [M] int64, starts [S+1] (sequence i is [starts[i], starts[i+1])), prompt_lengths [S],
-    features [M, len(layers) * H] bf16, final [M, H] bf16, lse [M] float32, greedy [M] int64.
-    Computed with one batched forward per length bucket and kept in `cache`."""
-    tag = f"{split}-L{'-'.join(map(str, layers))}-T{max_length}-v{FEATURES_VERSION}"
-    path = cache / f"features-{tag}.safetensors"
+    """The target's hidden states for every sequence of a split, concatenated along tokens (each sequence
+    cut at max_length): tokens [M] int64, starts [S+1] (sequence i is [starts[i], starts[i+1])),
+    prompt_lengths [S], "layer{k}" [M, H] bf16 for each k in `layers` and for the last layer (the final,
+    normed state: soft labels need it), lse [M] float32 (the log-normaliser of the target's logits) and
+    greedy [M] int64 (its top token). Computed with one batched forward per length bucket and kept in
+    `cache`; a cache without some layer is recomputed with all of them."""
+    last = model.config.num_hidden_layers
+    wanted = sorted(set(layers) | {last})
+    path = cache / f"features-{split}-T{max_length}-v{FEATURES_VERSION}.safetensors"
     if path.is_file():
-        return load_file(str(path))
+        stored = load_file(str(path))
+        if all(f"layer{k}" in stored for k in wanted):
+            return stored
+        wanted = sorted(set(wanted) | {int(k[5:]) for k in stored if k.startswith("layer")})
     data = load_distill_data(data_folder, split)
     sequences = [s[:max_length] for s in data.sequences]
     lengths = [len(s) for s in sequences]
-    parts: dict[str, list[Tensor]] = {
-        k: [None] * len(sequences) for k in ("features", "final", "lse", "greedy")
+    parts: dict[str, list] = {
+        k: [None] * len(sequences) for k in [f"layer{k}" for k in wanted] + ["lse", "greedy"]
     }
     lm = model.get_output_embeddings()
-    batches = length_batches(lengths, max_tokens=batch_tokens)
-    for batch in tqdm(batches, desc=f"target features ({split})", unit="batch"):
+    device = lm.weight.device
+    for batch in tqdm(length_batches(lengths, max_tokens=batch_tokens), desc=f"target features ({split})"):
         longest = max(lengths[i] for i in batch)
         ids = torch.zeros(len(batch), longest, dtype=torch.long)
         mask = torch.zeros(len(batch), longest, dtype=torch.long)
         for row, i in enumerate(batch):
             ids[row, : lengths[i]], mask[row, : lengths[i]] = sequences[i], 1
-        device = lm.weight.device
         out = model.base_model(
             input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True
         )
-        features = torch.cat([out.hidden_states[k] for k in layers], dim=-1)  # [b, T, F]
-        final = out.last_hidden_state  # [b, T, H]
-        logits = lm(final).float()  # [b, T, V]
+        logits = lm(out.last_hidden_state).float()  # [b, T, V]
         lse, greedy = logits.logsumexp(-1), logits.argmax(-1)  # [b, T] each
         for row, i in enumerate(batch):
             n = lengths[i]
-            parts["features"][i] = features[row, :n].to(torch.bfloat16).cpu()
-            parts["final"][i] = final[row, :n].to(torch.bfloat16).cpu()
+            for k in wanted:  # hidden_states[last] is the final, normed state
+                parts[f"layer{k}"][i] = out.hidden_states[k][row, :n].to(torch.bfloat16).cpu()
             parts["lse"][i], parts["greedy"][i] = lse[row, :n].cpu(), greedy[row, :n].cpu()
     tensors = {k: torch.cat(v) for k, v in parts.items()}
     tensors["tokens"] = torch.cat(sequences)
@@ -126,7 +128,7 @@ def cached_features(
 
 
 def make_batch(
-    store: dict[str, Tensor], rows: list[int], embed: Tensor, lm_draft: Tensor
+    store: dict[str, Tensor], rows: list[int], layers: list[int], embed: Tensor, lm_draft: Tensor
 ) -> dict[str, Tensor]:
     """Padded training tensors for sequences `rows` of a feature store (positions t = 0..T-2):
 
@@ -136,20 +138,23 @@ def make_batch(
     starts, prompts = store["starts"], store["prompt_lengths"]
     lengths = [int(starts[i + 1] - starts[i]) for i in rows]
     t = max(lengths) - 1
-    b, feat = len(rows), store["features"].shape[1]
+    last = max(int(k[5:]) for k in store if k.startswith("layer"))  # the final state (soft labels)
+    b, feat = len(rows), sum(store[f"layer{k}"].shape[1] for k in layers)
     out = {
         "features": torch.zeros(b, t, feat),
         "tokens": torch.zeros(b, t, dtype=torch.long),
-        "final": torch.zeros(b, t, store["final"].shape[1]),
+        "final": torch.zeros(b, t, store[f"layer{last}"].shape[1]),
         "lse": torch.zeros(b, t),
         "greedy": torch.zeros(b, t, dtype=torch.long),
         "valid": torch.zeros(b, t, dtype=torch.bool),
     }
     for row, (i, n) in enumerate(zip(rows, lengths, strict=True)):
         s = int(starts[i])
-        out["features"][row, : n - 1] = store["features"][s : s + n - 1].float()
+        out["features"][row, : n - 1] = torch.cat(
+            [store[f"layer{k}"][s : s + n - 1] for k in layers], -1
+        ).float()
         out["tokens"][row, : n - 1] = store["tokens"][s + 1 : s + n]  # x_t+1
-        out["final"][row, : n - 1] = store["final"][s + 1 : s + n].float()  # the target at t+1
+        out["final"][row, : n - 1] = store[f"layer{last}"][s + 1 : s + n].float()  # the target at t+1
         out["lse"][row, : n - 1] = store["lse"][s + 1 : s + n]
         out["greedy"][row, : n - 1] = store["greedy"][s + 1 : s + n]
         first = max(int(prompts[i]) - 2, 0)  # x_t+2 in the answer: t >= P - 2; and t + 2 < n
@@ -201,7 +206,7 @@ def evaluate(draft: EagleDraftModel, store, embed, lm_draft, steps: int, batch_t
     lengths = [int(starts[i + 1] - starts[i]) for i in range(len(starts) - 1)]
     counts = torch.zeros(steps + 1)  # anchors whose first k steps were all right, k = 0..steps
     for rows in length_batches(lengths, max_tokens=batch_tokens):
-        batch = make_batch(store, rows, embed, lm_draft)
+        batch = make_batch(store, rows, draft.feature_layers, embed, lm_draft)
         outputs = draft.unrolled(batch["features"], batch["emb"], steps)
         target = draft.draft_index(batch["greedy"])  # [b, T-1]
 
@@ -282,7 +287,7 @@ def train_eagle(cfg: EagleTrainConfig, model=None, resume: bool = False, acceler
         rows = batches[int(order[offset])][rank::world] or batches[int(order[offset])][:1]
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
-        batch = make_batch(train, rows, embed, lm_draft)
+        batch = make_batch(train, rows, layers, embed, lm_draft)
         outputs = ddp_draft(batch["features"], batch["emb"], cfg.ttt_steps)
         loss, agreement = eagle_loss(draft, outputs, batch, cfg)
         optimizer.zero_grad(set_to_none=True)
