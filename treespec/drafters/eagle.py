@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from ..core.packed import packed_linears
 from ..core.spec_cache import SpeculativeKVCache
 from ..core.tree import Tree
 from .base import BaseDrafter, DrafterReport, Proposal, SequenceStart, single_row
@@ -31,10 +32,19 @@ from .eagle_model import EagleDraftModel
 class EagleDrafter(BaseDrafter):
     """Drafts `tree` (a chain or a top-k tree, node order of `core.tree.Tree`) with an EAGLE draft layer."""
 
-    def __init__(self, draft: EagleDraftModel, tree: Tree, model: torch.nn.Module, storage: str = "model"):
+    def __init__(
+        self,
+        draft: EagleDraftModel,
+        tree: Tree,
+        model: torch.nn.Module,
+        storage: str = "model",
+        linears: str = "onednn",
+    ):
+        """storage: the precision of the drafter's KV cache (`SpeculativeKVCache`); linears: how its linear
+        layers run on CPU (`core.packed`: "onednn" prepacked, or "torch")."""
         if tree.num_nodes < 1:
             raise ValueError("the tree needs at least its root")
-        self.draft, self.tree, self.storage = draft, tree, storage
+        self.draft, self.tree, self.storage, self.linears = draft, tree, storage, linears
         self.embedding = model.get_input_embeddings().weight  # [V, H]
         self.feature_layers = tuple(draft.feature_layers)
         self.device = self.embedding.device
@@ -108,12 +118,13 @@ class EagleDrafter(BaseDrafter):
         cache.rollback(cache.committed)  # drop the last step's drafted entries
         c, n = cache.committed, next_tokens.shape[1]
         positions = torch.arange(c, c + n, device=self.device)[None]  # [1, n]
-        hidden = d.fuse(features)  # [1, n, H]
-        emb = self.embedding[next_tokens]  # [1, n, H]
-        q, k, v = d.qkv(hidden, emb, positions)
-        keys, values = cache.layers[0].update(k, v)  # [1, Hkv, c+n, D]
-        mask = torch.ones(n, c + n, dtype=torch.bool, device=self.device).tril(c)  # causal over [0, c+n)
-        out = d.finish(hidden, d.attend(q, keys, values, mask))  # [1, n, H]
+        with packed_linears(d, mode=self.linears):
+            hidden = d.fuse(features)  # [1, n, H]
+            emb = self.embedding[next_tokens]  # [1, n, H]
+            q, k, v = d.qkv(hidden, emb, positions)
+            keys, values = cache.layers[0].update(k, v)  # [1, Hkv, c+n, D]
+            mask = torch.ones(n, c + n, dtype=torch.bool, device=self.device).tril(c)  # causal, [0, c+n)
+            out = d.finish(hidden, d.attend(q, keys, values, mask))  # [1, n, H]
         cache.advance(n)
         cache.accept(n)
         self.last_hidden = out[:, -1:]  # [1, 1, H]
@@ -126,6 +137,14 @@ class EagleDrafter(BaseDrafter):
         if self.cache is None or self.last_hidden is None:
             raise RuntimeError("EagleDrafter.propose() before start(): run it through treespec's Decoder")
         t0 = time.perf_counter()
+        with packed_linears(self.draft, mode=self.linears):
+            proposal = self._draft(root)
+        self.stats["draft_seconds"] += time.perf_counter() - t0
+        self.stats["steps"] += 1
+        return proposal
+
+    def _draft(self, root: int) -> Proposal:
+        """The tree's tokens and draft probabilities, level by level (see the module docstring)."""
         d, cache, n = self.draft, self.cache, self.tree.num_nodes
         c = cache.committed
         tokens = torch.empty(n, dtype=torch.long, device=self.device)  # [N]
@@ -151,8 +170,6 @@ class EagleDrafter(BaseDrafter):
             top = d.logits(h).float().softmax(dim=-1).topk(k, dim=-1)  # values, indices [n_d, k]
             tokens[children] = d.token_ids(top.indices[row, rank])  # [c_d]
             probs[children] = top.values[row, rank]
-        self.stats["draft_seconds"] += time.perf_counter() - t0
-        self.stats["steps"] += 1
         return Proposal(tokens[None], probs[None])  # [1, N] each
 
     def report(self) -> DrafterReport:
