@@ -31,6 +31,7 @@ from .compiled import CompiledForward
 from .packed import MODES as LINEAR_MODES
 from .packed import packed_linears
 from .stats import GenerationStats
+from .tree import Tree
 
 
 @dataclass
@@ -39,6 +40,8 @@ class StepResult:
 
     tokens: list[int]  # [N] the candidate tree's tokens
     draft_probs: list[float] | None  # [N] the drafter's probability of each node's token
+    tree: Tree  # the step's tree (the drafter's static one, or this step's dynamic one)
+    expected_accept: float | None  # the drafter's predicted accepted length, if it made one
     path: list[int]  # accepted nodes, root first
     committed: list[int]  # tokens committed: the accepted nodes after the root, then the bonus
     bonus: int  # the base model's own token after the last accepted node (the next root)
@@ -48,12 +51,16 @@ class StepResult:
 
     def as_trace(self) -> dict:
         """The step as a trace entry (`treespec.tools.trace`)."""
-        return {
+        entry = {
             "tokens": self.tokens,
             "draft_probs": self.draft_probs,
             "path": self.path,
             "bonus": self.bonus,
         }
+        if self.expected_accept is not None:
+            entry["expected_accept"] = self.expected_accept
+        entry["choices"] = [list(c) for c in self.tree.choices]
+        return entry
 
 
 def full_forward(
@@ -126,6 +133,7 @@ class Decoder:
         self.plan = AttentionPlan.for_tree(self.tree, self.kernel, self.device)
         self.children = [self.tree.children(i) for i in range(self.tree.num_nodes)]
         self.depth = self.tree.depth.to(self.device)  # [N]
+        self._layouts: dict[Tree, tuple] = {}  # per-step trees seen: (plan, children, depth), bounded
         # the target's hidden states the drafter reads (an EAGLE-style drafter); () = none
         self.feature_layers = tuple(getattr(self.drafter, "feature_layers", ()))
         default_scorer = CompiledForward(model, linears) if compile else partial(full_forward, model)
@@ -214,17 +222,17 @@ class Decoder:
         with self.running():
             t0 = self.clock()
             proposal = self.drafter.propose(self.hidden, self.roots)  # tokens [1, N]
+            tree = proposal.tree or self.tree
+            plan, children, depth = self.layout(tree)
             t1 = self.clock()
-            positions = (self.cache.committed + self.depth)[None]  # [1, N]
-            hidden_tree = self.scorer(proposal.tokens, positions, self.cache, self.plan)  # [1, N, H]
+            positions = (self.cache.committed + depth)[None]  # [1, N]
+            hidden_tree = self.scorer(proposal.tokens, positions, self.cache, plan)  # [1, N, H]
             features = None
             if self.feature_layers:
                 hidden_tree, features = hidden_tree  # features [1, N, F]
             logits = output_logits(self.model, hidden_tree[0])  # [N, V]
             tokens = proposal.tokens[0].tolist()
-            path, bonus = verify(
-                self.acceptance, tokens, self.children, logits, self.sampling, self.generator
-            )
+            path, bonus = verify(self.acceptance, tokens, children, logits, self.sampling, self.generator)
             t2 = self.clock()
             self.cache.commit(path)
             self.hidden = hidden_tree[:, path[-1]]  # [1, H]
@@ -235,9 +243,31 @@ class Decoder:
             self.drafter.observe([committed], features[:, path])
         else:
             self.drafter.observe([committed])
-        self.stats.record_step(len(path), t1 - t0, t2 - t1, t3 - t2)
+        self.stats.record_step(len(path), t1 - t0, t2 - t1, t3 - t2, proposal.expected_accept, tree.num_nodes)
         probs = None if proposal.probs is None else proposal.probs[0].float().tolist()
-        return StepResult(tokens, probs, path, committed, bonus, t1 - t0, t2 - t1, t3 - t2)
+        return StepResult(
+            tokens, probs, tree, proposal.expected_accept, path, committed, bonus, t1 - t0, t2 - t1, t3 - t2
+        )
+
+    def layout(self, tree: Tree) -> tuple[AttentionPlan, list[list[int]], torch.Tensor]:
+        """(attention plan, children of each node, depth [N] on the device) of a step's tree; a dynamic
+        tree is checked against the cache's speculative block and its layout kept for the next time."""
+        if tree is self.tree:
+            return self.plan, self.children, self.depth
+        cached = self._layouts.get(tree)
+        if cached is None:
+            if tree.num_nodes > self.tree.num_nodes or tree.max_depth > self.tree.max_depth:
+                raise ValueError(
+                    f"the drafter proposed a tree of {tree.num_nodes} nodes and depth {tree.max_depth} but "
+                    f"declared at most {self.tree.num_nodes} nodes and depth {self.tree.max_depth} "
+                    "(drafter.tree sizes the cache's speculative block and the statistics)"
+                )
+            if len(self._layouts) >= 512:
+                self._layouts.clear()
+            plan = AttentionPlan.for_tree(tree, self.kernel, self.device)
+            children = [tree.children(i) for i in range(tree.num_nodes)]
+            cached = self._layouts[tree] = (plan, children, tree.depth.to(self.device))
+        return cached
 
     @torch.inference_mode()
     def score(self, tokens: torch.Tensor, scorer=None) -> torch.Tensor:

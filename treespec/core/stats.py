@@ -29,17 +29,43 @@ class GenerationStats:
     cache_memory: dict[str, int] = field(default_factory=dict)
     draft_cache_memory: dict[str, int] = field(default_factory=dict)  # a draft model's own cache
     drafter: dict = field(default_factory=dict)  # what the drafter measured itself (draft models)
+    # per step: the drafter's predicted accepted length (dynamic trees; None when it made none) and the
+    # nodes verified
+    predicted_accept: list[float | None] = field(default_factory=list)
+    nodes_verified: list[int] = field(default_factory=list)
 
-    def record_step(self, accepted: int, t_draft: float, t_verify: float, t_commit: float) -> None:
+    def record_step(
+        self,
+        accepted: int,
+        t_draft: float,
+        t_verify: float,
+        t_commit: float,
+        predicted: float | None = None,
+        nodes: int | None = None,
+    ) -> None:
         if not self.depth_accepted:
             self.depth_accepted = [0] * self.max_depth
         self.steps += 1
         self.accept_lengths.append(accepted)
+        self.predicted_accept.append(predicted)
+        if nodes is not None:
+            self.nodes_verified.append(nodes)
         for d in range(accepted - 1):
             self.depth_accepted[d] += 1
         self.time_draft += t_draft
         self.time_verify += t_verify
         self.time_commit += t_commit
+
+    @property
+    def mean_predicted_accept_length(self) -> float | None:
+        """Mean predicted accepted length over the steps that had a prediction (None: no step had one)."""
+        values = [p for p in self.predicted_accept if p is not None]
+        return sum(values) / len(values) if values else None
+
+    @property
+    def mean_nodes_verified(self) -> float:
+        """Mean tree nodes verified per step (root included)."""
+        return sum(self.nodes_verified) / len(self.nodes_verified) if self.nodes_verified else 0.0
 
     @property
     def mean_accept_length(self) -> float:

@@ -45,8 +45,12 @@ class SequenceStart:
 class Proposal:
     """A candidate tree for each row: node 0 is the root (the target's own token)."""
 
-    tokens: torch.Tensor  # [B, N] long, in the node order of the drafter's `tree`
+    tokens: torch.Tensor  # [B, N] long, in the node order of `tree` (default: the drafter's `tree`)
     probs: torch.Tensor | None = None  # [B, N] the drafter's probability of each node's token
+    # this step's tree when it differs from the drafter's static `tree` (a dynamic tree): any tree of at
+    # most `drafter.tree.num_nodes` nodes, which sizes the cache's speculative block
+    tree: Tree | None = None
+    expected_accept: float | None = None  # the drafter's prediction of this step's accepted length
 
 
 @dataclass
