@@ -58,3 +58,70 @@ def test_a_tree_larger_than_declared_is_refused():
 
     with pytest.raises(ValueError, match="declared at most 2 nodes"):
         treespec.generate(model, None, [1, 2, 3], drafter=TooBig(), max_new_tokens=4, eos_token_id=[])
+
+
+# ----- DynamicTreeDrafter -----
+
+
+def _connected_subsets(parents: list[int]):
+    """Every node set containing the root and closed under parents (brute force, small trees)."""
+    n = len(parents)
+    for mask in range(1 << (n - 1)):
+        kept = {0} | {i + 1 for i in range(n - 1) if mask >> i & 1}
+        if all(parents[i] in kept for i in kept if i):
+            yield sorted(kept)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_choose_nodes_finds_the_best_connected_set(seed):
+    from treespec.drafters.dynamic import choose_nodes
+
+    gen = torch.Generator().manual_seed(seed)
+    tree = treespec.Tree.from_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]])
+    parents = tree.parents.tolist()
+    accept = torch.rand(tree.num_nodes, generator=gen, dtype=torch.float64)
+    values = torch.ones(tree.num_nodes, dtype=torch.float64)
+    for i in range(1, tree.num_nodes):
+        values[i] = values[parents[i]] * accept[i]
+    per_node = float(torch.rand(1, generator=gen)) * 0.3
+
+    def cost(n):
+        return 1.0 + per_node * (n - 1)
+
+    kept, expected = choose_nodes(values, tree.parents, cost)
+    best = max(_connected_subsets(parents), key=lambda s: sum(float(values[i]) for i in s) / cost(len(s)))
+    best_rate = sum(float(values[i]) for i in best) / cost(len(best))
+    assert expected / cost(len(kept)) == pytest.approx(best_rate)
+    assert expected == pytest.approx(sum(float(values[i]) for i in kept))
+    assert all(parents[i] in kept for i in kept if i)
+
+
+def test_calibration_learns_the_observed_acceptance():
+    from treespec.drafters.dynamic import AcceptanceCalibration
+
+    cal = AcceptanceCalibration(bins=4, prior_weight=2.0)
+    probs = torch.full((400,), 0.9)
+    cal.update(probs, torch.arange(400) % 10 == 0)  # a confident drafter right only 10% of the time
+    assert float(cal.predict(torch.tensor([0.9]))) == pytest.approx((40 + 2 * 0.5 * 0.875) / 402)
+    assert float(cal.predict(torch.tensor([0.1]))) == pytest.approx(0.5 * 0.125)  # untouched bin: its prior
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_dynamic_drafter_is_exact_and_shrinks_when_nodes_cost_too_much(sequential):
+    from treespec.drafters.dynamic import DynamicTreeDrafter
+
+    model = tiny_model("llama")
+    heads = random_heads(model, seed=3, sequential=sequential)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    expected = hf_greedy(model, prompt, 40)
+    sizes = {}
+    for per_node in (0.0, 10.0):  # free nodes: big trees; nodes costing 10 root steps: the root alone
+        inner = treespec.LookupDrafter(
+            treespec.make_drafter(heads, treespec.default_tree(16, heads.num_heads), model), length=3
+        )
+        drafter = DynamicTreeDrafter(inner, lambda n, prefix, c=per_node: 1.0 + c * (n - 1))
+        result = treespec.generate(model, None, prompt, drafter=drafter, max_new_tokens=40, eos_token_id=[])
+        assert result.token_ids == expected
+        sizes[per_node] = result.stats.mean_nodes_verified
+        assert all(p is not None for p in result.stats.predicted_accept)
+    assert sizes[0.0] > 4 and sizes[10.0] == 1.0

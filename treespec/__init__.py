@@ -15,6 +15,7 @@ from .core.stats import GenerationStats
 from .core.tree import DEFAULT_TREE_SIZES, Tree, default_tree
 from .drafters.base import BaseDrafter, Drafter, DrafterReport, Proposal, RootOnlyDrafter, SequenceStart
 from .drafters.draft_model import DraftModelDrafter
+from .drafters.dynamic import AcceptanceCalibration, DynamicTreeDrafter
 from .drafters.eagle import EagleDrafter
 from .drafters.eagle_model import EagleDraftModel, EagleLoadError
 from .drafters.heads import ExitHead, HeadsLoadError, MedusaHeads
@@ -40,6 +41,8 @@ __all__ = [
     "CacheCapacityError",
     "DEFAULT_TREE_SIZES",
     "DraftModelDrafter",
+    "DynamicTreeDrafter",
+    "AcceptanceCalibration",
     "EagleDraftModel",
     "EagleDrafter",
     "EagleLoadError",

@@ -39,11 +39,15 @@ class NgramIndex:
     def propose(self, length: int) -> list[int]:
         """Up to `length` tokens that followed the latest earlier occurrence of the longest matching
         suffix of the text (none: [])."""
+        return self.match(length)[0]
+
+    def match(self, length: int) -> tuple[list[int], int]:
+        """(the tokens `propose` gives, the length of the suffix they matched; 0: no match)."""
         for n in range(min(self.max_ngram, len(self.tokens)), 0, -1):
             start = self._starts.get(tuple(self.tokens[-n:]))
             if start is not None:
-                return self.tokens[start + n : start + n + length]
-        return []
+                return self.tokens[start + n : start + n + length], n
+        return [], 0
 
 
 class LookupDrafter(BaseDrafter):
@@ -78,6 +82,11 @@ class LookupDrafter(BaseDrafter):
         inner_index = {p: i for i, p in enumerate(inner_paths)}
         self._top_branch = [inner_index[p] for p in top[1:]]  # inner node indices, depth 1..
         self.index = NgramIndex(max_ngram)
+        # the chain's own history, per matched suffix length n and chain depth d: how often node d was
+        # accepted when its parent was (prior: 1 of 2), giving each chain node a probability
+        self.hits = torch.ones(max_ngram + 1, length, dtype=torch.float64)
+        self.tries = torch.full((max_ngram + 1, length), 2.0, dtype=torch.float64)
+        self.last_chain: tuple[list[int], int] | None = None  # (chain tokens, matched length)
 
     def start(self, sequence: SequenceStart) -> None:
         """A new sequence: index the prompt and the first token; the inner drafter starts too."""
@@ -88,6 +97,14 @@ class LookupDrafter(BaseDrafter):
     def observe(self, committed: list[list[int]], features: torch.Tensor | None = None) -> None:
         """Tokens committed by the last step (the accepted ones, then the bonus token)."""
         self.index.extend(committed[0])
+        if self.last_chain is not None:
+            chain, n = self.last_chain
+            for d, token in enumerate(chain):  # node d's parent was accepted: node d - 1 was
+                if d > 0 and (d > len(committed[0]) - 1 or committed[0][d - 1] != chain[d - 1]):
+                    break
+                self.tries[n, d] += 1
+                self.hits[n, d] += float(d < len(committed[0]) - 1 and committed[0][d] == token)
+            self.last_chain = None
         if self.feature_layers:
             self.inner.observe(committed, features)
         else:
@@ -103,13 +120,17 @@ class LookupDrafter(BaseDrafter):
         inner = self.inner.propose(hidden, roots)
         inner_tokens = inner.tokens[0]  # [N_inner]
         root = int(roots.reshape(-1)[0])
-        proposal = self.index.propose(self.length)
+        proposal, matched = self.index.match(self.length)
         chain = (proposal or inner_tokens[self._top_branch].tolist())[: self.length]  # filler: a copy
         chain = chain + [chain[-1] if chain else root] * (self.length - len(chain))
+        self.last_chain = (chain, matched) if proposal else None
         tokens = torch.empty(self.tree.num_nodes, dtype=torch.long, device=inner_tokens.device)  # [N]
         tokens[self.inner_nodes.to(tokens.device)] = inner_tokens
         tokens[self.chain_nodes.to(tokens.device)] = torch.tensor(chain, device=tokens.device)
-        probs = torch.ones(self.tree.num_nodes)  # [N]: lookup nodes have no draft probability
+        probs = torch.ones(self.tree.num_nodes)  # [N]
         if inner.probs is not None:
             probs[self.inner_nodes] = inner.probs[0].float().cpu()
+        # chain nodes: their history's acceptance given the parent (0 for a filler copy of the inner tree)
+        history = (self.hits[matched] / self.tries[matched]).float() if proposal else torch.zeros(self.length)
+        probs[self.chain_nodes] = history
         return Proposal(tokens[None], probs[None])  # [1, N] each

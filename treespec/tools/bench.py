@@ -18,6 +18,9 @@ Methods (all run in the same process on the same prompt token ids):
     self_spec         `treespec.generate` with a SelfSpeculativeDrafter (`--exit-head`)
     eagle             `treespec.generate` with an EagleDrafter (`--eagle`, its tree from `--eagle-tree`)
     eagle_lookup      the same plus the prompt-lookup branch
+    dynamic           heads (their tree.json as the largest tree) + the lookup branch, pruned every step to
+                      the nodes worth their cost here (`DynamicTreeDrafter`, this machine's cost curve)
+    eagle_dynamic     the same over the EAGLE drafter's tree + the lookup branch
     hf_assisted       HF `model.generate(assistant_model=<--draft-model>)`, num_assistant_tokens = gamma
                       with the constant schedule (the same chain length as draft_model)
     vllm              vLLM's CPU build (`make vllm-env`), plain greedy decoding, in a subprocess that gets
@@ -89,8 +92,10 @@ SPECULATIVE = (  # the methods that draft and verify
     "self_spec",
     "eagle",
     "eagle_lookup",
+    "dynamic",
+    "eagle_dynamic",
 )
-EAGLE_METHODS = ("eagle", "eagle_lookup")
+EAGLE_METHODS = ("eagle", "eagle_lookup", "eagle_dynamic")
 PEER_METHODS = {"vllm": 0, "vllm_ngram": None}  # name -> n-gram tokens (None: --vllm-ngram)
 METHODS = ("hf", "hf_prompt_lookup", "baseline", "baseline_sdpa", *SPECULATIVE, "hf_assisted", *PEER_METHODS)
 DEFAULT_METHODS = ("hf", "hf_prompt_lookup", "baseline", "treespec")
@@ -365,9 +370,30 @@ def make_runners(
     exit_chain = chains.get("exit_head")
     if exit_chain is not None:
         runners["self_spec"] = with_drafter(lambda: exit_chain.drafter(model))
+    if {"dynamic", "eagle_dynamic"} & set(methods):
+        from ..drafters.dynamic import DynamicTreeDrafter
+        from ..drafters.lookup import LookupDrafter
+        from ..training.costs import verify_cost_model
+
+        verify_seconds = verify_cost_model(model, compile=compile)
+
+        def dynamic(make_inner):
+            def make():
+                inner = make_inner()
+                return DynamicTreeDrafter(LookupDrafter(inner, lookup) if lookup else inner, verify_seconds)
+
+            return with_drafter(make)
+
+        if "dynamic" in methods:
+            if heads is None:
+                raise ValueError("the dynamic method needs heads")
+            envelope = heads.tree or default_tree(32, heads.num_heads)
+            runners["dynamic"] = dynamic(lambda: treespec.make_drafter(heads, envelope, model))
     eagle = chains.get("eagle")
     if eagle is not None:
         runners["eagle"] = with_drafter(lambda: eagle.drafter(model))
+        if "eagle_dynamic" in methods:
+            runners["eagle_dynamic"] = dynamic(lambda: eagle.drafter(model))
         runners["eagle_lookup"] = lambda ids, m: from_result(
             generate(
                 model,
@@ -655,7 +681,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
     model, tokenizer = treespec.load_model(args.model, dtype=args.dtype, device=args.device)
     device = next(model.parameters()).device
     heads, tree, heads_desc, tree_desc = None, None, "-", "-"
-    if {"treespec", "treespec_sdpa", "treespec_lookup"} & set(args.methods):
+    if {"treespec", "treespec_sdpa", "treespec_lookup", "dynamic"} & set(args.methods):
         heads, tree, heads_desc, tree_desc = load_heads_and_tree(args, model)
     chains = load_chain_drafters(args, model)
     ours = [m for m in args.methods if m not in PEER_METHODS]

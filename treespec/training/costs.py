@@ -137,6 +137,27 @@ def interpolate(curve: dict, path: str, prefix: int, n: int) -> float:
     return row[-1][1]
 
 
+def verify_cost_model(model, compile: bool = False, curve_file: str | os.PathLike | None = None):
+    """(nodes, prefix) -> seconds of one verification on this machine, read from its cost curve
+    (`scripts/cost_curve.py`): the compiled path when `compile`, else the uncompiled step's ("blocks",
+    else "onednn", else "eager"). Refuses, saying what to run, when the curve lacks the path."""
+    path_file = Path(curve_file) if curve_file else default_cost_file(model)
+    if not path_file.is_file():
+        raise ValueError(
+            f"no cost curve for this model and dtype at {path_file}: measure one with "
+            f"python scripts/cost_curve.py --paths {'compiled' if compile else 'blocks'}"
+        )
+    curve = load_cost_curve(path_file)
+    wanted = ["compiled"] if compile else ["blocks", "onednn", "eager"]
+    path = next((p for p in wanted if p in curve["verify_ms"]), None)
+    if path is None:
+        raise ValueError(
+            f"{path_file} has no {wanted[0]!r} path (it has {sorted(curve['verify_ms'])}): "
+            f"python scripts/cost_curve.py --paths {wanted[0]}"
+        )
+    return lambda nodes, prefix: interpolate(curve, path, prefix, nodes) / 1e3
+
+
 def save_cost_curve(path: str | os.PathLike, curve: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
