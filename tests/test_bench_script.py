@@ -129,3 +129,28 @@ def test_bench_eagle_methods(tmp_path, smollm2):
         assert overall[m]["identical_to_hf"] == 2, m
         assert overall[m]["draft_ms"] > 0
     assert "chain of 3" in result["config"]["eagle"]
+
+
+@pytest.mark.integration
+def test_bench_dynamic_methods(tmp_path, smollm2):
+    """Dynamic trees (shipped heads + lookup, and the EAGLE drafter + lookup) stay equal to HF greedy in
+    float32 and report nodes per step and the predicted accepted length, priced by a given cost curve."""
+    import torch
+
+    import treespec
+    from treespec.training.costs import save_cost_curve
+
+    model, _ = smollm2
+    folder = tmp_path / "eagle"
+    treespec.EagleDraftModel.for_model(model, torch.arange(2048)).save_pretrained(folder)
+    curve = tmp_path / "curve.json"
+    rows = {"1": 30.0, "4": 32.0, "8": 40.0, "16": 60.0, "32": 120.0}
+    save_cost_curve(curve, {"format": "treespec.cost_curve", "verify_ms": {"blocks": {"300": rows}}})
+    out = tmp_path / "b.json"
+    argv = ["--num-prompts", "2", "--max-new-tokens", "8", "--dtype", "float32", "--lookup", "3"]
+    argv += ["--eagle", str(folder), "--eagle-tree", "3", "--cost-curve", str(curve)]
+    result = bench.main([*argv, "--methods", "hf,dynamic,eagle_dynamic", "--out", str(out)])
+    overall = result["summary"][-1]["methods"]
+    for m in ("dynamic", "eagle_dynamic"):
+        assert overall[m]["identical_to_hf"] == 2, m
+        assert overall[m]["nodes_per_step"] >= 1 and overall[m]["predicted_accept_length"] >= 1

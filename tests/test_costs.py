@@ -108,3 +108,20 @@ def test_machine_tree_prices_verification_from_the_cost_curve_of_its_path(tmp_pa
     assert steep.num_nodes == 2 and "blocks cost curve" in note
     assert machine_tree_file(model, folder, "compiled").is_file()
     assert machine_tree_file(model, folder, "blocks").is_file()
+
+
+def test_verify_cost_model_reads_the_curve_of_the_path_that_runs(tmp_path):
+    from treespec.training.costs import save_cost_curve, verify_cost_model
+
+    model = tiny_model("llama", dtype=torch.float32)
+    curve = tmp_path / "c.json"
+    blocks = {"128": {"1": 10.0, "8": 26.0}, "1024": {"1": 20.0, "8": 60.0}}
+    save_cost_curve(curve, {"format": "treespec.cost_curve", "verify_ms": {"blocks": blocks}})
+    seconds = verify_cost_model(model, curve_file=curve)
+    assert seconds(1, 100) == pytest.approx(0.010)
+    assert seconds(4, 100) == pytest.approx((10.0 + 16.0 * 3 / 7) / 1e3)  # linear between 1 and 8
+    assert seconds(8, 900) == pytest.approx(0.060)  # the nearest measured prefix
+    with pytest.raises(ValueError, match="--paths compiled"):
+        verify_cost_model(model, compile=True, curve_file=curve)
+    with pytest.raises(ValueError, match="no cost curve"):
+        verify_cost_model(model, curve_file=tmp_path / "missing.json")

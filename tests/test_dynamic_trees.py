@@ -125,3 +125,41 @@ def test_dynamic_drafter_is_exact_and_shrinks_when_nodes_cost_too_much(sequentia
         sizes[per_node] = result.stats.mean_nodes_verified
         assert all(p is not None for p in result.stats.predicted_accept)
     assert sizes[0.0] > 4 and sizes[10.0] == 1.0
+
+
+def test_trace_and_page_show_each_steps_tree_and_prediction(tmp_path):
+    """A trace of dynamic trees keeps every step's own tree and prediction through save / load, and the
+    HTML page shows nodes verified and predicted against accepted length."""
+    from transformers import AutoTokenizer
+
+    from treespec.tools import viz
+    from treespec.tools.models import default_model_folder
+    from treespec.tools.trace import Trace
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_folder())
+    from conftest import tiny_llama_over
+
+    model = tiny_llama_over(tokenizer)
+    heads = random_heads(model, seed=1)
+    inner = treespec.make_drafter(heads, treespec.default_tree(8, heads.num_heads), model)
+    drafter = RandomSubtrees(inner, 2)
+    result = treespec.generate(
+        model,
+        None,
+        [1, 2, 3],
+        tokenizer=tokenizer,
+        drafter=drafter,
+        max_new_tokens=12,
+        eos_token_id=[],
+        trace=True,
+    )
+    trace = Trace.from_result(result, tokenizer)
+    trace.save(tmp_path / "t.json")
+    loaded = Trace.load(tmp_path / "t.json")
+    for k, step in enumerate(loaded.steps):
+        assert loaded.step_tree(k).num_nodes == len(step.token_ids) == drafter.sizes[k]
+        assert step.expected_accept == pytest.approx(1.0 + 0.1 * drafter.sizes[k])
+    data = viz.html_data(loaded)
+    assert [s["nodes_verified"] for s in data["steps"]] == drafter.sizes[: len(loaded.steps)]
+    viz.write_html(loaded, tmp_path / "t.html")
+    assert "predicted" in (tmp_path / "t.html").read_text()

@@ -147,6 +147,11 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
         "--exit-head", default=None, help="exit head folder (self_spec; train_heads.py --exit-layer)"
     )
     p.add_argument(
+        "--cost-curve",
+        default=None,
+        help="dynamic methods: verification cost curve JSON (default: this machine's, scripts/cost_curve.py)",
+    )
+    p.add_argument(
         "--eagle", default=None, help="EAGLE-style drafter folder (eagle methods; scripts/train_eagle.py)"
     )
     p.add_argument(
@@ -299,6 +304,7 @@ def make_runners(
     chains: dict[str, options.ChainSource | None] | None = None,
     branching_spec: str = "1:4",
     compile: bool = False,
+    cost_curve: str | None = None,
 ) -> dict:
     """name -> run(ids, max_new_tokens) -> dict(token_ids, steps, accepted, library_seconds).
     compile: every treespec method verifies through torch.compile (`Decoder(compile=True)`).
@@ -319,6 +325,9 @@ def make_runners(
             "steps": s.steps,
             "accepted": sum(s.accept_lengths),
             "drafted": s.steps * s.max_depth,
+            "nodes": sum(s.nodes_verified),
+            "predicted": sum(p for p in s.predicted_accept if p is not None),
+            "predicted_steps": sum(p is not None for p in s.predicted_accept),
             "speculative_memory": s.speculative_memory,
             "library_seconds": s.time_total,
             "phase_seconds": {
@@ -375,7 +384,7 @@ def make_runners(
         from ..drafters.lookup import LookupDrafter
         from ..training.costs import verify_cost_model
 
-        verify_seconds = verify_cost_model(model, compile=compile)
+        verify_seconds = verify_cost_model(model, compile=compile, curve_file=cost_curve)
 
         def dynamic(make_inner):
             def make():
@@ -481,6 +490,9 @@ def make_record(q: dict, ids: list[int], results: dict, methods: list[str]) -> d
             "accepted": r.get("accepted"),
             "accept_length": r["accepted"] / r["steps"] if r.get("steps") else None,
             "drafted": r.get("drafted"),
+            "nodes": r.get("nodes"),
+            "predicted": r.get("predicted"),
+            "predicted_steps": r.get("predicted_steps"),
             "speculative_memory": r.get("speculative_memory"),
             "library_seconds": r.get("library_seconds"),
             "phase_seconds": r.get("phase_seconds"),
@@ -537,6 +549,14 @@ def summarize(records: list[dict], methods: list[str], reference: str = REFERENC
                 drafted = sum(x.get("drafted") or 0 for x in steps)
                 entry["acceptance_rate"] = (
                     (sum(x["accepted"] for x in steps) - total_steps) / drafted if drafted else None
+                )
+                nodes = sum(x.get("nodes") or 0 for x in steps)
+                entry["nodes_per_step"] = nodes / total_steps if nodes and total_steps else None
+                predicted_steps = sum(x.get("predicted_steps") or 0 for x in steps)
+                entry["predicted_accept_length"] = (
+                    sum(x.get("predicted") or 0.0 for x in steps) / predicted_steps
+                    if predicted_steps
+                    else None
                 )
                 phases = [x["phase_seconds"] for x in steps if x.get("phase_seconds")]
                 if phases and total_steps:
@@ -639,6 +659,8 @@ def format_tables(summary: list[dict], methods: list[str], reference: str = REFE
                 [
                     m,
                     fmt("accept_length", ".2f"),
+                    fmt("predicted_accept_length", ".2f"),
+                    fmt("nodes_per_step", ".1f"),
                     fmt("acceptance_rate", ".2f"),
                     fmt("draft_ms", ".1f"),
                     fmt("verify_ms", ".1f"),
@@ -647,9 +669,11 @@ def format_tables(summary: list[dict], methods: list[str], reference: str = REFE
                     fmt("speedup_vs_baseline", ".2f"),
                 ]
             )
-        headers = ["method (overall)", "accept len", "accept rate", "draft ms/step", "verify ms/step"]
+        headers = ["method (overall)", "accept len", "predicted", "nodes/step", "accept rate"]
+        headers += ["draft ms/step", "verify ms/step"]
         headers += ["spec. memory MiB", "x hf", "x baseline"]
         note = (
+            "predicted: the drafter's mean predicted accepted length (dynamic trees); "
             "accept rate: accepted drafted tokens / drafted depth (tree depth or gamma) per step; "
             "spec. memory: target tree block + drafter cache"
         )
@@ -686,7 +710,16 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
     chains = load_chain_drafters(args, model)
     ours = [m for m in args.methods if m not in PEER_METHODS]
     runners = make_runners(
-        model, tokenizer, heads, tree, ours, args.lookup, chains, args.branching, args.compile
+        model,
+        tokenizer,
+        heads,
+        tree,
+        ours,
+        args.lookup,
+        chains,
+        args.branching,
+        args.compile,
+        args.cost_curve,
     )
     peers = start_peers(args, model)
     runners |= {name: peer_runner(peer) for name, peer in peers.items()}

@@ -320,7 +320,7 @@ def rich_step_tree(trace: Trace, step_index: int):
 
     from .viz import visible
 
-    step, tree = trace.steps[step_index], trace.tree
+    step, tree = trace.steps[step_index], trace.step_tree(step_index)
     accepted = set(step.path)
 
     def label(node: int) -> Text:

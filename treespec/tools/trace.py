@@ -37,6 +37,8 @@ class Step:
     bonus_id: int
     bonus_text: str
     text: str
+    choices: list[list[int]] | None = None  # this step's own tree (a dynamic tree); None: the trace's
+    expected_accept: float | None = None  # the drafter's predicted accepted length, if it made one
 
     @property
     def accept_length(self) -> int:
@@ -65,8 +67,13 @@ class Trace:
 
     @property
     def tree(self) -> Tree:
-        """The candidate tree every step used."""
+        """The candidate tree of the generation (the largest one, when steps had their own)."""
         return Tree.from_choices(self.choices)
+
+    def step_tree(self, index: int) -> Tree:
+        """The tree step `index` verified: its own (dynamic trees) or the trace's."""
+        choices = self.steps[index].choices
+        return self.tree if choices is None else Tree.from_choices(choices)
 
     # ----- construction -----
 
@@ -89,6 +96,7 @@ class Trace:
             return tokenizer.decode(result.token_ids[:count], skip_special_tokens=True)
 
         steps, emitted = [], 1  # the root picked after prefill comes first
+        static = [list(c) for c in result.tree.choices]
         for raw in result.trace:
             emitted = min(emitted + len(raw["path"]), len(result.token_ids))
             probs = raw.get("draft_probs")
@@ -101,6 +109,8 @@ class Trace:
                     bonus_id=int(raw["bonus"]),
                     bonus_text=piece(raw["bonus"]),
                     text=running(emitted),
+                    choices=None if raw.get("choices", static) == static else raw["choices"],
+                    expected_accept=raw.get("expected_accept"),
                 )
             )
         stats = result.stats.as_dict() | {"summary": result.stats.summary()}
@@ -190,6 +200,14 @@ def _parse_step(raw: Any, index: int, tree: Tree) -> Step:
     where = f"step {index + 1}: "
     if not isinstance(raw, dict):
         raise ValueError(f"{where}expected a JSON object, got {type(raw).__name__}")
+    choices = raw.get("choices")
+    if choices is not None:
+        if not isinstance(choices, list):
+            raise ValueError(f'{where}"choices" must be null or a list of choice paths')
+        tree = Tree.from_choices(choices)
+    expected = raw.get("expected_accept")
+    if expected is not None and (isinstance(expected, bool) or not isinstance(expected, (int, float))):
+        raise ValueError(f'{where}"expected_accept" must be null or a number')
     n = tree.num_nodes
     token_ids = _int_list(raw, "token_ids", where)
     token_texts = _field(raw, "token_texts", list, where)
@@ -213,6 +231,8 @@ def _parse_step(raw: Any, index: int, tree: Tree) -> Step:
         bonus_id=bonus_id,
         bonus_text=_field(raw, "bonus_text", str, where),
         text=_field(raw, "text", str, where),
+        choices=None if choices is None else [list(c) for c in tree.choices],
+        expected_accept=None if expected is None else float(expected),
     )
 
 

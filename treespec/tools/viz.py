@@ -118,7 +118,7 @@ def step_graph(trace: Trace, step_index: int) -> nx.DiGraph:
         raise IndexError(f"step {step_index} out of range: the trace has {len(trace.steps)} steps")
     step_index %= len(trace.steps)
     step = trace.steps[step_index]
-    tree = trace.tree
+    tree = trace.step_tree(step_index)
     accepted = set(step.path)
     graph = tree.to_networkx()
     for node, attrs in graph.nodes(data=True):
@@ -367,6 +367,8 @@ def html_data(trace: Trace) -> dict:
                 "nodes": nodes,
                 "edges": edges,
                 "accept_length": step.accept_length,
+                "expected_accept": step.expected_accept,
+                "nodes_verified": len(step.token_ids),
                 "accepted": [visible(t, 40) for t in step.accepted_texts],
                 "before": previous,
                 "text": step.text,
@@ -451,6 +453,7 @@ pre { white-space: pre-wrap; background: #f7f7f7; padding: 0.6em; border-radius:
 #generated-text mark { background: #c7e9c0; }
 #chart svg rect.bar { fill: #9ecae1; cursor: pointer; }
 #chart svg rect.bar.current { fill: #238b45; }
+#chart svg line.predicted { stroke: #d94801; stroke-width: 2; }
 .node text { font: 11px monospace; text-anchor: middle; pointer-events: none; }
 .node.root rect { fill: #41ab5d; stroke: #005a32; } .node.root text { fill: white; }
 .node.accepted rect { fill: #a1d99b; stroke: #006d2c; }
@@ -511,7 +514,15 @@ function drawChart() {
       x: 34 + k * barW, y: h - 20 - s.accept_length * unit, width: Math.max(1, barW - 2),
       height: s.accept_length * unit, "class": "bar", "data-step": k,
     }, svg);
-    svgEl("title", {}, bar).textContent = "step " + (k + 1) + ": accepted length " + s.accept_length;
+    svgEl("title", {}, bar).textContent = "step " + (k + 1) + ": accepted length " + s.accept_length +
+      (s.expected_accept === null ? "" : ", predicted " + s.expected_accept.toFixed(2)) +
+      ", " + s.nodes_verified + " nodes verified";
+    if (s.expected_accept !== null) {
+      svgEl("line", {
+        x1: 34 + k * barW, x2: 32 + (k + 1) * barW, "class": "predicted",
+        y1: h - 20 - s.expected_accept * unit, y2: h - 20 - s.expected_accept * unit,
+      }, svg);
+    }
     bar.addEventListener("click", () => show(k));
   });
   return svg;
@@ -532,7 +543,9 @@ function show(k) {
   mark.textContent = grew ? step.text.slice(step.before.length) : step.text;
   text.replaceChildren(document.createTextNode(grew ? step.before : ""), mark);
   document.getElementById("accepted").textContent =
-    "accepted length " + step.accept_length + " (root included); appended: " + step.accepted.join(" · ") +
+    "accepted length " + step.accept_length + " (root included)" +
+    (step.expected_accept === null ? "" : ", predicted " + step.expected_accept.toFixed(2)) +
+    "; " + step.nodes_verified + " nodes verified; appended: " + step.accepted.join(" · ") +
     "  (last one is the bonus token)";
   document.querySelectorAll("#chart rect.bar").forEach(
     bar => bar.classList.toggle("current", Number(bar.dataset.step) === current));
