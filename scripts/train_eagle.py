@@ -51,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[EagleTrainConfig, argpars
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache", default=None, help="folder of the target's features (default <out>/cache)")
     p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint")
     p.add_argument("--threads", type=int, default=None, help="torch threads per process")
     args = p.parse_args(argv)
@@ -72,6 +73,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[EagleTrainConfig, argpars
         eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every,
         seed=args.seed,
+        cache=args.cache,
         extra={"model": args.model} if args.model else {},
     )
     return cfg, args

@@ -64,6 +64,7 @@ class EagleTrainConfig:
     eval_every: int = 200
     checkpoint_every: int = 100
     seed: int = 0
+    cache: str | None = None  # where the target's features are kept (default <out>/cache); runs may share it
     extra: dict = field(default_factory=dict)
 
 
@@ -249,7 +250,7 @@ def train_eagle(cfg: EagleTrainConfig, model=None, resume: bool = False, acceler
     layers = list(cfg.feature_layers or default_feature_layers(num_layers))
     if any(not 0 <= k <= num_layers for k in layers):
         raise ValueError(f"feature_layers must lie in 0..{num_layers} (hidden_states indices), got {layers}")
-    cache = out / "cache"
+    cache = Path(cfg.cache) if cfg.cache else out / "cache"
     if accelerator.is_main_process:
         for split in ("train", "eval"):
             cached_features(model, cfg.data, cache, split, layers, cfg.max_length)
@@ -267,7 +268,7 @@ def train_eagle(cfg: EagleTrainConfig, model=None, resume: bool = False, acceler
     step, log = 0, []
     if resume and checkpoint.exists(out / CHECKPOINT_DIR):
         step, log = checkpoint.load(
-            out / CHECKPOINT_DIR, draft.state_dict(), optimizer, cfg, checkpoint.RESUMABLE_CHANGES
+            out / CHECKPOINT_DIR, draft.state_dict(), optimizer, cfg, (*checkpoint.RESUMABLE_CHANGES, "cache")
         )
         accelerator.print(f"resumed from {out / CHECKPOINT_DIR} at step {step}")
     ddp_draft, optimizer = accelerator.prepare(draft, optimizer)
