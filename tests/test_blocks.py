@@ -121,3 +121,19 @@ def test_packed_block_weights_use_the_kernel_for_few_rows_and_a_gemm_for_many(ro
         got = matrix(x)
     assert bool(calls) == (rows <= packed.BLOCK_ROWS_MAX)
     torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_weights_rounded_to_q8_0_are_found_as_exact_blocks(seed):
+    from treespec.core.blocks import round_to_q8_0
+
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(48, 96, generator=gen) * (10.0 ** (seed - 2))
+    weight[0, :32] = 0.0  # an all-zero block
+    rounded = round_to_q8_0(weight)
+    assert (rounded - weight).abs().max() <= weight.abs().max() / 127  # half a step at most, roughly
+    blocks = recover_blocks(rounded)
+    assert blocks is not None and blocks.kind == "q8_0"
+    assert torch.equal(blocks.dequantize(), rounded)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        round_to_q8_0(torch.ones(2, 33))

@@ -166,3 +166,18 @@ def test_observe_without_features_is_refused():
     drafter = treespec.EagleDrafter(random_eagle(model), treespec.Tree.from_choices([[0]]), model)
     with pytest.raises(ValueError, match="features"):
         drafter.start(treespec.SequenceStart([1, 2, 3], 16, None, "sdpa"))
+
+
+def test_rounded_drafter_reads_its_weights_as_blocks_and_stays_exact():
+    from treespec.core.packed import linear_kinds
+
+    model = tiny_model(
+        "llama", dtype=torch.float32, hidden_size=64, intermediate_size=128, num_attention_heads=4
+    )
+    draft = random_eagle(model, 2, draft_size=64).round_to_blocks()
+    drafter = treespec.EagleDrafter(draft, treespec.Tree.from_choices([[0], [1], [0, 0]]), model)
+    prompt = [4, 5, 6, 7]
+    result = treespec.generate(model, None, prompt, drafter=drafter, max_new_tokens=20, eos_token_id=[])
+    assert result.token_ids == hf_greedy(model, prompt, 20)
+    if treespec.ops.available("cpu"):  # the block kernel is there: every linear layer ran through it
+        assert linear_kinds(draft) == {"blocks-q8_0": 9}

@@ -102,6 +102,25 @@ def recover_blocks(weight: torch.Tensor) -> BlockWeights | None:
     return None
 
 
+@torch.no_grad()
+def round_to_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """The nearest Q8_0-representable float32 weight [N, K] (K a multiple of 32): per block of 32,
+    d = float16(max|w| / 127) and w' = d * round(w / d), which `recover_blocks` then finds exactly.
+    Blocks it cannot represent bit for bit (e.g. all zeros are fine; NaN is refused) stay as they were."""
+    if weight.dim() != 2 or weight.shape[1] % BLOCK:
+        raise ValueError(
+            f"a Q8_0 weight needs 2 dims and a multiple of {BLOCK} columns, got {tuple(weight.shape)}"
+        )
+    if not bool(torch.isfinite(weight).all()):
+        raise ValueError("cannot round a weight with NaN or infinite values to Q8_0")
+    N, K = weight.shape
+    blocks = weight.detach().float().reshape(N, K // BLOCK, BLOCK)  # [N, B, 32]
+    d = (blocks.abs().amax(-1) / 127).half().float()  # [N, B]
+    safe = torch.where(d == 0, torch.ones_like(d), d)
+    q = torch.round(blocks / safe[..., None]).clamp_(-127, 127)  # [N, B, 32]
+    return (d[..., None] * q + 0.0).reshape(N, K)  # + 0.0: no -0.0, which the block form cannot hold
+
+
 def _checked(blocks: BlockWeights, weight: torch.Tensor) -> BlockWeights | None:
     """The blocks when they rebuild `weight` bit for bit (float32 bit patterns, so -0.0 counts), else None."""
     same = torch.equal(blocks.dequantize().view(torch.int32), weight.detach().view(torch.int32))

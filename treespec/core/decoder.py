@@ -243,10 +243,13 @@ class Decoder:
             self.drafter.observe([committed], features[:, path])
         else:
             self.drafter.observe([committed])
-        self.stats.record_step(len(path), t1 - t0, t2 - t1, t3 - t2, proposal.expected_accept, tree.num_nodes)
+        # what the drafter does in observe (e.g. an EAGLE layer's pass over the committed tokens) counts
+        # as drafting
+        t_draft = (t1 - t0) + (self.clock() - t3)
+        self.stats.record_step(len(path), t_draft, t2 - t1, t3 - t2, proposal.expected_accept, tree.num_nodes)
         probs = None if proposal.probs is None else proposal.probs[0].float().tolist()
         return StepResult(
-            tokens, probs, tree, proposal.expected_accept, path, committed, bonus, t1 - t0, t2 - t1, t3 - t2
+            tokens, probs, tree, proposal.expected_accept, path, committed, bonus, t_draft, t2 - t1, t3 - t2
         )
 
     def layout(self, tree: Tree) -> tuple[AttentionPlan, list[list[int]], torch.Tensor]:

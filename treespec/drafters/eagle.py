@@ -38,10 +38,11 @@ class EagleDrafter(BaseDrafter):
         tree: Tree,
         model: torch.nn.Module,
         storage: str = "model",
-        linears: str = "onednn",
+        linears: str = "auto",
     ):
         """storage: the precision of the drafter's KV cache (`SpeculativeKVCache`); linears: how its linear
-        layers run on CPU (`core.packed`: "onednn" prepacked, or "torch")."""
+        layers run on CPU (`core.packed`): "auto" (treespec's block kernel for weights rounded with
+        `EagleDraftModel.round_to_blocks`, else oneDNN prepacked), "onednn" or "torch"."""
         if tree.num_nodes < 1:
             raise ValueError("the tree needs at least its root")
         self.draft, self.tree, self.storage, self.linears = draft, tree, storage, linears

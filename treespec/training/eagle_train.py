@@ -21,6 +21,7 @@ Runs under `accelerate launch` (DDP, each process its share of each batch); chec
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -325,6 +326,9 @@ def train_eagle(cfg: EagleTrainConfig, model=None, resume: bool = False, acceler
         if final is None:
             final = evaluate(draft, held_out, embed, lm_draft, max(cfg.ttt_steps, 5))
             log.append({"step": step, "eval": final})
+        # what decoding on CPU runs: the weights rounded to Q8_0 blocks (`round_to_blocks`)
+        rounded = copy.deepcopy(draft).round_to_blocks()
+        final_rounded = evaluate(rounded, held_out, embed, lm_draft, max(cfg.ttt_steps, 5))
         record = {
             "config": asdict(cfg),
             "feature_layers": layers,
@@ -336,6 +340,7 @@ def train_eagle(cfg: EagleTrainConfig, model=None, resume: bool = False, acceler
                 sum(max(n - int(train["prompt_lengths"][i]), 0) for i, n in enumerate(lengths))
             ),
             "eval": final,
+            "eval_q8_0": final_rounded,
             "log": log,
         }
         draft.to(torch.bfloat16).save_pretrained(out / "drafter")
