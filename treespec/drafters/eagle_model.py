@@ -220,7 +220,8 @@ class EagleDraftModel(nn.Module):
         from ..core.blocks import round_to_q8_0
 
         for linear in self.linear_layers():
-            linear.weight.copy_(round_to_q8_0(linear.weight.float()).to(linear.weight.dtype))
+            if linear.weight.shape[1] % 32 == 0:  # (widths that are not whole blocks stay as they are)
+                linear.weight.copy_(round_to_q8_0(linear.weight.float()).to(linear.weight.dtype))
         return self
 
     # -- the layer ------------------------------------------------------------------------------------
