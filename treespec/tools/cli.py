@@ -4,6 +4,7 @@
     treespec viz tree.json -o tree.png [--acceptance table.json]
     treespec viz --trace run.json -o run.html          (or -o step.png --step 3)
     treespec tune --exit-head FOLDER                   choose gamma for a chain drafter
+    treespec export --out DIR [--heads F | --eagle F | --model-only]   for vLLM / SGLang
     treespec bench ...  /  treespec train ...          treespec.tools.bench / treespec.tools.train_heads
 
 Everything works from an installed wheel: the default model's trained heads and the Spec-Bench
@@ -68,9 +69,53 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(commands)
     _add_viz(commands)
     _add_tune(commands)
+    _add_export(commands)
     for name, (_, help_text) in PROGRAMS.items():
         commands.add_parser(name, help=help_text, description=f"{help_text}; options: treespec {name} --help")
     return parser
+
+
+# ----- treespec export -----
+
+
+def _add_export(commands) -> None:
+    p = commands.add_parser(
+        "export",
+        help="write trained drafters (or the default model) in the formats vLLM and SGLang load",
+        description="Independent Medusa heads -> vLLM's Medusa format; an EAGLE-style drafter -> the "
+        "EAGLE-3 format (vLLM, SGLang); --model-only: the target model as a plain HF folder. Formats that "
+        "cannot express a drafter (sequential heads, exit heads) are refused with what to use instead.",
+    )
+    p.add_argument("--out", required=True, help="folder to write")
+    p.add_argument("--model", default=None, help="HF model id or folder (default: embedded SmolLM2-135M)")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--heads", metavar="FOLDER", help="Medusa heads folder (independent heads)")
+    which.add_argument("--eagle", metavar="FOLDER", help="EAGLE-style drafter folder (train_eagle.py)")
+    which.add_argument("--model-only", action="store_true", help="the target model itself (HF folder)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.set_defaults(run=cmd_export)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import export
+
+    folder = args.heads or args.eagle
+    if folder:
+        options.existing_folder(folder, "--heads" if args.heads else "--eagle")
+    model, tokenizer = treespec.load_model(args.model, dtype="float32")
+    dtype = getattr(torch, args.dtype)
+    if args.heads:
+        heads = treespec.MedusaHeads.from_pretrained(folder, model=model)
+        out = export.export_medusa(heads, model, args.out, dtype)
+    elif args.eagle:
+        draft = treespec.EagleDraftModel.from_pretrained(folder, model=model)
+        out = export.export_eagle3(draft, model, args.out, dtype)
+    else:
+        out = export.export_model(model, tokenizer, args.out)
+    print(f"written to {out}")
+    return 0
 
 
 # ----- treespec tune -----
