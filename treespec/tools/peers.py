@@ -46,8 +46,13 @@ class VllmPeer:
         max_len: int = 4096,
         log: str | os.PathLike | None = None,
         kv_cache_gb: int | None = None,
+        draft: str | os.PathLike | None = None,
+        draft_method: str = "eagle3",
+        draft_tokens: int = 3,
     ):
-        """kv_cache_gb: vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE; the worker's default is 2 GB)."""
+        """kv_cache_gb: vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE; the worker's default is 2 GB);
+        draft: a drafter folder `treespec export` wrote, served with vLLM's `draft_method`, drafting
+        `draft_tokens` tokens per step."""
         command = [
             str(vllm_python(python)),
             str(WORKER),
@@ -60,6 +65,15 @@ class VllmPeer:
             "--max-len",
             str(max_len),
         ]
+        if draft:
+            command += [
+                "--draft",
+                str(draft),
+                "--draft-method",
+                draft_method,
+                "--draft-tokens",
+                str(draft_tokens),
+            ]
         self.log_path = Path(log) if log else None
         stderr = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         # vLLM serves with one thread unless OMP_NUM_THREADS says otherwise: give it the threads torch has
@@ -112,6 +126,11 @@ class VllmPeer:
             "stop_token_ids": list(stop_ids),
         }
         return self._ask(request)["batch_token_ids"]
+
+    def spec_metrics(self) -> dict:
+        """vLLM's speculative-decoding counters so far: drafts, draft_tokens, accepted_tokens,
+        accepted_per_position."""
+        return self._ask({"metrics": True})
 
     def close(self) -> None:
         if self.process.poll() is None:

@@ -4,14 +4,16 @@ Runs inside vLLM's own virtual environment (`make vllm-env`; vLLM pins an older 
 treespec), so it imports nothing from treespec. The parent (`treespec.tools.peers`) starts it as
 
     <vllm-venv>/bin/python vllm_worker.py --model FOLDER --dtype float32 [--ngram K] [--max-len N]
+        [--draft FOLDER --draft-method eagle3|medusa --draft-tokens K]   (a drafter `treespec export` wrote)
 
 and speaks JSON lines: the worker prints {"ready": ...} once its engine is up, then answers each request
 {"ids": [prompt token ids], "max_new_tokens": m} with {"token_ids": [...], "seconds": s} (greedy,
 stopping at the model's end-of-sequence tokens), and each batch request {"batch": [[ids], ...],
 "max_new_tokens": m, "temperature": t, "seed": s, "stop_token_ids": [...]} (distillation data: vLLM
 schedules the whole batch itself) with {"batch_token_ids": [[...], ...], "seconds": s}, the stop token
-kept at the end of each answer that ended on one; it exits on end of input. Everything vLLM prints
-goes to stderr so that stdout carries only these lines.
+kept at the end of each answer that ended on one, and {"metrics": true} with vLLM's speculative-decoding
+counters {"drafts", "draft_tokens", "accepted_tokens", "accepted_per_position"}; it exits on end of
+input. Everything vLLM prints goes to stderr so that stdout carries only these lines.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--ngram", type=int, default=0, help="n-gram speculation: tokens per step (0 = off)")
     p.add_argument("--max-len", type=int, default=4096, help="max model length (prompt + new tokens)")
+    p.add_argument("--draft", default=None, help="an exported drafter folder (treespec export)")
+    p.add_argument("--draft-method", default="eagle3", help="vLLM's method for --draft (eagle3, medusa)")
+    p.add_argument("--draft-tokens", type=int, default=3, help="tokens drafted per step with --draft")
     return p.parse_args()
 
 
@@ -43,6 +48,12 @@ def make_engine(args):
             "prompt_lookup_max": 4,
             "prompt_lookup_min": 1,
         }
+    if args.draft:
+        speculative = {
+            "method": args.draft_method,
+            "model": args.draft,
+            "num_speculative_tokens": args.draft_tokens,
+        }
     return LLM(
         model=args.model,
         dtype=args.dtype,
@@ -50,7 +61,24 @@ def make_engine(args):
         speculative_config=speculative,
         enforce_eager=False,
         seed=0,
+        disable_log_stats=speculative is None,  # the speculative counters need the stats
     )
+
+
+def spec_metrics(llm) -> dict:
+    """vLLM's speculative-decoding counters so far (zeros without speculation)."""
+    found = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "accepted_per_position": []}
+    names = {
+        "vllm:spec_decode_num_drafts": "drafts",
+        "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
+    }
+    for metric in llm.get_metrics():
+        if metric.name in names:
+            found[names[metric.name]] = int(metric.value)
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            found["accepted_per_position"] = [int(v) for v in metric.values]
+    return found
 
 
 def serve(llm, reply) -> None:
@@ -61,6 +89,9 @@ def serve(llm, reply) -> None:
         if not line.strip():
             continue
         request = json.loads(line)
+        if request.get("metrics"):
+            reply(spec_metrics(llm))
+            continue
         if "batch" in request:
             reply(answer_batch(llm, request))
             continue
@@ -112,7 +143,7 @@ def main() -> None:
     import vllm
 
     llm = make_engine(args)
-    reply({"ready": True, "vllm": vllm.__version__, "ngram": args.ngram})
+    reply({"ready": True, "vllm": vllm.__version__, "ngram": args.ngram, "draft": args.draft})
     serve(llm, reply)
 
 
