@@ -59,3 +59,31 @@ def test_vllm_greedy_equals_treespec_plain_greedy_and_its_batches_answer_the_sam
     short = treespec.generate(model, None, other, tokenizer=tokenizer, max_new_tokens=24, temperature=0.0)
     assert batch[0][-1] in stop and batch[0] == list(short.token_ids)  # the stop token kept, as generate does
     assert sampled[0] == sampled[1] and sampled[0] != sampled[2]  # seeded sampling
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason="no vLLM environment (make vllm-env)")
+def test_vllm_serves_an_exported_eagle_drafter_without_changing_its_output(smollm2, tmp_path):
+    """The EAGLE-3 export loads in vLLM's CPU build; its speculative greedy output equals treespec's plain
+    greedy output, and vLLM counts the drafted tokens."""
+    import torch
+
+    import treespec
+    from treespec.tools.export import export_eagle3
+    from treespec.tools.models import default_model_folder
+
+    model, tokenizer = smollm2
+    draft = treespec.EagleDraftModel.for_model(
+        model, torch.arange(2048)
+    )  # untrained: the layout is the point
+    folder = export_eagle3(draft, model, tmp_path / "eagle3", dtype=torch.float32)
+    ids = treespec.encode_prompt("Name three primary colors.", tokenizer)
+    peer = VllmPeer(default_model_folder(), "float32", python=VLLM_PYTHON, draft=folder, draft_tokens=2)
+    try:
+        theirs = peer.run(ids, 16)["token_ids"]
+        metrics = peer.spec_metrics()
+    finally:
+        peer.close()
+    ours = treespec.generate(model, None, ids, tokenizer=tokenizer, max_new_tokens=16, temperature=0.0)
+    assert theirs == list(ours.token_ids)
+    assert metrics["draft_tokens"] == 2 * metrics["drafts"] > 0
