@@ -113,3 +113,43 @@ def test_tune_drafter_measures_chooses_and_checks(tmp_path):
     (tmp_path / "tune.json").write_text("{")
     with pytest.raises(ValueError, match="treespec tune"):
         TuneResult.load(tmp_path)
+
+
+def test_tune_drafter_prices_verification_with_the_cost_curve():
+    """Timed verification is flat (1.0 s) but the machine's curve says each node costs 1.0 s more: with
+    the curve, gamma 1 wins where the timed costs would pick 2."""
+
+    class Chain:
+        def __init__(self, gamma):
+            self.tree = SimpleNamespace(num_nodes=gamma + 1)
+            self.gamma = gamma
+
+        def scorer(self):
+            return None
+
+    def run(drafter, ids, max_new_tokens):
+        gamma = 0 if drafter is None else drafter.gamma
+        accepted = min(gamma, 2)
+        steps = math.ceil(max_new_tokens / (accepted + 1))
+        stats = SimpleNamespace(
+            accept_lengths=[accepted + 1] * steps,
+            time_draft=0.01 * gamma * steps,
+            time_verify=1.0 * steps,
+            time_commit=0.0,
+            steps=steps,
+            new_tokens=max_new_tokens,
+            time_total=(1.0 + 0.01 * gamma) * steps,
+        )
+        return SimpleNamespace(stats=stats)
+
+    timed = tune_drafter(Chain, run, [[1, 2, 3]] * 2, max_gamma=3, max_new_tokens=30)
+    assert timed.gamma == 2
+    seen = []
+
+    def curve(nodes, prefix):
+        seen.append((nodes, prefix))
+        return 1.0 + 1.0 * (nodes - 1)
+
+    priced = tune_drafter(Chain, run, [[1, 2, 3]] * 2, max_gamma=3, max_new_tokens=30, verify_seconds=curve)
+    assert priced.gamma == 1  # by the curve: 2 tokens per 2.01 s beats 3 per 3.02 s
+    assert (3, 3 + 15) in seen  # gamma 2: 3 nodes at the prompt + half the new tokens

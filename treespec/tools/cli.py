@@ -172,6 +172,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
             model, None, ids, max_new_tokens=max_new_tokens, drafter=drafter, eos_token_id=[]
         )
 
+    from ..training.costs import verify_cost_model
+
+    try:  # this machine's verification cost curve, when scripts/cost_curve.py has measured one
+        verify_seconds = verify_cost_model(model)
+        print("verification costs: this machine's cost curve", file=sys.stderr)
+    except ValueError as why:
+        verify_seconds = None
+        print(f"verification costs: timed ({why})", file=sys.stderr)
     result = tune_drafter(
         make_drafter,
         run,
@@ -179,6 +187,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         max_gamma=args.max_gamma,
         max_new_tokens=args.max_new_tokens,
         progress=lambda line: print(line, file=sys.stderr),
+        verify_seconds=verify_seconds,
     )
     result.measured |= {"storage": args.storage, "branching": args.branching}  # the settings tuned for
     print(result.format())

@@ -148,6 +148,7 @@ def tune_drafter(
     max_new_tokens: int = 64,
     cost_prompts: int = 2,
     progress: Callable[[str], None] | None = None,
+    verify_seconds: Callable[[int, int], float] | None = None,
 ) -> TuneResult:
     """Measure, choose, check.
 
@@ -155,6 +156,9 @@ def tune_drafter(
     GenerationResult (None: plain decoding). Acceptance comes from all `prompts` at max_gamma; the step
     cost of every gamma from `cost_prompts` of them; then the chosen gamma and plain decoding run on all
     prompts and their tokens/s ratio is the measured speedup.
+    verify_seconds(nodes, prefix): this machine's verification cost curve (`training.costs.
+    verify_cost_model`); when given, a step costs its timed drafting and commit plus the curve's
+    verification of gamma + 1 nodes at the run's mean prefix, instead of the timed verification.
     """
     say = progress or (lambda _: None)
     say(f"acceptance: {len(prompts)} prompts at gamma={max_gamma}")
@@ -168,7 +172,13 @@ def tune_drafter(
         seconds = steps = 0
         for ids in prompts[:cost_prompts]:
             stats = run(drafter, ids, max_new_tokens).stats
-            seconds += stats.time_draft + stats.time_verify + stats.time_commit
+            # a drafter with its own scorer (partial-layer verification) is not priced by the full curve
+            if verify_seconds is None or (drafter is not None and drafter.scorer() is not None):
+                seconds += stats.time_draft + stats.time_verify + stats.time_commit
+            else:
+                nodes = drafter.tree.num_nodes if drafter is not None else 1
+                prefix = len(ids) + max_new_tokens // 2
+                seconds += stats.time_draft + stats.time_commit + stats.steps * verify_seconds(nodes, prefix)
             steps += stats.steps
         return seconds / max(steps, 1)
 
