@@ -107,6 +107,8 @@ class DynamicTreeDrafter(BaseDrafter):
         self.patience, self.max_skip = patience, max_skip
         self.parents = inner.tree.parents  # [N]
         self.choices = [(), *inner.tree.choices]
+        self.index = {c: i for i, c in enumerate(self.choices)}  # choice path -> node of the inner tree
+        self.root_tree = Tree.from_choices([])
         self._reset()
 
     def _reset(self) -> None:
@@ -123,12 +125,13 @@ class DynamicTreeDrafter(BaseDrafter):
 
     def propose(self, hidden: torch.Tensor, roots: torch.Tensor) -> Proposal:
         self.counts["steps"] += 1
-        root_tree = Tree.from_choices([])
         if self.skip_left > 0:  # trees have not paid lately: plain step, no drafting
             self.skip_left -= 1
             self.counts["skipped"] += 1
             self.last = None
-            return Proposal(roots.reshape(1, 1).to(hidden.device), None, tree=root_tree, expected_accept=1.0)
+            return Proposal(
+                roots.reshape(1, 1).to(hidden.device), None, tree=self.root_tree, expected_accept=1.0
+            )
         t0 = time.perf_counter()
         full = self.inner.propose(hidden, roots)
         elapsed = time.perf_counter() - t0
@@ -145,8 +148,7 @@ class DynamicTreeDrafter(BaseDrafter):
         )
         tree = Tree.from_choices([self.choices[i] for i in kept[1:]])
         # kept nodes in the new tree's canonical order (its node j is choices[j - 1])
-        index = {c: i for i, c in enumerate(self.choices)}
-        order = torch.tensor([0] + [index[c] for c in tree.choices], device=full.tokens.device)
+        order = torch.tensor([0] + [self.index[c] for c in tree.choices], device=full.tokens.device)
         tokens, node_probs = full.tokens[:, order], full.probs[:, order]
         self.last = (tree, tokens[0].cpu(), node_probs[0].float().cpu())
         self.counts["nodes"] += tree.num_nodes
