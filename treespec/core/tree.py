@@ -185,6 +185,21 @@ class Tree:
             raise ValueError(f"topk={topk} is smaller than the tree's max_rank={self.max_rank}")
         return torch.where(self.head < 0, 0, 1 + self.head * topk + self.rank)  # [N]
 
+    def levels(self, device=None) -> list[tuple]:
+        """Per depth d, what drafting level by level needs, on `device`: (expanded [n_d] nodes at depth d
+        with children, their parents [n_d] (the root's entry is 0, unused), children [c_d] at depth d+1,
+        each child's parent's row in `expanded` [c_d], each child's rank [c_d], the top-k the level needs)."""
+        levels = []
+        for d in range(self.max_depth):
+            children = (self.depth == d + 1).nonzero().flatten()  # [c_d]
+            expanded = torch.unique(self.parents[children])  # [n_d]
+            row = torch.searchsorted(expanded, self.parents[children])  # [c_d]
+            rank = self.rank[children]  # [c_d]
+            parents = self.parents[expanded].clamp(min=0)  # [n_d]
+            tensors = (expanded, parents, children, row, rank)
+            levels.append(tuple(t.to(device) for t in tensors) + (int(rank.max()) + 1,))
+        return levels
+
     def expected_accept_length(self, acceptance: Sequence[Sequence[float]]) -> float:
         """1 (the root) + the sum over other nodes of the product of acceptances along their path."""
         table = _acceptance_table(acceptance)

@@ -51,15 +51,7 @@ class EagleDrafter(BaseDrafter):
         self.device = self.embedding.device
         # per level d: expanded nodes at depth d [n_d], their parents, the children [c_d], each child's
         # parent's row in `expanded`, each child's rank, and the top-k the level needs
-        self.levels = []
-        for d in range(tree.max_depth):
-            children = (tree.depth == d + 1).nonzero().flatten()  # [c_d]
-            expanded = torch.unique(tree.parents[children])  # [n_d]
-            row = torch.searchsorted(expanded, tree.parents[children])  # [c_d]
-            rank = tree.rank[children]  # [c_d]
-            parents = tree.parents[expanded].clamp(min=0)  # [n_d] (unused for the root)
-            tensors = (expanded, parents, children, row, rank)
-            self.levels.append(tuple(t.to(self.device) for t in tensors) + (int(rank.max()) + 1,))
+        self.levels = tree.levels(self.device)
         # drafted entries, in level order: the slot of each expanded non-root node, and per level the
         # slots its nodes see (their drafted ancestors and themselves) [n_d, slots written so far]
         drafted = [int(n) for level in self.levels[1:] for n in level[0].tolist()]

@@ -61,15 +61,7 @@ class SequentialDrafter(BaseDrafter):
         self.embedding = embedding.weight if hasattr(embedding, "weight") else embedding  # [V, H]
         device = next(heads.parameters()).device
         # per depth d: expanded nodes [n_d], their parents, children [c_d], child's parent row, child rank, k
-        self.levels = []
-        for d in range(tree.max_depth):
-            children = (tree.depth == d + 1).nonzero().flatten()  # [c_d] nodes at depth d+1
-            expanded = torch.unique(tree.parents[children])  # [n_d] nodes at depth d with children
-            row = torch.searchsorted(expanded, tree.parents[children])  # [c_d] parent's row in `expanded`
-            rank = tree.rank[children]  # [c_d]
-            k = int(rank.max()) + 1
-            parents = tree.parents[expanded].clamp(min=0)  # [n_d] (the root's entry is unused)
-            self.levels.append(tuple(t.to(device) for t in (expanded, parents, children, row, rank)) + (k,))
+        self.levels = tree.levels(device)
         self.hidden_size = heads.hidden_size
         self.dtype = next(heads.parameters()).dtype
 
