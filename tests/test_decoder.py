@@ -110,11 +110,11 @@ def test_step_before_prefill_says_what_to_do():
     [
         ([10**7], "outside the model's vocabulary"),
         ([-1, 2], "outside the model's vocabulary"),
-        (["Why", "is"], "token ids must be integers"),
+        (["Why", "is"], "needs tokenizer="),  # a batch of two strings, without a tokenizer
         ([1.5, 2], "token ids must be integers"),
         (torch.tensor([[0.5, 1.0]]), "must be integers"),
         ([], "empty"),
-        (torch.tensor([[1, 2], [3, 4]]), "one sequence at a time"),
+        ([[1, 2], [3, "x"]], "token ids must be integers"),  # a batch with a bad row
     ],
 )
 def test_bad_prompts_get_a_clear_error(prompt, message):

@@ -159,8 +159,10 @@ def test_tree_deeper_than_the_heads_is_refused():
 
 def test_bad_arguments_are_refused():
     model = tiny_model("llama")
+    batch = treespec.generate(model, None, torch.zeros(2, 3, dtype=torch.long), max_new_tokens=2)
+    assert len(batch) == 2  # a [2, T] tensor is a batch of two prompts (test_batch.py)
     with pytest.raises(ValueError, match="one sequence at a time"):
-        treespec.generate(model, None, torch.zeros(2, 3, dtype=torch.long))
+        treespec.encode_prompt(torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="temperature"):
         treespec.generate(model, None, [1], temperature=-1)
     with pytest.raises(ValueError, match="acceptance rule"):

@@ -7,9 +7,11 @@ from .core.attention import (
     tree_attention_reference,
     tree_attention_sdpa,
 )
+from .core.batch import BatchDecoder, BatchStep
+from .core.batch_cache import BatchKVCache
 from .core.cache import CacheCapacityError, KVCacheBase, TreeKVCache
 from .core.decoder import Decoder, StepResult
-from .core.generate import GenerationResult, encode_prompt, generate, generate_baseline
+from .core.generate import GenerationResult, encode_prompt, generate, generate_baseline, generate_batch
 from .core.spec_cache import SpeculativeKVCache
 from .core.stats import GenerationStats
 from .core.tree import DEFAULT_TREE_SIZES, Tree, default_tree
@@ -30,6 +32,9 @@ __version__ = "0.1.0"
 __all__ = [
     "AttentionPlan",
     "BaseDrafter",
+    "BatchDecoder",
+    "BatchKVCache",
+    "BatchStep",
     "Decoder",
     "Drafter",
     "DrafterReport",
@@ -64,6 +69,7 @@ __all__ = [
     "encode_prompt",
     "generate",
     "generate_baseline",
+    "generate_batch",
     "load_model",
     "make_drafter",
     "tree_attention_enabled",

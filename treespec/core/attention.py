@@ -46,11 +46,16 @@ class AttentionPlan:
 
     mask: [n, n] bool (node i sees node j) or None for a causal block (prefill, a chain, one token);
     bits: the same mask packed as [n, ceil(n / 64)] int64 words (the compiled kernel reads these).
+    rows, prefix_lens: a forward over some rows of a batch whose rows have their own committed lengths
+    (`BatchKVCache`): query row a is cache row rows[a] and sees that row's keys [0, prefix_lens[a] + n)
+    only. None: every row's prefix is L - n (one sequence, or rows of equal length).
     """
 
     kernel: str = "sdpa"
     mask: torch.Tensor | None = None
     bits: torch.Tensor | None = None
+    rows: tuple[int, ...] | None = None
+    prefix_lens: tuple[int, ...] | None = None
 
     @classmethod
     def for_tree(cls, tree: Tree | None, kernel: str, device) -> AttentionPlan:
@@ -199,11 +204,29 @@ def treespec_attention(
     plan = tree_attention or AttentionPlan()
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if plan.rows is not None:
+        return _rows_attention(query, key, value, plan, scaling), None
     if plan.kernel == "compiled":
         out = tree_attention_compiled(query, key, value, plan.mask, scaling, plan.bits)  # [B, H, n, D]
     else:
         out = KERNELS[plan.kernel](query, key, value, plan.mask, scaling)  # [B, H, n, D]
     return out.transpose(1, 2).contiguous(), None  # no copy for "compiled": already [B, n, H, D]
+
+
+def _rows_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: AttentionPlan, scaling: float
+) -> torch.Tensor:
+    """Rows with their own committed lengths: query [A, H, n, D] over the cache's key/value [B, Hkv, L, D];
+    query row a reads cache row plan.rows[a], keys [0, plan.prefix_lens[a] + n), through the plan's kernel
+    on views (no K/V copy). Returns [A, n, H, D]."""
+    n = query.shape[2]
+    one_row = AttentionPlan(plan.kernel, plan.mask, plan.bits)
+    outs = []
+    for a, (row, c) in enumerate(zip(plan.rows, plan.prefix_lens, strict=True)):
+        k, v = key[row : row + 1, :, : c + n], value[row : row + 1, :, : c + n]  # [1, Hkv, c + n, D]
+        out, _ = treespec_attention(None, query[a : a + 1], k, v, None, scaling, tree_attention=one_row)
+        outs.append(out)  # [1, n, H, D]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)  # [A, n, H, D]
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, treespec_attention)

@@ -9,6 +9,8 @@ decoding on the same cache and attention (the baseline that benchmarks compare a
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -19,6 +21,7 @@ from ..drafters.heads import MedusaHeads
 from ..drafters.lookup import LookupDrafter
 from ..drafters.medusa import make_drafter
 from .acceptance import SamplingConfig
+from .batch import BatchDecoder
 from .decoder import Decoder
 from .stats import GenerationStats
 from .stopping import StopCondition
@@ -105,6 +108,25 @@ def choose_drafter(
     return LookupDrafter(drafter, lookup) if lookup else drafter
 
 
+def accepts_batches(generate_one):
+    """`generate` on a batch of prompts (`is_batch`) calls `generate_batch` with the same arguments."""
+    signature = inspect.signature(generate_one)
+
+    @functools.wraps(generate_one)
+    def generate(*args, **kwargs):
+        arguments = dict(signature.bind(*args, **kwargs).arguments)
+        if not is_batch(arguments["prompt_or_input_ids"]):
+            return generate_one(*args, **kwargs)
+        single_only = [arguments.pop(name, False) for name in ("trace", "compile")]
+        if any(single_only):
+            raise ValueError("trace= and compile= take one prompt; decode a batch without them")
+        arguments["prompts"] = arguments.pop("prompt_or_input_ids")
+        return generate_batch(**arguments)
+
+    return generate
+
+
+@accepts_batches
 @torch.inference_mode()
 def generate(
     model,
@@ -128,7 +150,8 @@ def generate(
     trace: bool = False,
     lookup: int = 0,
     compile: bool = False,
-) -> GenerationResult:
+    plain_above: int | str | None = "auto",
+) -> GenerationResult | list[GenerationResult]:
     """Generate up to `max_new_tokens` tokens with tree speculation; returns a `GenerationResult`.
 
     prompt_or_input_ids: a string (chat template when the tokenizer has one), ids or a [1, T] tensor.
@@ -141,6 +164,9 @@ def generate(
     extension builds for the model's dtype and device, else "sdpa"), "compiled", "sdpa" or "reference".
     max_length: cache capacity (default: max_position_embeddings). trace: keep every step's tree.
     compile: verify through torch.compile (`Decoder(compile=True)`; the first call per tree size compiles).
+
+    A batch of prompts (a list of strings, a list of id lists, or a [B, T] tensor with B > 1) decodes them
+    together and returns one `GenerationResult` per prompt (`generate_batch`; plain_above is its option).
     """
     stopping = StopCondition(eos_token_ids(model, tokenizer, eos_token_id), stop, tokenizer, max_new_tokens)
     prompt_ids = encode_prompt(prompt_or_input_ids, tokenizer, chat, vocab_size=_vocab_size(model))
@@ -165,6 +191,102 @@ def generate(
         streamer.end()
     text = stopping.text(out)
     return GenerationResult(out, text, prompt_ids, stats, decoder.tree, steps)
+
+
+def is_batch(prompts) -> bool:
+    """A batch of prompts: a list or tuple of strings or id sequences, or a [B, T] tensor with B > 1."""
+    if isinstance(prompts, torch.Tensor):
+        return prompts.dim() == 2 and prompts.shape[0] > 1
+    if isinstance(prompts, (list, tuple)) and prompts:
+        return all(isinstance(p, (str, list, tuple, torch.Tensor)) for p in prompts)
+    return False
+
+
+@torch.inference_mode()
+def generate_batch(
+    model,
+    heads: MedusaHeads | None,
+    prompts,
+    tokenizer=None,
+    tree: Tree | None = None,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    eos_token_id: int | Sequence[int] | None = None,
+    stop: str | Sequence[str] | None = None,
+    streamer=None,
+    acceptance: str = "sampling",
+    seed: int | None = None,
+    kernel: str = "auto",
+    chat: bool | None = None,
+    max_length: int | None = None,
+    drafter: Drafter | None = None,
+    lookup: int = 0,
+    plain_above: int | str | None = "auto",
+) -> list[GenerationResult]:
+    """Decode several prompts together (`BatchDecoder`); one `GenerationResult` per prompt, in order.
+
+    prompts: a list of strings or of id lists (any lengths), or a [B, T] tensor. Each row stops on its own
+    (EOS, stop strings, max_new_tokens) and then costs no more work. streamer: None, or a list with one
+    HF-style streamer (or None) per prompt. plain_above: plain one-token steps while more rows than this
+    are live; "auto" (default) times plain and speculative steps as the batch runs and takes the one
+    that pays at each row count; None: always speculate (`BatchDecoder`). Statistics are per row; a
+    step's time counts in every row that took part.
+    Drafters that keep a cache of their own (draft models, EAGLE, self-speculation) refuse batches.
+    Other arguments as in `generate`.
+    """
+    if isinstance(prompts, torch.Tensor):
+        prompts = list(prompts)
+    vocab = _vocab_size(model)
+    prompt_ids = [encode_prompt(p, tokenizer, chat, vocab_size=vocab) for p in prompts]
+    if streamer is not None and (not isinstance(streamer, (list, tuple)) or len(streamer) != len(prompt_ids)):
+        raise ValueError(
+            f"a batch of {len(prompt_ids)} prompts streams through a list of {len(prompt_ids)} streamers "
+            "(one per prompt, None for rows not streamed); HF streamers take one sequence each"
+        )
+    streamers = list(streamer) if streamer is not None else [None] * len(prompt_ids)
+    eos = eos_token_ids(model, tokenizer, eos_token_id)
+    stopping = [StopCondition(eos, stop, tokenizer, max_new_tokens) for _ in prompt_ids]
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    drafter = choose_drafter(model, heads, tree, drafter, lookup)
+    decoder = BatchDecoder(
+        model,
+        drafter,
+        acceptance=acceptance,
+        sampling=sampling,
+        kernel=kernel,
+        seed=seed,
+        plain_above=plain_above,
+    )
+    for ids, s in zip(prompt_ids, streamers, strict=True):
+        if s is not None:
+            s.put(torch.tensor([ids]))
+    started = decoder.clock()
+    outs: list[list[int]] = [[] for _ in prompt_ids]
+    stats: list[GenerationStats | None] = [None] * len(prompt_ids)
+    firsts = decoder.prefill(prompt_ids, max_new_tokens, max_length)
+    done = [
+        row for row, first in enumerate(firsts) if stopping[row].extend(outs[row], [first], streamers[row])
+    ]
+    while True:
+        for row in done:
+            stats[row] = decoder.close(row, len(outs[row]), started)
+            if streamers[row] is not None:
+                streamers[row].end()
+        decoder.finish(done)
+        if not decoder.live:
+            break
+        step = decoder.step()
+        done = [
+            row
+            for row, committed in zip(step.rows, step.committed, strict=True)
+            if stopping[row].extend(outs[row], committed, streamers[row])
+        ]
+    return [
+        GenerationResult(out, stopping[row].text(out), prompt_ids[row], stats[row], decoder.tree)
+        for row, out in enumerate(outs)
+    ]
 
 
 def _vocab_size(model) -> int | None:

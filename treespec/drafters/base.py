@@ -7,11 +7,14 @@ One decoding step, seen from a drafter:
     observe(committed, features)    the tokens the step committed per row (accepted nodes, then the bonus),
                                     and the target's features there when the drafter asked for them
     feature_layers                  which of the target's hidden states the drafter reads (default none)
+    batched                         True when it drafts for B > 1 rows (a batch of sequences)
+    keep_rows(rows)                 batches: only these rows (indices into the last batch) go on decoding
     report() -> DrafterReport       what the drafter measured and the memory of its own cache, if any
     scorer() -> Scorer | None       its own verification forward (partial-layer verification), or None
 
 `Drafter` is the protocol; `BaseDrafter` gives the do-nothing defaults, so a stateless drafter writes
-only `tree` and `propose`. Shapes are batch-shaped; every drafter here accepts B = 1 for now.
+only `tree` and `propose`. Shapes are batch-shaped: heads, prompt lookup and plain decoding draft for a
+batch of rows (`batched`); the drafters with a cache or scorer of their own take one row.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ class SequenceStart:
     # [1, P, F] the target's hidden states at the prompt, from the layers in the drafter's
     # `feature_layers` concatenated (None when it asks for none)
     features: torch.Tensor | None = None
+    row: int = 0  # in a batch: which row starts (rows start in order 0, 1, ...)
+    rows: int = 1  # in a batch: how many rows the batch has
 
 
 @dataclass
@@ -79,8 +84,11 @@ class Drafter(Protocol):
     # indices into transformers' `hidden_states` (0 = the embeddings, i = after layer i) whose values the
     # decoder hands to `start` and `observe` as features; () = none
     feature_layers: tuple[int, ...]
+    batched: bool  # drafts for several rows at once (hidden [B, H], roots [B])
 
     def start(self, sequence: SequenceStart) -> None: ...
+
+    def keep_rows(self, rows: list[int]) -> None: ...
 
     def propose(self, hidden: torch.Tensor, roots: torch.Tensor) -> Proposal: ...
 
@@ -97,9 +105,13 @@ class BaseDrafter:
 
     tree: Tree
     feature_layers: tuple[int, ...] = ()
+    batched: bool = False
 
     def start(self, sequence: SequenceStart) -> None:
         pass
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """A batch lost rows (they finished): later calls see only `rows` of the last batch, in order."""
 
     def propose(self, hidden: torch.Tensor, roots: torch.Tensor) -> Proposal:
         raise NotImplementedError
@@ -119,13 +131,26 @@ def single_row(hidden: torch.Tensor, roots: torch.Tensor) -> tuple[torch.Tensor,
     if hidden.dim() != 2 or hidden.shape[0] != 1 or roots.numel() != 1:
         raise ValueError(
             f"this drafter proposes for one sequence at a time; got hidden {tuple(hidden.shape)} "
-            f"and {roots.numel()} roots"
+            f"and {roots.numel()} roots (batches of sequences take heads, prompt lookup or plain decoding)"
         )
     return hidden[0], int(roots.reshape(-1)[0])
 
 
+def batch_rows(hidden: torch.Tensor, roots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden [B, H], roots [B]) of a batch; a clear error when the two disagree."""
+    roots = roots.reshape(-1)
+    if hidden.dim() != 2 or hidden.shape[0] != roots.numel():
+        raise ValueError(
+            f"propose takes hidden [B, H] and roots [B]; got hidden {tuple(hidden.shape)} and "
+            f"{roots.numel()} roots"
+        )
+    return hidden, roots
+
+
 class RootOnlyDrafter(BaseDrafter):
     """No speculation: the tree is the root alone (plain one-token-at-a-time decoding)."""
+
+    batched = True
 
     def __init__(self):
         self.tree = Tree.from_choices([])

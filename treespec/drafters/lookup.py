@@ -81,34 +81,52 @@ class LookupDrafter(BaseDrafter):
             top.append(top[-1] + (0,))
         inner_index = {p: i for i, p in enumerate(inner_paths)}
         self._top_branch = [inner_index[p] for p in top[1:]]  # inner node indices, depth 1..
-        self.index = NgramIndex(max_ngram)
+        self.indexes = [NgramIndex(max_ngram)]  # per row of the batch: the text so far
         # the chain's own history, per matched suffix length n and chain depth d: how often node d was
-        # accepted when its parent was (prior: 1 of 2), giving each chain node a probability
+        # accepted when its parent was (prior: 1 of 2), giving each chain node a probability; pooled
+        # over the rows of a batch
         self.hits = torch.ones(max_ngram + 1, length, dtype=torch.float64)
         self.tries = torch.full((max_ngram + 1, length), 2.0, dtype=torch.float64)
-        self.last_chain: tuple[list[int], int] | None = None  # (chain tokens, matched length)
+        # per row: the chain the last step verified (chain tokens, matched length), None when it was a filler
+        self.last_chains: list[tuple[list[int], int] | None] = [None]
+
+    @property
+    def batched(self) -> bool:
+        return bool(getattr(self.inner, "batched", False))
 
     def start(self, sequence: SequenceStart) -> None:
-        """A new sequence: index the prompt and the first token; the inner drafter starts too."""
-        self.index = NgramIndex(self.max_ngram)
-        self.index.extend(sequence.tokens)
+        """A new sequence (or row `sequence.row` of a batch): index its prompt and first token; the inner
+        drafter starts too."""
+        if sequence.row == 0:
+            self.indexes = [NgramIndex(self.max_ngram) for _ in range(sequence.rows)]
+            self.last_chains = [None] * sequence.rows
+        self.indexes[sequence.row].extend(sequence.tokens)
         self.inner.start(sequence)
 
+    def keep_rows(self, rows: list[int]) -> None:
+        self.indexes = [self.indexes[r] for r in rows]
+        self.last_chains = [self.last_chains[r] for r in rows]
+        self.inner.keep_rows(rows)
+
     def observe(self, committed: list[list[int]], features: torch.Tensor | None = None) -> None:
-        """Tokens committed by the last step (the accepted ones, then the bonus token)."""
-        self.index.extend(committed[0])
-        if self.last_chain is not None:
-            chain, n = self.last_chain
-            for d, token in enumerate(chain):  # node d's parent was accepted: node d - 1 was
-                if d > 0 and (d > len(committed[0]) - 1 or committed[0][d - 1] != chain[d - 1]):
-                    break
-                self.tries[n, d] += 1
-                self.hits[n, d] += float(d < len(committed[0]) - 1 and committed[0][d] == token)
-            self.last_chain = None
+        """Tokens committed by the last step in each row (the accepted ones, then the bonus token)."""
+        for row, tokens in enumerate(committed):
+            self.indexes[row].extend(tokens)
+            if self.last_chains[row] is not None:
+                self._record(*self.last_chains[row], tokens)
+                self.last_chains[row] = None
         if self.feature_layers:
             self.inner.observe(committed, features)
         else:
             self.inner.observe(committed)
+
+    def _record(self, chain: list[int], n: int, committed: list[int]) -> None:
+        """The chain's history: which of its nodes were accepted, given that their parent was."""
+        for d, token in enumerate(chain):  # node d's parent was accepted: node d - 1 was
+            if d > 0 and (d > len(committed) - 1 or committed[d - 1] != chain[d - 1]):
+                break
+            self.tries[n, d] += 1
+            self.hits[n, d] += float(d < len(committed) - 1 and committed[d] == token)
 
     def report(self) -> DrafterReport:
         return self.inner.report()
@@ -118,19 +136,26 @@ class LookupDrafter(BaseDrafter):
 
     def propose(self, hidden: torch.Tensor, roots: torch.Tensor) -> Proposal:
         inner = self.inner.propose(hidden, roots)
-        inner_tokens = inner.tokens[0]  # [N_inner]
-        root = int(roots.reshape(-1)[0])
-        proposal, matched = self.index.match(self.length)
-        chain = (proposal or inner_tokens[self._top_branch].tolist())[: self.length]  # filler: a copy
-        chain = chain + [chain[-1] if chain else root] * (self.length - len(chain))
-        self.last_chain = (chain, matched) if proposal else None
-        tokens = torch.empty(self.tree.num_nodes, dtype=torch.long, device=inner_tokens.device)  # [N]
-        tokens[self.inner_nodes.to(tokens.device)] = inner_tokens
-        tokens[self.chain_nodes.to(tokens.device)] = torch.tensor(chain, device=tokens.device)
-        probs = torch.ones(self.tree.num_nodes)  # [N]
+        B = inner.tokens.shape[0]
+        device = inner.tokens.device
+        tokens = torch.empty(B, self.tree.num_nodes, dtype=torch.long, device=device)  # [B, N]
+        tokens[:, self.inner_nodes.to(device)] = inner.tokens
+        probs = torch.ones(B, self.tree.num_nodes)  # [B, N]
         if inner.probs is not None:
-            probs[self.inner_nodes] = inner.probs[0].float().cpu()
-        # chain nodes: their history's acceptance given the parent (0 for a filler copy of the inner tree)
-        history = (self.hits[matched] / self.tries[matched]).float() if proposal else torch.zeros(self.length)
-        probs[self.chain_nodes] = history
-        return Proposal(tokens[None], probs[None])  # [1, N] each
+            probs[:, self.inner_nodes] = inner.probs.float().cpu()
+        roots = roots.reshape(-1).tolist()
+        chains = []
+        for row in range(B):
+            proposal, matched = self.indexes[row].match(self.length)
+            # filler when nothing matches: a copy of the inner tree's top branch
+            chain = (proposal or inner.tokens[row, self._top_branch].tolist())[: self.length]
+            chain = chain + [chain[-1] if chain else roots[row]] * (self.length - len(chain))
+            self.last_chains[row] = (chain, matched) if proposal else None
+            chains.append(chain)
+            # chain nodes: their history's acceptance given the parent (0 for a filler)
+            history = (
+                (self.hits[matched] / self.tries[matched]).float() if proposal else torch.zeros(self.length)
+            )
+            probs[row, self.chain_nodes] = history
+        tokens[:, self.chain_nodes.to(device)] = torch.tensor(chains, device=device)  # [B, length]
+        return Proposal(tokens, probs)  # [B, N] each

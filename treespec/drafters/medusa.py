@@ -1,7 +1,8 @@
 """Medusa-style drafters: heads on the base model's last hidden state fill a static candidate tree.
 
 Node 0 is always the root, the base model's own next token; the other nodes get the heads' top-ranked
-guesses. Both drafters implement `treespec.drafters.base.Drafter` (stateless: only `propose`).
+guesses. Both drafters implement `treespec.drafters.base.Drafter` (stateless: only `propose`) and draft
+for a batch of rows at once.
 """
 
 from __future__ import annotations
@@ -10,12 +11,14 @@ import torch
 
 from ..core.packed import PackedMatrix, packed_linears
 from ..core.tree import Tree
-from .base import BaseDrafter, Proposal, single_row
+from .base import BaseDrafter, Proposal, batch_rows
 from .heads import ExitHead, MedusaHeads
 
 
 class MedusaDrafter(BaseDrafter):
     """Independent Medusa heads: head k's top-r tokens fill the tree nodes at depth k+1 with rank r."""
+
+    batched = True
 
     def __init__(self, heads: MedusaHeads, tree: Tree, lm_head: torch.nn.Module):
         _check_depth(heads, tree)
@@ -30,17 +33,17 @@ class MedusaDrafter(BaseDrafter):
         self.token_index = tree.token_index(self.topk).to(device)  # [N] into [root, head0 top-k, ...]
 
     def propose(self, hidden: torch.Tensor, roots: torch.Tensor) -> Proposal:
-        hidden, root = single_row(hidden, roots)  # [H], int
-        depth = self.tree.max_depth
+        hidden, roots = batch_rows(hidden, roots)  # [B, H], [B]
+        B, depth = hidden.shape[0], self.tree.max_depth
         with packed_linears(self.heads):
-            states = self.heads.head_hidden(hidden.view(1, 1, -1), num_heads=depth)  # [K, 1, 1, H]
-            logits = _logits(self, states, None)  # [K, 1, 1, V']
-        top = logits[:, 0, 0].float().softmax(dim=-1).topk(self.topk, dim=-1)  # values, indices: [K, topk]
-        root_t = torch.tensor([root], device=top.indices.device)
-        candidates = torch.cat([root_t, self.heads.token_ids(top.indices.flatten())])  # [1 + K*topk]
-        probs = torch.cat([top.values.new_ones(1), top.values.flatten()])  # [1 + K*topk]
-        # [1, N] each node's token and its probability under its head
-        return Proposal(candidates[self.token_index][None], probs[self.token_index][None])
+            states = self.heads.head_hidden(hidden[:, None], num_heads=depth)  # [K, B, 1, H]
+            logits = _logits(self, states, None)  # [K, B, 1, V']
+        top = logits[:, :, 0].float().softmax(dim=-1).topk(self.topk, dim=-1)  # values, indices: [K, B, topk]
+        guesses = self.heads.token_ids(top.indices.transpose(0, 1).reshape(B, -1))  # [B, K*topk]
+        candidates = torch.cat([roots[:, None].to(guesses.device), guesses], dim=1)  # [B, 1 + K*topk]
+        probs = torch.cat([top.values.new_ones(B, 1), top.values.transpose(0, 1).reshape(B, -1)], dim=1)
+        # [B, N] each node's token and its probability under its head
+        return Proposal(candidates[:, self.token_index], probs[:, self.token_index])
 
 
 class SequentialDrafter(BaseDrafter):
@@ -49,6 +52,8 @@ class SequentialDrafter(BaseDrafter):
     The children of a node at depth d are head d's top-ranked guesses given the tokens on the path to
     that node: head d runs once per depth, batched over the nodes of depth d that have children.
     """
+
+    batched = True
 
     def __init__(self, heads: MedusaHeads, tree: Tree, lm_head: torch.nn.Module, embedding: torch.nn.Module):
         _check_depth(heads, tree)
@@ -66,23 +71,23 @@ class SequentialDrafter(BaseDrafter):
         self.dtype = next(heads.parameters()).dtype
 
     def propose(self, hidden: torch.Tensor, roots: torch.Tensor) -> Proposal:
-        hidden, root = single_row(hidden, roots)  # [H], int
-        n = self.tree.num_nodes
-        tokens = torch.empty(n, dtype=torch.long, device=hidden.device)  # [N]
-        tokens[0] = root
-        probs = torch.ones(n, device=hidden.device)  # [N]
-        states = hidden.new_empty(n, self.hidden_size, dtype=self.dtype)  # [N, H] u at each expanded node
+        hidden, roots = batch_rows(hidden, roots)  # [B, H], [B]
+        B, n = hidden.shape[0], self.tree.num_nodes
+        tokens = torch.empty(B, n, dtype=torch.long, device=hidden.device)  # [B, N]
+        tokens[:, 0] = roots.to(hidden.device)
+        probs = torch.ones(B, n, device=hidden.device)  # [B, N]
+        states = hidden.new_empty(B, n, self.hidden_size, dtype=self.dtype)  # [B, N, H] u at expanded nodes
         with packed_linears(self.heads):
             for d, (expanded, parents, children, row, rank, k) in enumerate(self.levels):
-                before = hidden[None] if d == 0 else states[parents]  # [n_d, H] state of each node's parent
-                emb = self.heads.embed_tokens(self.embedding, tokens[expanded])  # [n_d, H]
-                u = self.heads.advance(d, before, emb)  # [n_d, H]
-                states[expanded] = u.to(states.dtype)
-                logits = _logits(self, u, d)  # [n_d, V']
-                top = logits.float().softmax(dim=-1).topk(k, dim=-1)  # values, indices: [n_d, k]
-                tokens[children] = self.heads.token_ids(top.indices[row, rank])  # [c_d]
-                probs[children] = top.values[row, rank]
-        return Proposal(tokens[None], probs[None])  # [1, N] each
+                before = hidden[:, None] if d == 0 else states[:, parents]  # [B, n_d, H] parents' states
+                emb = self.heads.embed_tokens(self.embedding, tokens[:, expanded])  # [B, n_d, H]
+                u = self.heads.advance(d, before, emb)  # [B, n_d, H]
+                states[:, expanded] = u.to(states.dtype)
+                logits = _logits(self, u, d)  # [B, n_d, V']
+                top = logits.float().softmax(dim=-1).topk(k, dim=-1)  # values, indices: [B, n_d, k]
+                tokens[:, children] = self.heads.token_ids(top.indices[:, row, rank])  # [B, c_d]
+                probs[:, children] = top.values[:, row, rank]
+        return Proposal(tokens, probs)  # [B, N] each
 
 
 def _logits(drafter, states: torch.Tensor, head: int | None) -> torch.Tensor:

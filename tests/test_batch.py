@@ -1,0 +1,310 @@
+"""A batch of sequences: each row's output equals its own single-sequence output; rows never disturb each
+other; the batched cache and the per-row attention against their single-row references."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from conftest import ARCHS, hf_greedy, random_heads, tiny_model
+
+import treespec
+from treespec.core.attention import AttentionPlan, tree_attention_reference, treespec_attention
+from treespec.core.batch import BatchDecoder, StepPricer
+from treespec.core.batch_cache import BatchKVCache
+from treespec.core.cache import CacheCapacityError
+
+
+def _prompts(model, lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _drafters(model):
+    """(name, make) of every drafter that batches: plain decoding, independent heads with and without a
+    lookup branch, sequential heads (each made fresh: lookup keeps state)."""
+    heads, sequential = random_heads(model), random_heads(model, sequential=True, seed=1)
+    tree = treespec.default_tree(16, 4)
+    return [
+        ("plain", lambda: None),
+        ("heads", lambda: treespec.make_drafter(heads, tree, model)),
+        ("heads+lookup", lambda: treespec.LookupDrafter(treespec.make_drafter(heads, tree, model), 3)),
+        ("lookup", lambda: treespec.LookupDrafter(None, 4)),
+        ("sequential", lambda: treespec.make_drafter(sequential, tree, model)),
+    ]
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 5, 8])
+def test_each_row_equals_its_single_sequence_output(batch):
+    """Greedy, float32, random drafters: every row equals the same prompt decoded alone (and HF greedy)."""
+    model = tiny_model("llama", dtype=torch.float32)
+    lengths = [3 + 11 * i for i in range(batch)]
+    if batch > 2:
+        lengths[1] = 300  # rows hundreds of tokens apart
+    prompts = _prompts(model, lengths, seed=batch)
+    for name, make in _drafters(model):
+        singles = [
+            treespec.generate(model, None, p, drafter=make(), max_new_tokens=24, eos_token_id=[]).token_ids
+            for p in prompts
+        ]
+        results = treespec.generate(model, None, prompts, drafter=make(), max_new_tokens=24, eos_token_id=[])
+        assert [r.token_ids for r in results] == singles, name
+        assert [r.prompt_ids for r in results] == prompts
+        assert all(r.stats.new_tokens == 24 and r.stats.steps >= 1 for r in results)
+    assert singles[0] == hf_greedy(model, prompts[0], 24)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("kernel", ["reference", "sdpa", "compiled"])
+def test_batches_on_every_architecture_and_kernel(arch, kernel):
+    model = tiny_model(arch, dtype=torch.float32)
+    heads = random_heads(model)
+    prompts = _prompts(model, [4, 40, 9, 17], seed=3)
+    results = treespec.generate(model, heads, prompts, max_new_tokens=20, eos_token_id=[], kernel=kernel)
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.token_ids == hf_greedy(model, prompt, 20), (arch, kernel)
+
+
+def test_heads_that_match_the_model_accept_deep_in_every_row():
+    """Identity heads on a model that repeats itself: speculation works row by row (not just plain steps)."""
+    model = tiny_model("llama", dtype=torch.float32)
+    heads = random_heads(model, std=0.0)
+    prompts = [[3] * 6, [5] * 9, [3] * 12]
+    results = treespec.generate(model, heads, prompts, max_new_tokens=30, eos_token_id=[], plain_above=None)
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.token_ids == hf_greedy(model, prompt, 30)
+        single = treespec.generate(model, heads, prompt, max_new_tokens=30, eos_token_id=[])
+        assert result.stats.accept_lengths == single.stats.accept_lengths
+        assert result.stats.steps < 30
+
+
+def test_a_row_that_hits_eos_first_stops_and_leaves_the_batch():
+    model = tiny_model("llama", dtype=torch.float32)
+    heads = random_heads(model)
+    prompts = _prompts(model, [5, 8, 13], seed=4)
+    free = hf_greedy(model, prompts[0], 30)
+    eos = free[3]
+    expected = [hf_greedy(model, p, 30, eos_token_id=eos) for p in prompts]
+    assert len(expected[0]) < len(expected[1])  # the eos token stops row 0 early
+
+    widths = []  # rows in each verification forward
+    hook = model.model.embed_tokens.register_forward_hook(
+        lambda m, args, out: widths.append(args[0].shape[0])
+    )
+    try:
+        results = treespec.generate(model, heads, prompts, max_new_tokens=30, eos_token_id=eos)
+    finally:
+        hook.remove()
+    assert [r.token_ids for r in results] == expected
+    assert results[0].token_ids[-1] == eos
+    # prefills one row at a time, then steps over 3 rows, then fewer once row 0 stopped
+    steps = widths[len(prompts) :]
+    assert steps[0] == 3 and min(steps) < 3 and steps == sorted(steps, reverse=True)
+    assert results[0].stats.steps < results[1].stats.steps
+
+
+def test_a_row_whose_prompt_nearly_fills_the_cache():
+    model = tiny_model("llama", dtype=torch.float32)
+    heads = random_heads(model)
+    tree = treespec.default_tree(8, 4)
+    limit = model.config.max_position_embeddings
+    prompts = _prompts(model, [limit - 20 - tree.num_nodes, 6], seed=5)
+    results = treespec.generate(model, heads, prompts, tree=tree, max_new_tokens=20, eos_token_id=[])
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.token_ids == hf_greedy(model, prompt, 20)
+    too_long = [prompts[1], prompts[0] + [1]]
+    with pytest.raises(CacheCapacityError, match="prompt 1 has"):
+        treespec.generate(model, heads, too_long, tree=tree, max_new_tokens=20, eos_token_id=[])
+
+
+def test_sampling_in_a_batch_matches_the_base_model_per_row():
+    """temperature 1: each row's 2nd token follows the base model's exact marginal for its own prompt."""
+    model = tiny_model("llama", dtype=torch.float32, vocab_size=10, initializer_range=0.5)
+    heads = random_heads(model, std=0.5)
+    tree = treespec.default_tree(16, 4)
+    prompts = [[1, 4, 2], [7, 7, 3, 0]]
+    exact = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            p1 = model(torch.tensor([prompt])).logits[0, -1].softmax(-1)  # [V]
+            p2_given = model(torch.tensor([prompt + [x] for x in range(10)])).logits[:, -1].softmax(-1)
+            exact.append(p1 @ p2_given)  # [V] the 2nd token's marginal
+    counts = [Counter(), Counter()]
+    copies = 8
+    for seed in range(200):
+        batch = [prompts[i % 2] for i in range(2 * copies)]
+        results = treespec.generate(
+            model, heads, batch, tree=tree, max_new_tokens=2, temperature=1.0, seed=seed, eos_token_id=[]
+        )
+        for i, result in enumerate(results):
+            counts[i % 2][result.token_ids[1]] += 1
+    for count, p in zip(counts, exact, strict=True):
+        n = sum(count.values())  # 1600
+        tv = 0.5 * sum(abs(count[t] / n - float(p[t])) for t in range(10))
+        assert tv < 0.06  # noise at n=1600 over 10 tokens is ~0.025
+
+
+def test_plain_steps_above_the_row_limit():
+    """plain_above: while more rows are live than that, steps verify the root alone; output unchanged."""
+    model = tiny_model("llama", dtype=torch.float32)
+    heads = random_heads(model, std=0.0)
+    prompts = [[3] * 6, [5] * 9, [3] * 12]
+    tree = treespec.default_tree(8, 4)
+    decoder = BatchDecoder(model, treespec.make_drafter(heads, tree, model), plain_above=2)
+    decoder.prefill(prompts, max_new_tokens=20)
+    step = decoder.step()
+    assert step.nodes == 1 and all(len(p) == 1 for p in step.paths)
+    decoder.finish([1])
+    step = decoder.step()
+    assert step.rows == [0, 2] and step.nodes == tree.num_nodes
+    full = treespec.generate(
+        model, heads, prompts, tree=tree, max_new_tokens=20, eos_token_id=[], plain_above=1
+    )
+    assert [r.token_ids for r in full] == [hf_greedy(model, p, 20) for p in prompts]
+
+
+def test_step_pricer_takes_the_kind_of_step_that_pays():
+    pricer = StepPricer(recheck=4, smoothing=1.0)
+    assert pricer.speculate(8)  # nothing measured: one speculative step first
+    pricer.record(8, True, 2.0, accepted=1.5)
+    assert not pricer.speculate(8)  # then one plain step
+    pricer.record(8, False, 1.0, accepted=1.0)
+    # 1.5 tokens per row for 2 s against 1 token for 1 s: plain pays; every 4th step rechecks the other
+    assert [pricer.speculate(8) for _ in range(8)] == [False, False, False, True] * 2
+    pricer.record(8, True, 2.0, accepted=3.0)  # 3 tokens per row for 2 s: speculation pays now
+    assert pricer.speculate(8)
+    assert pricer.speculate(4)  # another row count is measured on its own
+
+
+def test_auto_fallback_keeps_the_output():
+    model = tiny_model("llama", dtype=torch.float32)
+    heads = random_heads(model)
+    prompts = _prompts(model, [5, 9, 14, 3], seed=12)
+    decoder = BatchDecoder(model, treespec.make_drafter(heads, treespec.default_tree(16, 4), model))
+    decoder.prefill(prompts, max_new_tokens=30)
+    kinds = [decoder.step().nodes for _ in range(6)]
+    assert kinds[:2] == [16, 1]  # measures both kinds of step before choosing
+    assert set(decoder.pricer.seconds) == {(4, True), (4, False)}
+    results = treespec.generate(model, heads, prompts, max_new_tokens=30, eos_token_id=[])
+    assert [r.token_ids for r in results] == [hf_greedy(model, p, 30) for p in prompts]
+    with pytest.raises(ValueError, match="plain_above must be"):
+        BatchDecoder(model, None, plain_above="sometimes")
+
+
+def test_streaming_per_row():
+    model = tiny_model("llama", dtype=torch.float32)
+    heads = random_heads(model)
+    prompts = _prompts(model, [4, 7], seed=6)
+
+    class Collect:
+        def __init__(self):
+            self.puts, self.ended = [], False
+
+        def put(self, ids):
+            self.puts.append(ids.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    streams = [Collect(), None]
+    results = treespec.generate(model, heads, prompts, max_new_tokens=15, eos_token_id=[], streamer=streams)
+    assert streams[0].puts[0] == prompts[0] and streams[0].ended
+    assert sum(streams[0].puts[1:], []) == results[0].token_ids
+    with pytest.raises(ValueError, match="list of 2 streamers"):
+        treespec.generate(model, heads, prompts, max_new_tokens=5, streamer=Collect())
+
+
+def test_drafters_with_their_own_cache_refuse_batches():
+    model = tiny_model("llama", dtype=torch.float32)
+    draft = tiny_model("llama", dtype=torch.float32, seed=1)
+    prompts = _prompts(model, [4, 7], seed=7)
+    with pytest.raises(ValueError, match="one sequence at a time"):
+        treespec.generate(model, None, prompts, drafter=treespec.DraftModelDrafter(draft, gamma=3))
+    with pytest.raises(ValueError, match="trace= and compile= take one prompt"):
+        treespec.generate(model, None, prompts, trace=True)
+
+
+def test_a_batch_as_a_tensor_and_a_single_prompt_as_a_list_of_ids():
+    model = tiny_model("llama", dtype=torch.float32)
+    ids = torch.tensor(_prompts(model, [6, 6], seed=8))
+    results = treespec.generate(model, None, ids, max_new_tokens=5, eos_token_id=[])
+    assert [r.token_ids for r in results] == [hf_greedy(model, row.tolist(), 5) for row in ids]
+    single = treespec.generate(model, None, ids[0].tolist(), max_new_tokens=5, eos_token_id=[])
+    assert isinstance(single, treespec.GenerationResult)
+
+
+# -- the cache and the attention against their single-row references ----------------------------------
+
+
+def test_batch_cache_rows_equal_single_sequence_caches():
+    """After several steps, each row's committed K/V equals what single-sequence decoding committed."""
+    model = tiny_model("llama", dtype=torch.float64)
+    heads = random_heads(model, std=0.0)
+    tree = treespec.default_tree(16, 4)
+    prompts = [[3] * 5, _prompts(model, [40], seed=9)[0], [4, 4, 4]]
+    batch = BatchDecoder(model, treespec.make_drafter(heads, tree, model))
+    batch.prefill(prompts, max_new_tokens=20)
+    for _ in range(4):
+        batch.step()
+    for row, prompt in enumerate(prompts):
+        single = treespec.Decoder(model, treespec.make_drafter(heads, tree, model))
+        single.prefill(prompt, max_new_tokens=20)
+        while single.cache.committed < batch.cache.lengths[row]:
+            single.step()
+        n = batch.cache.lengths[row]
+        for layer in range(model.config.num_hidden_layers):
+            k, v = batch.cache.row_kv(row, layer)  # [Hkv, n, D]
+            k1, v1 = single.cache.committed_kv(layer)  # [1, Hkv, c, D]
+            torch.testing.assert_close(k, k1[0, :, :n])
+            torch.testing.assert_close(v, v1[0, :, :n])
+
+
+def test_batch_cache_commit_moves_each_row_on_its_own():
+    cache = BatchKVCache(
+        num_layers=2, batch_size=3, num_kv_heads=1, head_dim=2, max_len=16, dtype=torch.float64
+    )
+    cache.lengths = [2, 5, 0]
+    cache.begin([0, 1], 4)
+    new = torch.arange(2 * 4 * 2, dtype=torch.float64).reshape(2, 1, 4, 2)  # [A, Hkv, n, D]
+    for layer in cache.layers:
+        keys, values = layer.update(new, -new)
+        assert keys.shape == (3, 1, 9, 2)  # every row up to the furthest write (5 + 4)
+    cache.commit([[0, 2], [0, 1, 3]])
+    assert cache.lengths == [4, 8, 0] and cache.committed == 8
+    keys = cache.layers[1].keys
+    torch.testing.assert_close(keys[0, 0, 2:4], new[0, 0, [0, 2]])
+    torch.testing.assert_close(keys[1, 0, 5:8], new[1, 0, [0, 1, 3]])
+    torch.testing.assert_close(cache.layers[0].values[1, 0, 5:8], -new[1, 0, [0, 1, 3]])
+    with pytest.raises(CacheCapacityError, match="row 1 has 8 committed tokens"):
+        cache.begin([1], 9)
+    with pytest.raises(ValueError, match="not distinct rows"):
+        cache.begin([0, 0], 1)
+
+
+@pytest.mark.parametrize("kernel", ["reference", "sdpa", "compiled"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rows_attention_equals_each_row_alone(kernel, dtype):
+    """Fresh random q/k/v and prefix lengths per row: the per-row attention equals the reference run on
+    each row's own keys [0, c + n)."""
+    if kernel == "compiled" and dtype == torch.float64:
+        pytest.skip("the compiled op takes float32 / bf16 / fp16")
+    gen = torch.Generator().manual_seed(11)
+    tree = treespec.default_tree(8, 4)
+    n, H, Hkv, D, B = tree.num_nodes, 4, 2, 16, 4
+    prefix = [0, 130, 7, 64]
+    rows = (3, 0, 1)  # a forward over some rows, not in cache order
+    L = max(prefix[r] for r in rows) + n
+    key = torch.randn(B, Hkv, L + 5, D, generator=gen, dtype=dtype)
+    value = torch.randn(B, Hkv, L + 5, D, generator=gen, dtype=dtype)
+    query = torch.randn(len(rows), H, n, D, generator=gen, dtype=dtype)
+    plan = AttentionPlan.for_tree(tree, kernel, "cpu")
+    plan = AttentionPlan(plan.kernel, plan.mask, plan.bits, rows, tuple(prefix[r] for r in rows))
+    out, _ = treespec_attention(None, query, key[:, :, :L], value[:, :, :L], None, 0.25, tree_attention=plan)
+    assert out.shape == (len(rows), n, H, D)
+    for a, r in enumerate(rows):
+        end = prefix[r] + n
+        want = tree_attention_reference(
+            query[a : a + 1], key[r : r + 1, :, :end], value[r : r + 1, :, :end], tree.ancestor_mask, 0.25
+        )
+        torch.testing.assert_close(out[a : a + 1], want.transpose(1, 2), atol=1e-5, rtol=1e-4)

@@ -1,0 +1,291 @@
+"""Decoding a batch of sequences together: one forward over B candidate trees, each row its own path.
+
+    prefill(prompts)   each prompt alone (no padding, nothing recomputed), into its row of a BatchKVCache
+    step():
+        proposal = drafter.propose(hidden [A, H], roots [A])     # [A, N] one tree per live row
+        hidden_tree = forward(tokens [A, N], positions c_row + depth, rows)   # K/V at each row's own end
+        per row: path, bonus = acceptance rule over its logits    # rows accept different lengths
+        cache.commit(paths)                                       # each row advances by its own count
+    finish(rows)       rows that stopped leave the batch: later forwards run over the live rows only
+
+Row a of a forward reads only its own cache row (`AttentionPlan.rows` / `prefix_lens`), so a row's tokens
+are what it would get decoded alone (greedy; in float32 up to the rounding of batched matrix products).
+
+A speculative step verifies A x N rows where a plain step verifies A: once the live rows fill the
+machine's matrix units, more rows per step cost nearly their full price and speculation stops paying.
+`plain_above` sets the row count above which steps verify the root alone (plain batched decoding);
+"auto" (`StepPricer`) times both kinds of step on this machine as the batch runs and takes the one that
+commits more tokens per second at the current row count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..drafters.base import Drafter, RootOnlyDrafter, SequenceStart
+from .acceptance import RULES, SamplingConfig, verify
+from .attention import KERNELS, AttentionPlan, auto_kernel, tree_attention_enabled
+from .batch_cache import BatchKVCache
+from .cache import CacheCapacityError
+from .decoder import full_forward, output_logits
+from .packed import MODES as LINEAR_MODES
+from .packed import packed_linears
+from .stats import GenerationStats
+from .tree import Tree
+
+
+class StepPricer:
+    """Chooses plain or speculative steps from their measured cost at each live-row count.
+
+    Per row count A it keeps a moving average of the seconds of a speculative and of a plain step, and
+    over all speculative steps the mean accepted length E per row. A speculative step commits E tokens
+    per row where a plain one commits 1, so it pays while E x t_plain(A) > t_spec(A). A row count not
+    seen yet tries one step of each kind; every `recheck` steps the kind not chosen runs once, so the
+    estimates follow the machine and the text."""
+
+    def __init__(self, recheck: int = 16, smoothing: float = 0.3):
+        self.recheck, self.smoothing = recheck, smoothing
+        self.seconds: dict[tuple[int, bool], float] = {}  # (rows, speculative) -> seconds per step
+        self.accept = 1.0  # mean accepted length per row of speculative steps (moving average)
+        self.accept_seen = False
+        self.steps = 0
+
+    def speculate(self, rows: int) -> bool:
+        spec, plain = self.seconds.get((rows, True)), self.seconds.get((rows, False))
+        if spec is None or plain is None:
+            return spec is None  # measure both kinds first
+        self.steps += 1
+        better = self.accept * plain > spec
+        return (not better) if self.steps % self.recheck == 0 else better
+
+    def record(self, rows: int, speculative: bool, seconds: float, accepted: float) -> None:
+        """One step over `rows` rows took `seconds`; a speculative one accepted `accepted` tokens per row."""
+        key, a = (rows, speculative), self.smoothing
+        self.seconds[key] = seconds if key not in self.seconds else (1 - a) * self.seconds[key] + a * seconds
+        if speculative:
+            self.accept = accepted if not self.accept_seen else (1 - a) * self.accept + a * accepted
+            self.accept_seen = True
+
+
+@dataclass
+class BatchStep:
+    """One step of the batch: per live row, its cache row, the accepted nodes and the committed tokens."""
+
+    rows: list[int]  # cache rows (= prompt indices) that took part
+    paths: list[list[int]]  # per row: accepted nodes, root first
+    committed: list[list[int]]  # per row: the accepted nodes' tokens after the root, then the bonus
+    nodes: int  # tree nodes verified per row (1: a plain step)
+    seconds_draft: float
+    seconds_verify: float
+    seconds_commit: float
+
+
+class BatchDecoder:
+    """Tree-speculative decoding of B sequences at once over one preallocated cache."""
+
+    def __init__(
+        self,
+        model,
+        drafter: Drafter | None = None,
+        *,
+        acceptance: str = "sampling",
+        sampling: SamplingConfig | None = None,
+        kernel: str = "auto",
+        seed: int | None = None,
+        linears: str = "auto",
+        plain_above: int | str | None = "auto",
+    ):
+        """plain_above: verify the root alone (plain decoding) while more rows than this are live; None:
+        always speculate; "auto": each step of the kind measured to pay at the current row count
+        (`StepPricer`). The other arguments are `Decoder`'s."""
+        if linears not in LINEAR_MODES:
+            raise ValueError(f"unknown linears mode {linears!r}; choose one of {LINEAR_MODES}")
+        if acceptance not in RULES:
+            raise ValueError(f"unknown acceptance rule {acceptance!r}; choose one of {RULES}")
+        if kernel not in KERNELS and kernel != "auto":
+            raise ValueError(
+                f"unknown attention kernel {kernel!r}; choose one of {['auto', *sorted(KERNELS)]}"
+            )
+        self.drafter = drafter or RootOnlyDrafter()
+        if not getattr(self.drafter, "batched", False):
+            raise ValueError(
+                f"{type(self.drafter).__name__} drafts for one sequence at a time (it keeps a cache or a "
+                "verification of its own): decode a batch with heads, prompt lookup or plain decoding, "
+                "or decode these prompts one by one"
+            )
+        if self.drafter.scorer() is not None or getattr(self.drafter, "feature_layers", ()):
+            raise ValueError("a drafter with its own scorer or the target's features takes one sequence")
+        if (
+            plain_above != "auto"
+            and plain_above is not None
+            and (not isinstance(plain_above, int) or plain_above < 0)
+        ):
+            raise ValueError(f'plain_above must be a row count >= 0, None or "auto", got {plain_above!r}')
+        param = next(model.parameters())
+        self.model, self.device = model, param.device
+        self.tree = self.drafter.tree
+        self.root_tree = Tree.from_choices([])
+        self.acceptance, self.sampling = acceptance, sampling or SamplingConfig()
+        self.kernel = auto_kernel(self.device, param.dtype) if kernel == "auto" else kernel
+        self.layouts = {
+            tree: (
+                AttentionPlan.for_tree(tree, self.kernel, self.device),
+                [tree.children(i) for i in range(tree.num_nodes)],
+                tree.depth.to(self.device),
+            )
+            for tree in (self.tree, self.root_tree)
+        }
+        self.plain_above = plain_above
+        # "auto" with a tree of more than the root: price the two kinds of step on this machine
+        self.pricer = StepPricer() if plain_above == "auto" and self.tree.num_nodes > 1 else None
+        self.generator = None if seed is None else torch.Generator(self.device).manual_seed(seed)
+        self.linears = linears
+        self.cache: BatchKVCache | None = None
+        self.live: list[int] = []  # cache rows still decoding, in the drafter's row order
+        self.hidden: torch.Tensor | None = None  # [A, H] at each live row's last committed token
+        self.roots: torch.Tensor | None = None  # [A] each live row's next root token
+        self.stats: list[GenerationStats] = []
+
+    @contextlib.contextmanager
+    def running(self):
+        with tree_attention_enabled(self.model), packed_linears(self.model, mode=self.linears):
+            yield
+
+    def clock(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def capacity(self, prompt_tokens: int, max_new_tokens: int, max_length: int | None, row: int) -> int:
+        """Cache positions row `row` needs (prompt + new tokens + one tree block); refuses what the model
+        cannot hold."""
+        config = self.model.config
+        limit = max_length or getattr(config, "max_position_embeddings", None) or 1 << 30
+        needed = prompt_tokens + max_new_tokens + self.tree.num_nodes
+        if needed > limit:
+            raise CacheCapacityError(
+                f"prompt {row} has {prompt_tokens} tokens; with max_new_tokens={max_new_tokens} and a "
+                f"{self.tree.num_nodes}-node tree its row needs {needed} positions but the limit is {limit}: "
+                "shorten that prompt or lower max_new_tokens"
+            )
+        sliding = getattr(config, "sliding_window", None)
+        if sliding and getattr(config, "use_sliding_window", True) and needed > sliding:
+            raise ValueError(
+                f"this model uses sliding-window attention ({sliding} tokens) and treespec attends to the "
+                f"whole prefix; keep prompt + max_new_tokens under {sliding - self.tree.num_nodes}"
+            )
+        return needed
+
+    @torch.inference_mode()
+    def prefill(
+        self, prompts: list[list[int]], max_new_tokens: int, max_length: int | None = None
+    ) -> list[int]:
+        """Start a batch: encode each prompt alone into its cache row (no padding), sample each row's first
+        token, start the drafter row by row. Returns the first token of every row."""
+        if not prompts:
+            raise ValueError("prefill needs at least one prompt")
+        needed = max(self.capacity(len(p), max_new_tokens, max_length, i) for i, p in enumerate(prompts))
+        B = len(prompts)
+        if self.cache is None or self.cache.max_len < needed or self.cache.num_rows != B:
+            self.cache = BatchKVCache.for_model(self.model, needed, B, spec_reserve=self.tree.num_nodes)
+        self.cache.reset()
+        self.stats = [GenerationStats(prompt_tokens=len(p), max_depth=self.tree.max_depth) for p in prompts]
+        hidden, roots = [], []
+        for row, prompt in enumerate(prompts):
+            t0 = self.clock()
+            ids = torch.tensor([prompt], device=self.device)  # [1, P]
+            self.cache.begin([row], len(prompt))
+            positions = torch.arange(len(prompt), device=self.device)[None]  # [1, P]
+            plan = self.cache.attention_plan(AttentionPlan(self.kernel))
+            with self.running():
+                out = full_forward(self.model, ids, positions, self.cache, plan)  # [1, P, H]
+                logits = output_logits(self.model, out[0, -1])  # [V]
+            self.cache.commit_all()
+            root = self.sampling.sample(logits, self.generator)
+            hidden.append(out[0, -1])
+            roots.append(root)
+            self.drafter.start(
+                SequenceStart(list(prompt) + [root], needed, self.cache, self.kernel, row=row, rows=B)
+            )
+            self.stats[row].time_prefill = self.clock() - t0
+        self.live = list(range(B))
+        self.hidden = torch.stack(hidden)  # [B, H]
+        self.roots = torch.tensor(roots, device=self.device)  # [B]
+        return roots
+
+    @torch.inference_mode()
+    def step(self) -> BatchStep:
+        """One step over the live rows: propose a tree per row, verify all of them in one forward, commit
+        each row's accepted branch."""
+        if not self.live:
+            raise RuntimeError("BatchDecoder.step() needs live rows: call prefill(prompts, max_new_tokens)")
+        rows = list(self.live)
+        if self.pricer is not None:
+            speculate = self.pricer.speculate(len(rows))
+        else:
+            speculate = self.plain_above in (None, "auto") or len(rows) <= self.plain_above
+        tree = self.tree if speculate else self.root_tree
+        plan, children, depth = self.layouts[tree]
+        with self.running():
+            t0 = self.clock()
+            if speculate:
+                tokens = self.drafter.propose(self.hidden, self.roots).tokens  # [A, N]
+            else:
+                tokens = self.roots[:, None]  # [A, 1]
+            t1 = self.clock()
+            self.cache.begin(rows, tree.num_nodes)
+            positions = self.cache.positions(depth)  # [A, N]
+            plan = self.cache.attention_plan(plan)
+            hidden_tree = full_forward(self.model, tokens, positions, self.cache, plan)  # [A, N, H]
+            logits = output_logits(self.model, hidden_tree)  # [A, N, V]
+            node_tokens = tokens.tolist()
+            paths, bonuses = [], []
+            for a in range(len(rows)):
+                path, bonus = verify(
+                    self.acceptance, node_tokens[a], children, logits[a], self.sampling, self.generator
+                )
+                paths.append(path)
+                bonuses.append(bonus)
+            t2 = self.clock()
+            self.cache.commit(paths)
+            last = torch.tensor([p[-1] for p in paths], device=self.device)  # [A]
+            self.hidden = hidden_tree[torch.arange(len(rows), device=self.device), last]  # [A, H]
+            self.roots = torch.tensor(bonuses, device=self.device)  # [A]
+            t3 = self.clock()
+        committed = [
+            [node_tokens[a][i] for i in p[1:]] + [b]
+            for a, (p, b) in enumerate(zip(paths, bonuses, strict=True))
+        ]
+        self.drafter.observe(committed)
+        t_draft = (t1 - t0) + (self.clock() - t3)
+        if self.pricer is not None:
+            accepted = sum(len(p) for p in paths) / len(paths)
+            self.pricer.record(len(rows), speculate, t_draft + (t3 - t1), accepted)
+        for row, path in zip(rows, paths, strict=True):
+            self.stats[row].record_step(len(path), t_draft, t2 - t1, t3 - t2, None, tree.num_nodes)
+        return BatchStep(rows, paths, committed, tree.num_nodes, t_draft, t2 - t1, t3 - t2)
+
+    def finish(self, rows: list[int]) -> None:
+        """Rows (cache rows) that stopped: they leave the batch and cost no more work."""
+        done = set(rows)
+        keep = [a for a, row in enumerate(self.live) if row not in done]
+        if len(keep) == len(self.live):
+            return
+        self.live = [self.live[a] for a in keep]
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.hidden, self.roots = self.hidden[index], self.roots[index]
+        self.drafter.keep_rows(keep)
+
+    def close(self, row: int, new_tokens: int, started: float) -> GenerationStats:
+        """Close one row's statistics: its tokens, the time since `started`, the cache memory."""
+        stats = self.stats[row]
+        stats.new_tokens = new_tokens
+        stats.time_total = self.clock() - started
+        stats.cache_memory = self.cache.memory_bytes() if self.cache is not None else {}
+        report = self.drafter.report()
+        stats.draft_cache_memory, stats.drafter = report.cache_memory, report.stats
+        return stats
