@@ -1,0 +1,71 @@
+"""The batched benchmark (treespec.tools.bench_batch, scripts/bench_batch.py): options, the summary and
+crossover arithmetic, and a smoke run on the embedded model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import load_script
+
+from treespec.tools import bench_batch
+
+
+def test_options_are_checked(capsys):
+    args = bench_batch.parse_args(["--batch-sizes", "8,1,4", "--num-prompts", "8"])
+    assert args.batch_sizes == [1, 4, 8] and args.methods == list(bench_batch.DEFAULT_METHODS)
+    for bad in (["--methods", "hf,fast"], ["--batch-sizes", "1,16", "--num-prompts", "8"]):
+        with pytest.raises(SystemExit) as info:
+            bench_batch.parse_args(bad)
+        assert info.value.code == 2
+    assert "unknown methods" in capsys.readouterr().err
+
+
+def test_script_is_a_thin_wrapper(capsys):
+    with pytest.raises(SystemExit) as info:
+        load_script("bench_batch").main(["--help"])
+    assert info.value.code == 0
+    assert "usage: python scripts/bench_batch.py" in capsys.readouterr().out
+
+
+def _record(batch, group, method, seconds, outputs):
+    return {"batch": batch, "group": group, "method": method, "seconds": seconds, "outputs": outputs}
+
+
+def test_summary_ratios_same_rows_and_crossover():
+    records = [
+        _record(1, 0, "hf", 2.0, [[1, 2]]),
+        _record(1, 1, "hf", 2.0, [[3, 4]]),
+        _record(1, 0, "plain", 1.0, [[1, 2]]),
+        _record(1, 1, "plain", 1.0, [[3, 4]]),
+        _record(1, 0, "treespec", 0.5, [[1, 2]]),
+        _record(1, 1, "treespec", 0.5, [[3, 4]]),
+        _record(2, 0, "hf", 1.0, [[1, 2], [3, 4]]),
+        _record(2, 0, "plain", 0.5, [[1, 2], [3, 4]]),
+        _record(2, 0, "treespec", 0.8, [[1, 2], [3, 5]]),  # slower than plain, one row differs
+    ]
+    summary = bench_batch.summarize(records, ["hf", "plain", "treespec"], [1, 2])
+    row = {(r["batch"], r["method"]): r for r in summary}
+    assert row[(1, "treespec")]["tokens_per_second"] == 4.0 and row[(1, "treespec")]["vs_hf"] == 4.0
+    assert row[(2, "plain")]["vs_hf"] == 2.0
+    assert row[(2, "treespec")]["same_as_single"] == [1, 2]
+    assert bench_batch.crossover(summary) == 2
+    assert bench_batch.crossover(summary[:3]) is None  # B = 1 only: speculation pays
+    assert "| 2 | treespec | 5.0 | 1.25 | 1/2 |" in bench_batch.format_table(summary)
+
+
+@pytest.mark.integration
+def test_smoke_run_on_the_embedded_model(tmp_path, capsys):
+    out = tmp_path / "batch.json"
+    result = bench_batch.main(
+        ["--batch-sizes", "1,2", "--num-prompts", "2", "--max-new-tokens", "6", "--out", str(out),
+         "--methods", "hf,plain,treespec_auto,treespec_lookup"]
+    )  # fmt: skip
+    assert json.loads(out.read_text())["crossover"] == result["crossover"]
+    rows = {(r["batch"], r["method"]): r for r in result["summary"]}
+    assert len(rows) == 8 and all(r["tokens"] > 0 for r in rows.values())
+    # float32 greedy: batched rows equal the same prompts decoded alone, for every treespec method
+    assert all(
+        rows[(2, m)]["same_as_single"] == [2, 2] for m in ("plain", "treespec_auto", "treespec_lookup")
+    )
+    assert "| 2 | treespec_auto |" in capsys.readouterr().out

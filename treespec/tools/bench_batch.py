@@ -1,0 +1,295 @@
+"""Batched decoding benchmark: total tokens/s at several batch sizes, treespec against HF and vLLM.
+
+    python scripts/bench_batch.py --batch-sizes 1,4,8,16 --num-prompts 16 --dtype float32
+
+The same Spec-Bench prompts run at every batch size B, in groups of B (so every B decodes the same
+tokens), greedy. Methods:
+
+    hf               HF `generate` on the group, left-padded (its own batching)
+    plain            treespec's batched decoder, one token per row per step
+    treespec         the heads' tree every step (plain_above=None)
+    treespec_auto    the heads' tree where it pays, plain steps where not (plain_above="auto")
+    treespec_lookup  treespec_auto with a prompt-lookup branch (--lookup)
+    vllm             vLLM's CPU engine on the group (`make vllm-env`)
+
+Each group runs every method back to back, the order rotating per group. It reports tokens/s per method
+and B, the ratios against HF at the same B, how many rows equal their single-sequence (B = 1) output,
+and the crossover: the smallest B at which always speculating is slower than plain batched decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import shlex
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import torch
+import transformers
+
+import treespec
+
+from ..core.generate import encode_prompt
+from ..core.tokens import eos_token_ids
+from ..io import atomic_write_json
+from . import bench
+from .models import default_model_folder
+from .peers import VllmPeer
+
+METHODS = ("hf", "plain", "treespec", "treespec_auto", "treespec_lookup", "vllm")
+DEFAULT_METHODS = ("hf", "plain", "treespec", "treespec_auto", "vllm")
+
+
+def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--model", default=None, help="HF model id or folder (default: embedded SmolLM2-135M-Instruct)"
+    )
+    p.add_argument("--heads", default=None, help="trained heads folder (default: the default model's)")
+    p.add_argument(
+        "--tree",
+        default="machine",
+        help="tree JSON file, folder with tree.json, default tree size, or 'machine' (default: priced on "
+        "this machine for one sequence, `treespec tune`)",
+    )
+    p.add_argument("--tree-size", type=int, default=32, choices=[8, 16, 32, 64])
+    p.add_argument("--num-heads", type=int, default=4)
+    p.add_argument("--dtype", default="float32", choices=["auto", "bfloat16", "float32", "float16"])
+    p.add_argument("--device", default=None)
+    p.add_argument("--batch-sizes", default="1,4,8,16", help="comma list (default 1,4,8,16)")
+    p.add_argument("--num-prompts", type=int, default=16, help="prompts per batch size (default 16)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument(
+        "--methods", default=",".join(DEFAULT_METHODS), help=f"comma list from {','.join(METHODS)}"
+    )
+    p.add_argument("--lookup", type=int, default=4, help="treespec_lookup: branch length (default 4)")
+    p.add_argument("--data", default=None, help="Spec-Bench questions JSONL (default: the project's)")
+    p.add_argument("--out", default=None, help="results JSON (default bench_results/batch-<timestamp>.json)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--vllm-python", default=None, help="python of vLLM's environment (default .venv-vllm)")
+    args = p.parse_args(argv)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(args.methods) - set(METHODS))
+    if unknown:
+        p.error(f"unknown methods {unknown}; choose from {list(METHODS)}")
+    args.batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
+    if min(args.batch_sizes) < 1 or args.num_prompts < max(args.batch_sizes):
+        p.error("batch sizes must be >= 1 and --num-prompts at least the largest batch size")
+    args.compile = False  # the batched decoder runs eagerly
+    return args
+
+
+def hf_batch(
+    model, tokenizer, prompts: list[list[int]], max_new_tokens: int, eos: set[int]
+) -> list[list[int]]:
+    """HF `generate` on a left-padded batch, greedy: each row's new tokens up to its first end token."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
+    width = max(len(p) for p in prompts)
+    device = next(model.parameters()).device
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # [B, T]
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    out = model.generate(
+        ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad
+    )
+    return [_cut(row[width:].tolist(), eos) for row in out]
+
+
+def _cut(tokens: list[int], eos: set[int]) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+def make_runners(args, model, tokenizer, eos: set[int]) -> tuple[dict, dict]:
+    """name -> run(prompts, max_new_tokens) -> token lists; and a description of the setup."""
+    runners, setup = {}, {"heads": "-", "tree": "-"}
+
+    def ours(make_drafter, plain_above):
+        def run(prompts, max_new_tokens):
+            results = treespec.generate_batch(
+                model,
+                None,
+                prompts,
+                drafter=make_drafter(),
+                max_new_tokens=max_new_tokens,
+                eos_token_id=sorted(eos),
+                plain_above=plain_above,
+            )
+            return [r.token_ids for r in results]
+
+        return run
+
+    runners["hf"] = lambda prompts, m: hf_batch(model, tokenizer, prompts, m, eos)
+    runners["plain"] = ours(lambda: None, None)
+    if {"treespec", "treespec_auto", "treespec_lookup"} & set(args.methods):
+        heads, tree, setup["heads"], setup["tree"] = bench.load_heads_and_tree(args, model)
+        setup["tree_choices"] = [list(c) for c in tree.choices]
+
+        def heads_drafter():
+            return treespec.make_drafter(heads, tree, model)
+
+        runners["treespec"] = ours(heads_drafter, None)
+        runners["treespec_auto"] = ours(heads_drafter, "auto")
+        runners["treespec_lookup"] = ours(
+            lambda: treespec.LookupDrafter(heads_drafter(), args.lookup), "auto"
+        )
+    return {m: runners[m] for m in args.methods if m in runners}, setup
+
+
+def run_groups(prompts, runners, batch_sizes, max_new_tokens) -> list[dict]:
+    """Every method on every group of every batch size; one record per (batch size, group, method)."""
+    records = []
+    warm = prompts[:2]
+    for run in runners.values():  # warm-up: a first call pays for allocations and lazy loading
+        run(warm, 8)
+    for size in batch_sizes:
+        groups = [prompts[i : i + size] for i in range(0, len(prompts) - size + 1, size)]
+        for g, group in enumerate(groups):
+            names = list(runners)
+            names = names[g % len(names) :] + names[: g % len(names)]  # rotating order
+            for name in names:
+                t0 = time.perf_counter()
+                outputs = runners[name](group, max_new_tokens)
+                seconds = time.perf_counter() - t0
+                records.append(
+                    {"batch": size, "group": g, "method": name, "seconds": seconds, "outputs": outputs}
+                )
+            print(
+                f"B={size} group {g + 1}/{len(groups)}: "
+                + ", ".join(f"{r['method']} {r['seconds']:.1f} s" for r in records[-len(names) :]),
+                file=sys.stderr,
+                flush=True,
+            )
+    return records
+
+
+def summarize(records: list[dict], methods: list[str], batch_sizes: list[int]) -> list[dict]:
+    """Per (batch size, method): tokens, seconds, tokens/s, ratio to HF at that B, rows equal to B = 1."""
+    single = {}  # (method, group-of-one index) -> outputs at B = 1, by prompt position
+    for r in records:
+        if r["batch"] == 1:
+            single[(r["method"], r["group"])] = r["outputs"][0]
+    rows = []
+    for size in batch_sizes:
+        for method in methods:
+            mine = [r for r in records if r["batch"] == size and r["method"] == method]
+            if not mine:
+                continue
+            tokens = sum(len(o) for r in mine for o in r["outputs"])
+            seconds = sum(r["seconds"] for r in mine)
+            same = total = 0
+            for r in mine:
+                for i, out in enumerate(r["outputs"]):
+                    reference = single.get((method, r["group"] * size + i))
+                    if reference is not None:
+                        total += 1
+                        same += out == reference
+            rows.append(
+                {
+                    "batch": size,
+                    "method": method,
+                    "tokens": tokens,
+                    "seconds": seconds,
+                    "tokens_per_second": tokens / seconds if seconds else 0.0,
+                    "same_as_single": [same, total],
+                }
+            )
+    for row in rows:
+        hf = next((r for r in rows if r["batch"] == row["batch"] and r["method"] == "hf"), None)
+        row["vs_hf"] = row["tokens_per_second"] / hf["tokens_per_second"] if hf else None
+    return rows
+
+
+def crossover(summary: list[dict], method: str = "treespec", plain: str = "plain") -> int | None:
+    """The smallest batch size at which `method` is slower than plain batched decoding (None: never)."""
+    speed = {(r["batch"], r["method"]): r["tokens_per_second"] for r in summary}
+    for size in sorted({r["batch"] for r in summary}):
+        if (
+            (size, method) in speed
+            and (size, plain) in speed
+            and speed[(size, method)] < speed[(size, plain)]
+        ):
+            return size
+    return None
+
+
+def format_table(summary: list[dict]) -> str:
+    lines = ["| B | method | tokens/s | x HF | rows = B=1 output |", "|---|---|---|---|---|"]
+    for r in summary:
+        ratio = f"{r['vs_hf']:.2f}" if r["vs_hf"] is not None else "-"
+        same = "{}/{}".format(*r["same_as_single"]) if r["batch"] > 1 else "-"
+        lines.append(f"| {r['batch']} | {r['method']} | {r['tokens_per_second']:.1f} | {ratio} | {same} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
+    prog = prog or "python scripts/bench_batch.py"
+    args = parse_args(argv, prog)
+    command = f"{prog} " + shlex.join(sys.argv[1:] if argv is None else [str(a) for a in argv])
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    data = Path(args.data) if args.data else bench.default_data_file()
+    questions = bench.select_prompts(bench.load_questions(data), args.num_prompts)
+    model, tokenizer = treespec.load_model(args.model, dtype=args.dtype, device=args.device)
+    eos = set(eos_token_ids(model, tokenizer))
+    prompts = [encode_prompt(q["turns"][0], tokenizer) for q in questions]
+    runners, setup = make_runners(args, model, tokenizer, eos)
+    peer = None
+    if "vllm" in args.methods:
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        out_dir = Path(args.out).parent if args.out else bench.DEFAULT_OUT_DIR
+        out_dir.mkdir(parents=True, exist_ok=True)
+        print(f"starting vllm (log: {out_dir / 'vllm-worker.log'})", file=sys.stderr)
+        peer = VllmPeer(
+            args.model or default_model_folder(),
+            dtype,
+            python=args.vllm_python,
+            log=out_dir / "vllm-worker.log",
+        )
+        runners["vllm"] = lambda group, m: peer.run_batch(group, m, 0.0, None, sorted(eos))
+    try:
+        t0 = time.perf_counter()
+        records = run_groups(prompts, runners, args.batch_sizes, args.max_new_tokens)
+        wall = time.perf_counter() - t0
+    finally:
+        if peer is not None:
+            peer.close()
+    methods = [m for m in args.methods if m in runners]
+    summary = summarize(records, methods, args.batch_sizes)
+    cross = crossover(summary)
+    config = {
+        "command": command,
+        "model": args.model or model.config.name_or_path,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "batch_sizes": args.batch_sizes,
+        "num_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "methods": methods,
+        "lookup": args.lookup if "treespec_lookup" in methods else None,
+        **setup,
+        "vllm": peer.info if peer is not None else None,
+        "timing": "wall clock per group call (prefill included), after one warm-up call per method",
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "platform": platform.platform(),
+        "started": datetime.now().isoformat(timespec="seconds"),
+    }
+    print(f"{command}\n{len(prompts)} prompts, {args.max_new_tokens} new tokens, {wall:.0f} s\n")
+    print(format_table(summary))
+    print(f"\ncrossover (treespec slower than plain batched decoding from B =): {cross}")
+    result = {
+        "config": config,
+        "wall_seconds": wall,
+        "summary": summary,
+        "crossover": cross,
+        "records": records,
+    }
+    out = Path(args.out) if args.out else bench.DEFAULT_OUT_DIR / f"batch-{datetime.now():%Y%m%d-%H%M%S}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out, result, indent=1)
+    print(f"\nwrote {out}")
+    return result
