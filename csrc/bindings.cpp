@@ -32,6 +32,39 @@ void tree_attention_out_cpu_op(const at::Tensor& q, const at::Tensor& k, const a
   run_cpu(q, k, v, bits, scale, out);
 }
 
+// Rows of a batch with their own committed lengths: query row a reads cache row rows[a], keys
+// [0, prefix_lens[a] + n), its tree block at [prefix_lens[a], prefix_lens[a] + n). q: [A, H, n, D];
+// k, v: [B, Hkv, L, D] (views of the whole cache, L >= every row's end); rows, prefix_lens: int64 [A] on
+// the CPU. Returns [A, n, H, D]. The kernel runs row by row on views of the cache (no K/V copy), each
+// call parallel over its heads and keys.
+at::Tensor tree_attention_rows_cpu_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const std::optional<at::Tensor>& bits, double scale, const at::Tensor& rows,
+                                      const at::Tensor& prefix_lens) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "treespec::tree_attention_rows on CPU takes float32 or bfloat16, got ", q.scalar_type());
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4, "treespec::tree_attention_rows: q [A, H, n, D], k and v [B, Hkv, L, D]");
+  const int64_t A = q.size(0), H = q.size(1), n = q.size(2), D = q.size(3);
+  const int64_t B = k.size(0), L = k.size(2);
+  TORCH_CHECK(rows.scalar_type() == at::kLong && prefix_lens.scalar_type() == at::kLong && rows.dim() == 1 &&
+                  prefix_lens.dim() == 1 && rows.numel() == A && prefix_lens.numel() == A && rows.is_cpu() &&
+                  prefix_lens.is_cpu(),
+              "treespec::tree_attention_rows: rows and prefix_lens must be int64 [A] CPU tensors, A = ", A);
+  const at::Tensor r = rows.contiguous(), c = prefix_lens.contiguous();
+  const int64_t* rp = r.data_ptr<int64_t>();
+  const int64_t* cp = c.data_ptr<int64_t>();
+  at::Tensor out = at::empty({A, n, H, D}, q.options());
+  for (int64_t a = 0; a < A; ++a) {
+    const int64_t row = rp[a], end = cp[a] + n;
+    TORCH_CHECK(row >= 0 && row < B, "treespec::tree_attention_rows: row ", row, " outside a cache of ", B, " rows");
+    TORCH_CHECK(cp[a] >= 0 && end <= L, "treespec::tree_attention_rows: row ", row, " reads keys up to ", end,
+                " but the cache view holds ", L);
+    AttentionArgs args = attention_args(q.narrow(0, a, 1), k.narrow(0, row, 1).narrow(2, 0, end),
+                                        v.narrow(0, row, 1).narrow(2, 0, end), bits, scale, out.narrow(0, a, 1));
+    tree_attention_cpu(args.p);
+  }
+  return out;
+}
+
 void commit_kv_cpu_op(at::TensorList keys, at::TensorList values, const at::Tensor& src, const at::Tensor& dst) {
   std::vector<void*> pointers;
   CommitParams p = commit_args(keys, values, src, dst, pointers);
@@ -86,6 +119,10 @@ TORCH_LIBRARY(treespec, m) {
       "tree_attention_out(Tensor q, Tensor k, Tensor v, Tensor? bits, float scale, Tensor(a!) out) -> ()",
       {at::Tag::pt2_compliant_tag});
   m.def(
+      "tree_attention_rows(Tensor q, Tensor k, Tensor v, Tensor? bits, float scale, Tensor rows, "
+      "Tensor prefix_lens) -> Tensor",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
       "commit_kv(Tensor(a!)[] keys, Tensor(b!)[] values, Tensor src, Tensor dst) -> ()",
       {at::Tag::pt2_compliant_tag});
   m.def("block_linear(Tensor x, Tensor q, Tensor d, Tensor? m) -> Tensor", {at::Tag::pt2_compliant_tag});
@@ -94,6 +131,7 @@ TORCH_LIBRARY(treespec, m) {
 TORCH_LIBRARY_IMPL(treespec, CPU, m) {
   m.impl("tree_attention", &treespec::tree_attention_cpu_op);
   m.impl("tree_attention_out", &treespec::tree_attention_out_cpu_op);
+  m.impl("tree_attention_rows", &treespec::tree_attention_rows_cpu_op);
   m.impl("commit_kv", &treespec::commit_kv_cpu_op);
   m.impl("block_linear", &treespec::block_linear);
 }

@@ -144,6 +144,26 @@ for case in cases:
             if not good:
                 failures.append(f"attention {case} {dtype} {name}: max err {err:.3g}")
 
+for dtype in DTYPES:  # rows of a batch with their own committed lengths (tree_attention_rows)
+    Bc, Hkv, G, D, n = 4, 3, 3, 64, 16
+    lens = [0, 900, 33, 410]
+    rows = [3, 1, 0]  # a forward over some rows of the cache, not in cache order
+    L = max(lens[r] for r in rows) + n
+    k = torch.randn(Bc, Hkv, L + 8, D, generator=gen).to(dtype).to(dev)
+    v = torch.randn(Bc, Hkv, L + 8, D, generator=gen).to(dtype).to(dev)
+    q = torch.randn(len(rows), Hkv * G, n, D, generator=gen).to(dtype).to(dev)
+    mask = random_tree(n, gen)
+    got = ops.tree_attention_rows(
+        q, k[:, :, :L], v[:, :, :L], pack_bits(mask).to(dev), D**-0.5, torch.tensor(rows), torch.tensor([lens[r] for r in rows])
+    )
+    for a, r in enumerate(rows):
+        end = lens[r] + n
+        exp = reference(q[a : a + 1], k[r : r + 1, :, :end], v[r : r + 1, :, :end], mask, D**-0.5)
+        err = (got[a : a + 1].float() - exp).abs().max().item()
+        checked += 1
+        if not (bool(torch.isfinite(got).all()) and err <= TOL[dtype] * (1 + exp.abs().max().item())):
+            failures.append(f"tree_attention_rows {dtype} row {r}: max err {err:.3g}")
+
 for dtype in (torch.float32, torch.bfloat16):  # fused commit vs gather-then-scatter
     keys = [torch.randn(2, 4, 300, 128, device=dev).to(dtype) for _ in range(3)]
     vals = [torch.randn(2, 4, 300, 128, device=dev).to(dtype) for _ in range(3)]

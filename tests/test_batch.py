@@ -10,6 +10,7 @@ import torch
 from conftest import ARCHS, hf_greedy, random_heads, tiny_model
 
 import treespec
+from treespec import ops
 from treespec.core.attention import AttentionPlan, tree_attention_reference, treespec_attention
 from treespec.core.batch import BatchDecoder, StepPricer
 from treespec.core.batch_cache import BatchKVCache
@@ -221,7 +222,7 @@ def test_drafters_with_their_own_cache_refuse_batches():
     prompts = _prompts(model, [4, 7], seed=7)
     with pytest.raises(ValueError, match="one sequence at a time"):
         treespec.generate(model, None, prompts, drafter=treespec.DraftModelDrafter(draft, gamma=3))
-    with pytest.raises(ValueError, match="trace= and compile= take one prompt"):
+    with pytest.raises(ValueError, match="trace= takes one prompt"):
         treespec.generate(model, None, prompts, trace=True)
 
 
@@ -284,13 +285,20 @@ def test_batch_cache_commit_moves_each_row_on_its_own():
 
 @pytest.mark.parametrize("kernel", ["reference", "sdpa", "compiled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_rows_attention_equals_each_row_alone(kernel, dtype):
-    """Fresh random q/k/v and prefix lengths per row: the per-row attention equals the reference run on
-    each row's own keys [0, c + n)."""
+@pytest.mark.parametrize("nodes", [1, 8, 70])
+def test_rows_attention_equals_each_row_alone(kernel, dtype, nodes):
+    """Fresh random q/k/v and prefix lengths per row: the per-row attention (for "compiled": the op
+    `tree_attention_rows`) equals the reference run on each row's own keys [0, c + n)."""
     if kernel == "compiled" and dtype == torch.float64:
         pytest.skip("the compiled op takes float32 / bf16 / fp16")
-    gen = torch.Generator().manual_seed(11)
-    tree = treespec.default_tree(8, 4)
+    gen = torch.Generator().manual_seed(11 + nodes)
+    trees = {
+        1: treespec.Tree.from_choices([]),  # plain steps
+        8: treespec.default_tree(8, 4),
+        # more than one 64-bit word of ancestor bits per node
+        70: treespec.Tree.from_choices([[i] for i in range(40)] + [[0, i] for i in range(29)]),
+    }
+    tree = trees[nodes]
     n, H, Hkv, D, B = tree.num_nodes, 4, 2, 16, 4
     prefix = [0, 130, 7, 64]
     rows = (3, 0, 1)  # a forward over some rows, not in cache order
@@ -298,13 +306,40 @@ def test_rows_attention_equals_each_row_alone(kernel, dtype):
     key = torch.randn(B, Hkv, L + 5, D, generator=gen, dtype=dtype)
     value = torch.randn(B, Hkv, L + 5, D, generator=gen, dtype=dtype)
     query = torch.randn(len(rows), H, n, D, generator=gen, dtype=dtype)
+    assert tree.num_nodes == nodes
     plan = AttentionPlan.for_tree(tree, kernel, "cpu")
-    plan = AttentionPlan(plan.kernel, plan.mask, plan.bits, rows, tuple(prefix[r] for r in rows))
+    lens = torch.tensor([prefix[r] for r in rows])
+    plan = AttentionPlan(plan.kernel, plan.mask, plan.bits, torch.tensor(rows), lens)
     out, _ = treespec_attention(None, query, key[:, :, :L], value[:, :, :L], None, 0.25, tree_attention=plan)
     assert out.shape == (len(rows), n, H, D)
     for a, r in enumerate(rows):
         end = prefix[r] + n
+        mask = tree.ancestor_mask if tree.num_nodes > 1 else None
         want = tree_attention_reference(
-            query[a : a + 1], key[r : r + 1, :, :end], value[r : r + 1, :, :end], tree.ancestor_mask, 0.25
+            query[a : a + 1], key[r : r + 1, :, :end], value[r : r + 1, :, :end], mask, 0.25
         )
         torch.testing.assert_close(out[a : a + 1], want.transpose(1, 2), atol=1e-5, rtol=1e-4)
+
+
+def test_compiled_op_refuses_rows_outside_the_cache():
+    if not ops.available("cpu"):
+        pytest.skip(f"the compiled extension is not available: {ops.build_info()['error']}")
+    q = torch.zeros(2, 2, 1, 8)
+    k = torch.zeros(3, 1, 10, 8)
+    with pytest.raises(RuntimeError, match="outside a cache of 3 rows"):
+        ops.tree_attention_rows(q, k, k, None, 1.0, torch.tensor([0, 3]), torch.tensor([2, 2]))
+    with pytest.raises(RuntimeError, match="reads keys up to 11"):
+        ops.tree_attention_rows(q, k, k, None, 1.0, torch.tensor([0, 1]), torch.tensor([2, 10]))
+
+
+def test_compiled_batch_steps_equal_single_sequences():
+    """torch.compile over batched steps (the op taking per-row lengths): rows equal HF greedy."""
+    if not ops.available("cpu"):
+        pytest.skip(f"the compiled extension is not available: {ops.build_info()['error']}")
+    model = tiny_model("llama", dtype=torch.float32)
+    heads = random_heads(model)
+    prompts = _prompts(model, [4, 60, 9], seed=13)
+    results = treespec.generate(
+        model, heads, prompts, max_new_tokens=16, eos_token_id=[], compile=True, kernel="compiled"
+    )
+    assert [r.token_ids for r in results] == [hf_greedy(model, p, 16) for p in prompts]

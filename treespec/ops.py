@@ -143,6 +143,11 @@ def _register_fakes() -> None:
     def _tree_attention_out_fake(q, k, v, bits, scale, out):
         return None
 
+    @torch.library.register_fake("treespec::tree_attention_rows")
+    def _tree_attention_rows_fake(q, k, v, bits, scale, rows, prefix_lens):
+        A, H, n, D = q.shape
+        return q.new_empty((A, n, H, D))
+
     @torch.library.register_fake("treespec::commit_kv")
     def _commit_kv_fake(keys, values, src, dst):
         return None
@@ -298,6 +303,22 @@ def tree_attention(
         torch.ops.treespec.tree_attention_out(q, k, v, bits, float(scale), out)
         return out
     return torch.ops.treespec.tree_attention(q, k, v, bits, float(scale))
+
+
+def tree_attention_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bits: torch.Tensor | None,
+    scale: float,
+    rows: torch.Tensor,
+    prefix_lens: torch.Tensor,
+) -> torch.Tensor:
+    """Compiled tree attention for rows with their own committed lengths: q [A, H, n, D] over the
+    cache's k/v [B, Hkv, L, D]; query row a reads cache row rows[a], keys [0, prefix_lens[a] + n);
+    rows, prefix_lens: int64 [A] CPU tensors. Returns [A, n, H, D]."""
+    _require(q.device)
+    return torch.ops.treespec.tree_attention_rows(q, k, v, bits, float(scale), rows, prefix_lens)
 
 
 def commit_kv(

@@ -40,22 +40,22 @@ from .tree import Tree, pack_bits
 ATTN_IMPLEMENTATION = "treespec"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class AttentionPlan:
     """What one forward's attention needs besides q/k/v: the kernel and the visibility of the new block.
 
     mask: [n, n] bool (node i sees node j) or None for a causal block (prefill, a chain, one token);
     bits: the same mask packed as [n, ceil(n / 64)] int64 words (the compiled kernel reads these).
-    rows, prefix_lens: a forward over some rows of a batch whose rows have their own committed lengths
-    (`BatchKVCache`): query row a is cache row rows[a] and sees that row's keys [0, prefix_lens[a] + n)
-    only. None: every row's prefix is L - n (one sequence, or rows of equal length).
+    rows, prefix_lens: int64 [A] CPU tensors for a forward over some rows of a batch whose rows have
+    their own committed lengths (`BatchKVCache`): query row a is cache row rows[a] and sees that row's
+    keys [0, prefix_lens[a] + n) only. None: every row's prefix is L - n (one sequence).
     """
 
     kernel: str = "sdpa"
     mask: torch.Tensor | None = None
     bits: torch.Tensor | None = None
-    rows: tuple[int, ...] | None = None
-    prefix_lens: tuple[int, ...] | None = None
+    rows: torch.Tensor | None = None
+    prefix_lens: torch.Tensor | None = None
 
     @classmethod
     def for_tree(cls, tree: Tree | None, kernel: str, device) -> AttentionPlan:
@@ -217,12 +217,21 @@ def _rows_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: AttentionPlan, scaling: float
 ) -> torch.Tensor:
     """Rows with their own committed lengths: query [A, H, n, D] over the cache's key/value [B, Hkv, L, D];
-    query row a reads cache row plan.rows[a], keys [0, plan.prefix_lens[a] + n), through the plan's kernel
-    on views (no K/V copy). Returns [A, n, H, D]."""
+    query row a reads cache row plan.rows[a], keys [0, plan.prefix_lens[a] + n). The compiled kernel
+    takes the per-row lengths itself (`ops.tree_attention_rows`); otherwise the plan's kernel runs row by
+    row on views (no K/V copy). Returns [A, n, H, D]."""
     n = query.shape[2]
+    if (
+        plan.kernel == "compiled"
+        and (plan.mask is not None or n == 1)  # a prompt's causal prefill stays on SDPA / flash-attn
+        and ops.unsupported_reason(query, key) is None
+        and ops.available(query.device)
+    ):
+        scores = torch.ops.treespec.tree_attention_rows  # [A, n, H, D]
+        return scores(query, key, value, plan.bits, float(scaling), plan.rows, plan.prefix_lens)
     one_row = AttentionPlan(plan.kernel, plan.mask, plan.bits)
     outs = []
-    for a, (row, c) in enumerate(zip(plan.rows, plan.prefix_lens, strict=True)):
+    for a, (row, c) in enumerate(zip(plan.rows.tolist(), plan.prefix_lens.tolist(), strict=True)):
         k, v = key[row : row + 1, :, : c + n], value[row : row + 1, :, : c + n]  # [1, Hkv, c + n, D]
         out, _ = treespec_attention(None, query[a : a + 1], k, v, None, scaling, tree_attention=one_row)
         outs.append(out)  # [1, n, H, D]

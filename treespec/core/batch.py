@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -31,6 +32,7 @@ from .acceptance import RULES, SamplingConfig, verify
 from .attention import KERNELS, AttentionPlan, auto_kernel, tree_attention_enabled
 from .batch_cache import BatchKVCache
 from .cache import CacheCapacityError
+from .compiled import CompiledForward
 from .decoder import full_forward, output_logits
 from .packed import MODES as LINEAR_MODES
 from .packed import packed_linears
@@ -98,10 +100,12 @@ class BatchDecoder:
         seed: int | None = None,
         linears: str = "auto",
         plain_above: int | str | None = "auto",
+        compile: bool = False,
     ):
         """plain_above: verify the root alone (plain decoding) while more rows than this are live; None:
         always speculate; "auto": each step of the kind measured to pay at the current row count
-        (`StepPricer`). The other arguments are `Decoder`'s."""
+        (`StepPricer`). compile: steps through torch.compile (`core.compiled`, as `Decoder`; the compiled
+        kernel takes each row's committed length itself). The other arguments are `Decoder`'s."""
         if linears not in LINEAR_MODES:
             raise ValueError(f"unknown linears mode {linears!r}; choose one of {LINEAR_MODES}")
         if acceptance not in RULES:
@@ -144,6 +148,7 @@ class BatchDecoder:
         self.pricer = StepPricer() if plain_above == "auto" and self.tree.num_nodes > 1 else None
         self.generator = None if seed is None else torch.Generator(self.device).manual_seed(seed)
         self.linears = linears
+        self.scorer = CompiledForward(model, linears) if compile else partial(full_forward, model)
         self.cache: BatchKVCache | None = None
         self.live: list[int] = []  # cache rows still decoding, in the drafter's row order
         self.hidden: torch.Tensor | None = None  # [A, H] at each live row's last committed token
@@ -240,7 +245,7 @@ class BatchDecoder:
             self.cache.begin(rows, tree.num_nodes)
             positions = self.cache.positions(depth)  # [A, N]
             plan = self.cache.attention_plan(plan)
-            hidden_tree = full_forward(self.model, tokens, positions, self.cache, plan)  # [A, N, H]
+            hidden_tree = self.scorer(tokens, positions, self.cache, plan)  # [A, N, H]
             logits = output_logits(self.model, hidden_tree)  # [A, N, V]
             node_tokens = tokens.tolist()
             paths, bonuses = [], []

@@ -106,7 +106,8 @@ class BatchKVCache(KVCacheBase):
 
     def attention_plan(self, plan: AttentionPlan) -> AttentionPlan:
         """`plan` (the tree's visibility) with this forward's rows and their committed lengths."""
-        return replace(plan, rows=tuple(self.rows), prefix_lens=tuple(self.lengths[r] for r in self.rows))
+        rows = torch.tensor(self.rows, dtype=torch.long)  # [A] on the CPU: the kernels read them on the host
+        return replace(plan, rows=rows, prefix_lens=torch.tensor([self.lengths[r] for r in self.rows]))
 
     def _write_start(self) -> int:
         return max(self.lengths[r] for r in self.rows) if self.rows else 0

@@ -117,9 +117,8 @@ def accepts_batches(generate_one):
         arguments = dict(signature.bind(*args, **kwargs).arguments)
         if not is_batch(arguments["prompt_or_input_ids"]):
             return generate_one(*args, **kwargs)
-        single_only = [arguments.pop(name, False) for name in ("trace", "compile")]
-        if any(single_only):
-            raise ValueError("trace= and compile= take one prompt; decode a batch without them")
+        if arguments.pop("trace", False):
+            raise ValueError("trace= takes one prompt; decode a batch without it")
         arguments["prompts"] = arguments.pop("prompt_or_input_ids")
         return generate_batch(**arguments)
 
@@ -224,6 +223,7 @@ def generate_batch(
     drafter: Drafter | None = None,
     lookup: int = 0,
     plain_above: int | str | None = "auto",
+    compile: bool = False,
 ) -> list[GenerationResult]:
     """Decode several prompts together (`BatchDecoder`); one `GenerationResult` per prompt, in order.
 
@@ -232,7 +232,7 @@ def generate_batch(
     HF-style streamer (or None) per prompt. plain_above: plain one-token steps while more rows than this
     are live; "auto" (default) times plain and speculative steps as the batch runs and takes the one
     that pays at each row count; None: always speculate (`BatchDecoder`). Statistics are per row; a
-    step's time counts in every row that took part.
+    step's time counts in every row that took part. compile: steps through torch.compile.
     Drafters that keep a cache of their own (draft models, EAGLE, self-speculation) refuse batches.
     Other arguments as in `generate`.
     """

@@ -70,6 +70,11 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
     p.add_argument("--out", default=None, help="results JSON (default bench_results/batch-<timestamp>.json)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--vllm-python", default=None, help="python of vLLM's environment (default .venv-vllm)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="treespec methods step through torch.compile (compiled in the warm-up)",
+    )
     args = p.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = sorted(set(args.methods) - set(METHODS))
@@ -78,7 +83,6 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
     args.batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
     if min(args.batch_sizes) < 1 or args.num_prompts < max(args.batch_sizes):
         p.error("batch sizes must be >= 1 and --num-prompts at least the largest batch size")
-    args.compile = False  # the batched decoder runs eagerly
     return args
 
 
@@ -118,6 +122,7 @@ def make_runners(args, model, tokenizer, eos: set[int]) -> tuple[dict, dict]:
                 max_new_tokens=max_new_tokens,
                 eos_token_id=sorted(eos),
                 plain_above=plain_above,
+                compile=args.compile,
             )
             return [r.token_ids for r in results]
 
@@ -143,9 +148,9 @@ def make_runners(args, model, tokenizer, eos: set[int]) -> tuple[dict, dict]:
 def run_groups(prompts, runners, batch_sizes, max_new_tokens) -> list[dict]:
     """Every method on every group of every batch size; one record per (batch size, group, method)."""
     records = []
-    warm = prompts[:2]
-    for run in runners.values():  # warm-up: a first call pays for allocations and lazy loading
-        run(warm, 8)
+    for run in runners.values():  # warm-up: a first call pays for allocations, lazy loading, compiling
+        for size in (1, 2, 3):  # one row and several: a compiled step has a graph for each
+            run(prompts[:size], 8)
     for size in batch_sizes:
         groups = [prompts[i : i + size] for i in range(0, len(prompts) - size + 1, size)]
         for g, group in enumerate(groups):
@@ -271,9 +276,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
         "max_new_tokens": args.max_new_tokens,
         "methods": methods,
         "lookup": args.lookup if "treespec_lookup" in methods else None,
+        "compile": args.compile,
         **setup,
         "vllm": peer.info if peer is not None else None,
-        "timing": "wall clock per group call (prefill included), after one warm-up call per method",
+        "timing": "wall clock per group call (prefill included), after warm-up calls of 1, 2 and 3 rows",
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "platform": platform.platform(),
         "started": datetime.now().isoformat(timespec="seconds"),
