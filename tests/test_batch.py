@@ -172,10 +172,12 @@ def test_step_pricer_takes_the_kind_of_step_that_pays():
     assert not pricer.speculate(8)  # then one plain step
     pricer.record(8, False, 1.0, accepted=1.0)
     # 1.5 tokens per row for 2 s against 1 token for 1 s: plain pays; every 4th step rechecks the other
-    assert [pricer.speculate(8) for _ in range(8)] == [False, False, False, True] * 2
+    choices = [pricer.speculate(8) for _ in range(8)]  # the pricer's steps 3 to 10
+    assert choices == [False, True, False, False, False, True, False, False]
+    assert pricer.best(16) is False  # lost at 8 rows: loses at more rows too, without measuring
+    assert pricer.best(4) is None  # fewer rows: unknown, measured on its own
     pricer.record(8, True, 2.0, accepted=3.0)  # 3 tokens per row for 2 s: speculation pays now
-    assert pricer.speculate(8)
-    assert pricer.speculate(4)  # another row count is measured on its own
+    assert pricer.best(8) is True and pricer.best(4) is True and pricer.best(16) is None
 
 
 def test_auto_fallback_keeps_the_output():

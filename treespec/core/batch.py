@@ -45,11 +45,12 @@ class StepPricer:
 
     Per row count A it keeps a moving average of the seconds of a speculative and of a plain step, and
     over all speculative steps the mean accepted length E per row. A speculative step commits E tokens
-    per row where a plain one commits 1, so it pays while E x t_plain(A) > t_spec(A). A row count not
-    seen yet tries one step of each kind; every `recheck` steps the kind not chosen runs once, so the
-    estimates follow the machine and the text."""
+    per row where a plain one commits 1, so it pays while E x t_plain(A) > t_spec(A). Speculation pays
+    less as more rows share a step, so a loss measured at fewer rows (or a win at more) decides a row
+    count not measured yet; otherwise that count tries one step of each kind. Every `recheck` steps the
+    kind not chosen runs once, so the estimates follow the machine and the text."""
 
-    def __init__(self, recheck: int = 16, smoothing: float = 0.3):
+    def __init__(self, recheck: int = 32, smoothing: float = 0.3):
         self.recheck, self.smoothing = recheck, smoothing
         self.seconds: dict[tuple[int, bool], float] = {}  # (rows, speculative) -> seconds per step
         self.accept = 1.0  # mean accepted length per row of speculative steps (moving average)
@@ -57,12 +58,27 @@ class StepPricer:
         self.steps = 0
 
     def speculate(self, rows: int) -> bool:
-        spec, plain = self.seconds.get((rows, True)), self.seconds.get((rows, False))
-        if spec is None or plain is None:
-            return spec is None  # measure both kinds first
+        """Whether the next step over `rows` live rows should be speculative."""
         self.steps += 1
-        better = self.accept * plain > spec
-        return (not better) if self.steps % self.recheck == 0 else better
+        best = self.best(rows)
+        if best is None:
+            return (rows, True) not in self.seconds  # measure the kind still missing
+        return (not best) if self.steps % self.recheck == 0 else best
+
+    def best(self, rows: int) -> bool | None:
+        """Whether speculation pays at `rows` rows: measured there, inferred from other row counts, or
+        None (unknown)."""
+        if (rows, True) in self.seconds and (rows, False) in self.seconds:
+            return self.pays(rows)
+        measured = [r for (r, spec) in self.seconds if spec and (r, False) in self.seconds]
+        if any(r <= rows and not self.pays(r) for r in measured):
+            return False
+        if any(r >= rows and self.pays(r) for r in measured):
+            return True
+        return None
+
+    def pays(self, rows: int) -> bool:
+        return self.accept * self.seconds[(rows, False)] > self.seconds[(rows, True)]
 
     def record(self, rows: int, speculative: bool, seconds: float, accepted: float) -> None:
         """One step over `rows` rows took `seconds`; a speculative one accepted `accepted` tokens per row."""
