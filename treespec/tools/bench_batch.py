@@ -6,6 +6,8 @@ The same Spec-Bench prompts run at every batch size B, in groups of B (so every 
 tokens), greedy. Methods:
 
     hf               HF `generate` on the group, left-padded (its own batching)
+    hf_prompt_lookup HF `generate` with prompt_lookup_num_tokens=10, one prompt after the other (HF's
+                     prompt lookup takes batch 1)
     plain            treespec's batched decoder, one token per row per step
     treespec         the heads' tree every step (plain_above=None)
     treespec_auto    the heads' tree where it pays, plain steps where not (plain_above="auto")
@@ -39,8 +41,8 @@ from . import bench
 from .models import default_model_folder
 from .peers import VllmPeer
 
-METHODS = ("hf", "plain", "treespec", "treespec_auto", "treespec_lookup", "vllm")
-DEFAULT_METHODS = ("hf", "plain", "treespec", "treespec_auto", "vllm")
+METHODS = ("hf", "hf_prompt_lookup", "plain", "treespec", "treespec_auto", "treespec_lookup", "vllm")
+DEFAULT_METHODS = ("hf", "hf_prompt_lookup", "plain", "treespec", "treespec_auto", "vllm")
 
 
 def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
@@ -129,6 +131,9 @@ def make_runners(args, model, tokenizer, eos: set[int]) -> tuple[dict, dict]:
         return run
 
     runners["hf"] = lambda prompts, m: hf_batch(model, tokenizer, prompts, m, eos)
+    runners["hf_prompt_lookup"] = lambda prompts, m: [
+        bench.hf_greedy(model, tokenizer, p, m, prompt_lookup_num_tokens=10) for p in prompts
+    ]
     runners["plain"] = ours(lambda: None, None)
     if {"treespec", "treespec_auto", "treespec_lookup"} & set(args.methods):
         heads, tree, setup["heads"], setup["tree"] = bench.load_heads_and_tree(args, model)
