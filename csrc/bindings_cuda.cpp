@@ -56,26 +56,10 @@ void tree_attention_out_cuda_op(const at::Tensor& q, const at::Tensor& k, const 
 at::Tensor tree_attention_rows_cuda_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                        const std::optional<at::Tensor>& bits, double scale, const at::Tensor& rows,
                                        const at::Tensor& prefix_lens) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4, "treespec::tree_attention_rows: q [A, H, n, D], k and v [B, Hkv, L, D]");
-  const int64_t A = q.size(0), H = q.size(1), n = q.size(2), D = q.size(3);
-  const int64_t B = k.size(0), L = k.size(2);
-  TORCH_CHECK(rows.scalar_type() == at::kLong && prefix_lens.scalar_type() == at::kLong && rows.dim() == 1 &&
-                  prefix_lens.dim() == 1 && rows.numel() == A && prefix_lens.numel() == A && rows.is_cpu() &&
-                  prefix_lens.is_cpu(),
-              "treespec::tree_attention_rows: rows and prefix_lens must be int64 [A] CPU tensors, A = ", A);
-  const at::Tensor r = rows.contiguous(), c = prefix_lens.contiguous();
-  const int64_t* rp = r.data_ptr<int64_t>();
-  const int64_t* cp = c.data_ptr<int64_t>();
-  at::Tensor out = at::empty({A, n, H, D}, q.options());
-  for (int64_t a = 0; a < A; ++a) {
-    const int64_t row = rp[a], end = cp[a] + n;
-    TORCH_CHECK(row >= 0 && row < B, "treespec::tree_attention_rows: row ", row, " outside a cache of ", B, " rows");
-    TORCH_CHECK(cp[a] >= 0 && end <= L, "treespec::tree_attention_rows: row ", row, " reads keys up to ", end,
-                " but the cache view holds ", L);
-    run_cuda(q.narrow(0, a, 1), k.narrow(0, row, 1).narrow(2, 0, end), v.narrow(0, row, 1).narrow(2, 0, end), bits,
-             scale, out.narrow(0, a, 1));
-  }
-  return out;
+  return for_each_row(q, k, v, rows, prefix_lens,
+                      [&](const at::Tensor& qa, const at::Tensor& ka, const at::Tensor& va, const at::Tensor& oa) {
+                        run_cuda(qa, ka, va, bits, scale, oa);
+                      });
 }
 
 void commit_kv_cuda_op(at::TensorList keys, at::TensorList values, const at::Tensor& src, const at::Tensor& dst) {

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             started = time.perf_counter() - t0
             outputs = [peer.run(prompt, args.max_new_tokens)["token_ids"] for prompt in ids]
-            metrics = peer.spec_metrics()
+            metrics = peer.spec_metrics() if extra else {}
             peer.close()
             runs[name] = {"outputs": outputs, "metrics": metrics, "start_seconds": started}
     m = runs["vllm_eagle3"]["metrics"]

@@ -20,22 +20,24 @@ commits more tokens per second at the current row count.
 
 from __future__ import annotations
 
-import contextlib
-import time
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from ..drafters.base import Drafter, RootOnlyDrafter, SequenceStart
-from .acceptance import RULES, SamplingConfig, verify
-from .attention import KERNELS, AttentionPlan, auto_kernel, tree_attention_enabled
+from .acceptance import SamplingConfig, verify
+from .attention import AttentionPlan, auto_kernel
 from .batch_cache import BatchKVCache
-from .cache import CacheCapacityError
 from .compiled import CompiledForward
-from .decoder import full_forward, output_logits
-from .packed import MODES as LINEAR_MODES
-from .packed import packed_linears
+from .decoder import (
+    check_settings,
+    decoding_mode,
+    device_clock,
+    full_forward,
+    output_logits,
+    positions_needed,
+)
 from .stats import GenerationStats
 from .tree import Tree
 
@@ -122,14 +124,7 @@ class BatchDecoder:
         always speculate; "auto": each step of the kind measured to pay at the current row count
         (`StepPricer`). compile: steps through torch.compile (`core.compiled`, as `Decoder`; the compiled
         kernel takes each row's committed length itself). The other arguments are `Decoder`'s."""
-        if linears not in LINEAR_MODES:
-            raise ValueError(f"unknown linears mode {linears!r}; choose one of {LINEAR_MODES}")
-        if acceptance not in RULES:
-            raise ValueError(f"unknown acceptance rule {acceptance!r}; choose one of {RULES}")
-        if kernel not in KERNELS and kernel != "auto":
-            raise ValueError(
-                f"unknown attention kernel {kernel!r}; choose one of {['auto', *sorted(KERNELS)]}"
-            )
+        check_settings(linears, acceptance, kernel)
         self.drafter = drafter or RootOnlyDrafter()
         if not getattr(self.drafter, "batched", False):
             raise ValueError(
@@ -171,35 +166,11 @@ class BatchDecoder:
         self.roots: torch.Tensor | None = None  # [A] each live row's next root token
         self.stats: list[GenerationStats] = []
 
-    @contextlib.contextmanager
     def running(self):
-        with tree_attention_enabled(self.model), packed_linears(self.model, mode=self.linears):
-            yield
+        return decoding_mode(self.model, self.linears)
 
     def clock(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    def capacity(self, prompt_tokens: int, max_new_tokens: int, max_length: int | None, row: int) -> int:
-        """Cache positions row `row` needs (prompt + new tokens + one tree block); refuses what the model
-        cannot hold."""
-        config = self.model.config
-        limit = max_length or getattr(config, "max_position_embeddings", None) or 1 << 30
-        needed = prompt_tokens + max_new_tokens + self.tree.num_nodes
-        if needed > limit:
-            raise CacheCapacityError(
-                f"prompt {row} has {prompt_tokens} tokens; with max_new_tokens={max_new_tokens} and a "
-                f"{self.tree.num_nodes}-node tree its row needs {needed} positions but the limit is {limit}: "
-                "shorten that prompt or lower max_new_tokens"
-            )
-        sliding = getattr(config, "sliding_window", None)
-        if sliding and getattr(config, "use_sliding_window", True) and needed > sliding:
-            raise ValueError(
-                f"this model uses sliding-window attention ({sliding} tokens) and treespec attends to the "
-                f"whole prefix; keep prompt + max_new_tokens under {sliding - self.tree.num_nodes}"
-            )
-        return needed
+        return device_clock(self.device)
 
     @torch.inference_mode()
     def prefill(
@@ -209,7 +180,11 @@ class BatchDecoder:
         token, start the drafter row by row. Returns the first token of every row."""
         if not prompts:
             raise ValueError("prefill needs at least one prompt")
-        needed = max(self.capacity(len(p), max_new_tokens, max_length, i) for i, p in enumerate(prompts))
+        nodes = self.tree.num_nodes
+        needed = max(
+            positions_needed(self.model, len(p), max_new_tokens, nodes, max_length, f"prompt {i}")
+            for i, p in enumerate(prompts)
+        )
         B = len(prompts)
         if self.cache is None or self.cache.max_len < needed or self.cache.num_rows != B:
             self.cache = BatchKVCache.for_model(self.model, needed, B, spec_reserve=self.tree.num_nodes)

@@ -21,7 +21,7 @@ from dataclasses import replace
 import torch
 
 from .attention import AttentionPlan
-from .cache import CacheCapacityError, KVCacheBase, PreallocatedLayer, kv_layout
+from .cache import CacheCapacityError, KVCacheBase, PreallocatedLayer, kv_layout, zeroed_layers
 
 
 class BatchKVLayer(PreallocatedLayer):
@@ -52,15 +52,7 @@ class BatchKVCache(KVCacheBase):
         device: torch.device | str = "cpu",
     ):
         shape = (batch_size, num_kv_heads, max_len, head_dim)
-        layers = [
-            BatchKVLayer(
-                self,
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
-            for _ in range(num_layers)
-        ]
-        super().__init__(layers, max_len)
+        super().__init__(zeroed_layers(self, BatchKVLayer, num_layers, shape, dtype, device), max_len)
         self.num_rows = batch_size
         self.device = torch.device(device)
         self.lengths = [0] * batch_size  # committed tokens per row

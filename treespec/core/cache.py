@@ -65,6 +65,19 @@ class PreallocatedLayer(CacheLayerMixin):
         return self.owner.max_len
 
 
+def zeroed_layers(owner, layer_cls, num_layers: int, shape: tuple, dtype, device) -> list:
+    """`num_layers` layers of `layer_cls` over zeroed K/V of `shape` ([B, Hkv, max_len, D]), owned by
+    `owner` (the cache that keeps their pointers)."""
+    return [
+        layer_cls(
+            owner,
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
+        for _ in range(num_layers)
+    ]
+
+
 class KVCacheBase(Cache):
     """The pointer scheme every treespec KV cache shares (one per decoding run, allocated once):
 
@@ -156,15 +169,7 @@ class TreeKVCache(KVCacheBase):
         """fused_commit: None (default) uses the fused commit op when the extension is available,
         True requires it, False always uses the torch reference."""
         shape = (batch_size, num_kv_heads, max_len, head_dim)
-        layers = [
-            TreeKVLayer(
-                self,
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
-            for _ in range(num_layers)
-        ]
-        super().__init__(layers, max_len)
+        super().__init__(zeroed_layers(self, TreeKVLayer, num_layers, shape, dtype, device), max_len)
         self.fused_commit = fused_commit
 
     @classmethod

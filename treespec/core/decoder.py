@@ -96,6 +96,53 @@ def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+def check_settings(linears: str, acceptance: str, kernel: str) -> None:
+    """Refuse an unknown linear mode, acceptance rule or attention kernel (Decoder, BatchDecoder)."""
+    if linears not in LINEAR_MODES:
+        raise ValueError(f"unknown linears mode {linears!r}; choose one of {LINEAR_MODES}")
+    if acceptance not in RULES:
+        raise ValueError(f"unknown acceptance rule {acceptance!r}; choose one of {RULES}")
+    if kernel not in KERNELS and kernel != "auto":
+        raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {['auto', *sorted(KERNELS)]}")
+
+
+def positions_needed(
+    model, prompt_tokens: int, max_new_tokens: int, tree_nodes: int, max_length: int | None, prompt: str
+) -> int:
+    """Cache positions a sequence needs (prompt + new tokens + one tree block); refuses what the model
+    cannot hold. prompt: how the error names the prompt ("the prompt", "prompt 3")."""
+    config = model.config
+    limit = max_length or getattr(config, "max_position_embeddings", None) or 1 << 30
+    needed = prompt_tokens + max_new_tokens + tree_nodes
+    if needed > limit:
+        raise CacheCapacityError(
+            f"{prompt} has {prompt_tokens} tokens; with max_new_tokens={max_new_tokens} and a "
+            f"{tree_nodes}-node tree the cache needs {needed} positions but the limit is "
+            f"{limit}: shorten {prompt} or lower max_new_tokens"
+        )
+    sliding = getattr(config, "sliding_window", None)
+    if sliding and getattr(config, "use_sliding_window", True) and needed > sliding:
+        raise ValueError(
+            f"this model uses sliding-window attention ({sliding} tokens) and treespec attends to the "
+            f"whole prefix; keep prompt + max_new_tokens under {sliding - tree_nodes}"
+        )
+    return needed
+
+
+@contextlib.contextmanager
+def decoding_mode(model, linears: str):
+    """The model's mode for treespec's forwards: tree attention, and packed linears when asked."""
+    with tree_attention_enabled(model), packed_linears(model, mode=linears):
+        yield
+
+
+def device_clock(device: torch.device) -> float:
+    """Wall time; synchronises CUDA so phases are not mis-attributed."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 class Decoder:
     """Tree-speculative decoding of one sequence at a time over a preallocated cache."""
 
@@ -116,14 +163,7 @@ class Decoder:
         (as the model is); CPU only (float32, or bf16 where oneDNN has it), ignored elsewhere.
         compile: run the verification forward through torch.compile (`core.compiled`; the first step of
         each node count compiles, about a minute on a small CPU); drafters with their own scorer keep it."""
-        if linears not in LINEAR_MODES:
-            raise ValueError(f"unknown linears mode {linears!r}; choose one of {LINEAR_MODES}")
-        if acceptance not in RULES:
-            raise ValueError(f"unknown acceptance rule {acceptance!r}; choose one of {RULES}")
-        if kernel not in KERNELS and kernel != "auto":
-            raise ValueError(
-                f"unknown attention kernel {kernel!r}; choose one of {['auto', *sorted(KERNELS)]}"
-            )
+        check_settings(linears, acceptance, kernel)
         param = next(model.parameters())
         self.model, self.device = model, param.device
         self.drafter = drafter or RootOnlyDrafter()
@@ -149,37 +189,18 @@ class Decoder:
         self.hidden: torch.Tensor | None = None  # [B, H] at the last committed token
         self.roots: torch.Tensor | None = None  # [B] the next root token
 
-    @contextlib.contextmanager
     def running(self):
-        """The model's mode for treespec's forwards: tree attention, and packed linears when asked."""
-        with tree_attention_enabled(self.model), packed_linears(self.model, mode=self.linears):
-            yield
+        """The model's mode for treespec's forwards (`decoding_mode`)."""
+        return decoding_mode(self.model, self.linears)
 
     def clock(self) -> float:
-        """Wall time; synchronises CUDA so phases are not mis-attributed."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter()
+        return device_clock(self.device)
 
     def capacity(self, prompt_tokens: int, max_new_tokens: int, max_length: int | None = None) -> int:
-        """Cache positions a sequence needs (prompt + new tokens + one tree block); refuses what the
-        model cannot hold."""
-        config = self.model.config
-        limit = max_length or getattr(config, "max_position_embeddings", None) or 1 << 30
-        needed = prompt_tokens + max_new_tokens + self.tree.num_nodes
-        if needed > limit:
-            raise CacheCapacityError(
-                f"the prompt has {prompt_tokens} tokens; with max_new_tokens={max_new_tokens} and a "
-                f"{self.tree.num_nodes}-node tree the cache needs {needed} positions but the limit is "
-                f"{limit}: shorten the prompt or lower max_new_tokens"
-            )
-        sliding = getattr(config, "sliding_window", None)
-        if sliding and getattr(config, "use_sliding_window", True) and needed > sliding:
-            raise ValueError(
-                f"this model uses sliding-window attention ({sliding} tokens) and treespec attends to the "
-                f"whole prefix; keep prompt + max_new_tokens under {sliding - self.tree.num_nodes}"
-            )
-        return needed
+        """Cache positions a sequence needs (`positions_needed`)."""
+        return positions_needed(
+            self.model, prompt_tokens, max_new_tokens, self.tree.num_nodes, max_length, "the prompt"
+        )
 
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int], max_new_tokens: int, max_length: int | None = None) -> int:

@@ -240,12 +240,7 @@ def generate_batch(
         prompts = list(prompts)
     vocab = _vocab_size(model)
     prompt_ids = [encode_prompt(p, tokenizer, chat, vocab_size=vocab) for p in prompts]
-    if streamer is not None and (not isinstance(streamer, (list, tuple)) or len(streamer) != len(prompt_ids)):
-        raise ValueError(
-            f"a batch of {len(prompt_ids)} prompts streams through a list of {len(prompt_ids)} streamers "
-            "(one per prompt, None for rows not streamed); HF streamers take one sequence each"
-        )
-    streamers = list(streamer) if streamer is not None else [None] * len(prompt_ids)
+    streamers = _row_streamers(streamer, len(prompt_ids))
     eos = eos_token_ids(model, tokenizer, eos_token_id)
     stopping = [StopCondition(eos, stop, tokenizer, max_new_tokens) for _ in prompt_ids]
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -287,6 +282,18 @@ def generate_batch(
         GenerationResult(out, stopping[row].text(out), prompt_ids[row], stats[row], decoder.tree)
         for row, out in enumerate(outs)
     ]
+
+
+def _row_streamers(streamer, rows: int) -> list:
+    """One streamer (or None) per row of a batch: `streamer` must be None or a list of `rows` of them."""
+    if streamer is None:
+        return [None] * rows
+    if not isinstance(streamer, (list, tuple)) or len(streamer) != rows:
+        raise ValueError(
+            f"a batch of {rows} prompts streams through a list of {rows} streamers (one per prompt, None "
+            "for rows not streamed); HF streamers take one sequence each"
+        )
+    return list(streamer)
 
 
 def _vocab_size(model) -> int | None:

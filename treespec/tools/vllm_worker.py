@@ -73,7 +73,11 @@ def spec_metrics(llm) -> dict:
         "vllm:spec_decode_num_draft_tokens": "draft_tokens",
         "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
     }
-    for metric in llm.get_metrics():
+    try:
+        metrics = llm.get_metrics()
+    except Exception:  # an engine without speculation runs with its stats off: nothing was counted
+        return found
+    for metric in metrics:
         if metric.name in names:
             found[names[metric.name]] = int(metric.value)
         elif metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
