@@ -130,6 +130,18 @@ def random_heads(
     return heads
 
 
+def random_eagle(model, seed: int = 0, draft_size: int = 0, std: float = 0.3, layers=None):
+    """A draft layer with random weights (correctness must not depend on its quality)."""
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    draft_vocab = torch.randperm(vocab, generator=gen)[: draft_size or vocab]
+    draft = treespec.EagleDraftModel.for_model(model, draft_vocab, feature_layers=layers or [1, 2, 2])
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) * std)
+    return draft
+
+
 def hf_greedy(model, input_ids: list[int], max_new_tokens: int, eos_token_id=None) -> list[int]:
     """Reference: transformers' own greedy generate (sdpa attention, DynamicCache)."""
     ids = torch.tensor([input_ids])

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import ARCHS, hf_greedy, random_heads, tiny_model
+from conftest import ARCHS, hf_greedy, random_eagle, random_heads, tiny_model
 
 import treespec
 from treespec import ops
@@ -15,6 +15,8 @@ from treespec.core.attention import AttentionPlan, tree_attention_reference, tre
 from treespec.core.batch import BatchDecoder, StepPricer
 from treespec.core.batch_cache import BatchKVCache
 from treespec.core.cache import CacheCapacityError
+from treespec.core.decoder import Decoder
+from treespec.drafters.base import SequenceStart
 
 
 def _prompts(model, lengths, seed=0):
@@ -24,16 +26,75 @@ def _prompts(model, lengths, seed=0):
 
 def _drafters(model):
     """(name, make) of every drafter that batches: plain decoding, independent heads with and without a
-    lookup branch, sequential heads (each made fresh: lookup keeps state)."""
+    lookup branch, sequential heads, the EAGLE-style drafter (each made fresh: lookup keeps state)."""
     heads, sequential = random_heads(model), random_heads(model, sequential=True, seed=1)
     tree = treespec.default_tree(16, 4)
+    eagle = random_eagle(model, seed=2, draft_size=40)
     return [
         ("plain", lambda: None),
         ("heads", lambda: treespec.make_drafter(heads, tree, model)),
         ("heads+lookup", lambda: treespec.LookupDrafter(treespec.make_drafter(heads, tree, model), 3)),
         ("lookup", lambda: treespec.LookupDrafter(None, 4)),
         ("sequential", lambda: treespec.make_drafter(sequential, tree, model)),
+        ("eagle", lambda: treespec.EagleDrafter(eagle, EAGLE_TREE, model)),
     ]
+
+
+EAGLE_TREE = treespec.Tree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+
+
+def test_batched_eagle_drafts_what_each_row_drafts_alone():
+    """The EAGLE drafter's batched catch-up and drafting (rows at different lengths, accepting different
+    counts, one leaving the batch) propose exactly what each row's drafter proposes alone."""
+    model = tiny_model("llama", dtype=torch.float32)
+    draft = random_eagle(model, seed=5, draft_size=40, std=0.2)
+    prompts = _prompts(model, [5, 61, 12], seed=21)
+    batch = BatchDecoder(model, treespec.EagleDrafter(draft, EAGLE_TREE, model), plain_above=None)
+    batch.prefill(prompts, max_new_tokens=40)
+    singles = [Decoder(model, treespec.EagleDrafter(draft, EAGLE_TREE, model)) for _ in prompts]
+    for single, prompt in zip(singles, prompts, strict=True):
+        single.prefill(prompt, max_new_tokens=40)
+    live = [0, 1, 2]
+    for step in range(6):
+        if step == 3:
+            batch.finish([1])
+            live = [0, 2]
+        proposal = batch.drafter.propose(batch.hidden, batch.roots)  # [A, N]
+        for a, row in enumerate(live):
+            alone = singles[row].drafter.propose(singles[row].hidden, singles[row].roots)
+            assert proposal.tokens[a].tolist() == alone.tokens[0].tolist()
+            torch.testing.assert_close(proposal.probs[a], alone.probs[0], atol=1e-5, rtol=1e-4)
+        result = batch.step()
+        for row, path in zip(result.rows, result.paths, strict=True):
+            assert path == singles[row].step().path
+
+
+def test_batched_eagle_catch_up_with_rows_committing_different_counts():
+    """observe() with ragged rows (padded features): each row's next proposal equals its drafter alone."""
+    model = tiny_model("llama", dtype=torch.float32)
+    draft = random_eagle(model, seed=6, draft_size=40, std=0.2)
+    F = len(draft.feature_layers) * model.config.hidden_size
+    gen = torch.Generator().manual_seed(3)
+    prompts = _prompts(model, [4, 30, 9], seed=22)
+    batch = treespec.EagleDrafter(draft, EAGLE_TREE, model)
+    singles = [treespec.EagleDrafter(draft, EAGLE_TREE, model) for _ in prompts]
+    for row, prompt in enumerate(prompts):
+        features = torch.randn(1, len(prompt) - 1, F, generator=gen)
+        batch.start(SequenceStart(prompt, 64, None, "sdpa", features, row, len(prompts)))
+        singles[row].start(SequenceStart(prompt, 64, None, "sdpa", features))
+    for committed in ([[7], [3, 4, 5], [8, 9]], [[1, 2, 3, 4], [6], [2]]):
+        longest = max(len(c) for c in committed)
+        features = torch.randn(len(committed), longest, F, generator=gen)  # the padding is noise too
+        batch.observe(committed, features)
+        for row, tokens in enumerate(committed):
+            singles[row].observe([tokens], features[row : row + 1, : len(tokens)])
+        roots = torch.tensor([5, 6, 7])
+        proposal = batch.propose(torch.zeros(3, 1), roots)
+        for row, single in enumerate(singles):
+            alone = single.propose(torch.zeros(1, 1), roots[row : row + 1])
+            assert proposal.tokens[row].tolist() == alone.tokens[0].tolist()
+            torch.testing.assert_close(proposal.probs[row], alone.probs[0], atol=1e-5, rtol=1e-4)
+    assert batch.cache.lengths == [3 + 1 + 4, 29 + 3 + 1, 8 + 2 + 1]  # prompt - 1, then each commit
 
 
 @pytest.mark.parametrize("batch", [1, 2, 3, 5, 8])
@@ -171,13 +232,38 @@ def test_step_pricer_takes_the_kind_of_step_that_pays():
     pricer.record(8, True, 2.0, accepted=1.5)
     assert not pricer.speculate(8)  # then one plain step
     pricer.record(8, False, 1.0, accepted=1.0)
-    # 1.5 tokens per row for 2 s against 1 token for 1 s: plain pays; every 4th step rechecks the other
-    choices = [pricer.speculate(8) for _ in range(8)]  # the pricer's steps 3 to 10
-    assert choices == [False, True, False, False, False, True, False, False]
+    # 1.5 tokens per row for 2 s against 1 token for 1 s: plain pays; after 4 steps the other kind runs
+    # once, and each recheck that confirms the choice doubles the wait (4, then 8, then 16 steps)
+    choices = []
+    for _ in range(12):  # the pricer's steps 3 to 14
+        choice = pricer.speculate(8)
+        pricer.record(8, choice, 2.0 if choice else 1.0, accepted=1.5)
+        choices.append(choice)
+    assert choices == [False, True] + [False] * 7 + [True, False, False]
+    assert pricer.interval == 16 and pricer.next_recheck == 28
     assert pricer.best(16) is False  # lost at 8 rows: loses at more rows too, without measuring
-    assert pricer.best(4) is None  # fewer rows: unknown, measured on its own
+    assert pricer.best(4) is False  # fewer rows within a factor of two: the nearest measured count decides
+    assert pricer.best(3) is None  # further away: unknown, measured on its own
     pricer.record(8, True, 2.0, accepted=3.0)  # 3 tokens per row for 2 s: speculation pays now
-    assert pricer.best(8) is True and pricer.best(4) is True and pricer.best(16) is None
+    assert pricer.best(8) is True and pricer.best(4) is True and pricer.best(3) is True
+    assert pricer.best(16) is True and pricer.best(17) is None
+
+
+def test_step_pricer_recheck_that_overturns_resets_the_wait():
+    pricer = StepPricer(recheck=2, smoothing=1.0)
+    for speculative, seconds in ((True, 2.0), (False, 1.0)):
+        assert pricer.speculate(4) is speculative
+        pricer.record(4, speculative, seconds, accepted=1.5)
+    assert pricer.speculate(4)  # step 3: the recheck of speculation (plain was chosen)
+    pricer.record(4, True, 1.0, accepted=3.0)  # now it pays: the choice is overturned
+    assert pricer.best(4) is True and pricer.interval == 2 and pricer.next_recheck == 5
+    # rows finishing one by one from 8: counts within a factor of two of a measured one are inferred
+    pricer = StepPricer(smoothing=1.0)
+    for rows in range(8, 0, -1):
+        for _ in range(3):
+            choice = pricer.speculate(rows)
+            pricer.record(rows, choice, 2.0 if choice else 1.0, accepted=1.5)  # plain always pays
+    assert {rows for rows, speculative in pricer.seconds if speculative} == {8, 3, 1}
 
 
 def test_auto_fallback_keeps_the_output():

@@ -14,11 +14,16 @@ from treespec.tools import bench_batch
 def test_options_are_checked(capsys):
     args = bench_batch.parse_args(["--batch-sizes", "8,1,4", "--num-prompts", "8"])
     assert args.batch_sizes == [1, 4, 8] and args.methods == list(bench_batch.DEFAULT_METHODS)
-    for bad in (["--methods", "hf,fast"], ["--batch-sizes", "1,16", "--num-prompts", "8"]):
+    for bad in (
+        ["--methods", "hf,fast"],
+        ["--batch-sizes", "1,16", "--num-prompts", "8"],
+        ["--methods", "eagle"],
+    ):
         with pytest.raises(SystemExit) as info:
             bench_batch.parse_args(bad)
         assert info.value.code == 2
-    assert "unknown methods" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "unknown methods" in err and "the eagle method needs --eagle FOLDER" in err
 
 
 def test_script_is_a_thin_wrapper(capsys):
@@ -52,6 +57,28 @@ def test_summary_ratios_same_rows_and_crossover():
     assert bench_batch.crossover(summary) == 2
     assert bench_batch.crossover(summary[:3]) is None  # B = 1 only: speculation pays
     assert "| 2 | treespec | 5.0 | 1.25 | 1/2 |" in bench_batch.format_table(summary)
+
+
+def test_one_prompt_at_a_time_methods_run_at_the_smallest_batch_only():
+    calls = []
+
+    def runner(name):
+        def run(prompts, max_new_tokens):
+            calls.append((name, len(prompts), max_new_tokens))
+            return [[7] * 3 for _ in prompts]
+
+        return run
+
+    runners = {"hf": runner("hf"), "hf_prompt_lookup": runner("hf_prompt_lookup")}
+    records = bench_batch.run_groups([[1], [2], [3], [4]], runners, [1, 4], 5)
+    measured = [(name, size) for name, size, tokens in calls if tokens == 5]
+    assert measured.count(("hf_prompt_lookup", 1)) == 4 and ("hf_prompt_lookup", 4) not in measured
+    assert measured.count(("hf", 4)) == 1
+    summary = bench_batch.summarize(records, ["hf", "hf_prompt_lookup"], [1, 4])
+    row = {(r["batch"], r["method"]): r for r in summary}
+    assert row[(4, "hf_prompt_lookup")]["measured_at"] == 1
+    assert row[(4, "hf_prompt_lookup")]["tokens"] == row[(1, "hf_prompt_lookup")]["tokens"] == 12
+    assert "one prompt at a time, run at B = 1" in bench_batch.format_table(summary)
 
 
 @pytest.mark.integration

@@ -7,24 +7,12 @@ import json
 
 import pytest
 import torch
-from conftest import ARCHS, hf_greedy, tiny_model
+from conftest import ARCHS, hf_greedy, random_eagle, tiny_model
 
 import treespec
 from treespec.core.attention import AttentionPlan
 from treespec.core.cache import TreeKVCache
 from treespec.core.decoder import full_forward
-
-
-def random_eagle(model, seed: int = 0, draft_size: int = 0, std: float = 0.3, layers=None):
-    """A draft layer with random weights (correctness must not depend on its quality)."""
-    vocab = model.config.vocab_size
-    gen = torch.Generator().manual_seed(seed)
-    draft_vocab = torch.randperm(vocab, generator=gen)[: draft_size or vocab]
-    draft = treespec.EagleDraftModel.for_model(model, draft_vocab, feature_layers=layers or [1, 2, 2])
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) * std)
-    return draft
 
 
 def target_features(model, tokens: list[int], layers) -> torch.Tensor:

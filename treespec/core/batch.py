@@ -47,17 +47,26 @@ class StepPricer:
 
     Per row count A it keeps a moving average of the seconds of a speculative and of a plain step, and
     over all speculative steps the mean accepted length E per row. A speculative step commits E tokens
-    per row where a plain one commits 1, so it pays while E x t_plain(A) > t_spec(A). Speculation pays
-    less as more rows share a step, so a loss measured at fewer rows (or a win at more) decides a row
-    count not measured yet; otherwise that count tries one step of each kind. Every `recheck` steps the
-    kind not chosen runs once, so the estimates follow the machine and the text."""
+    per row where a plain one commits 1, so it pays while E x t_plain(A) > t_spec(A).
 
-    def __init__(self, recheck: int = 32, smoothing: float = 0.3):
-        self.recheck, self.smoothing = recheck, smoothing
+    A row count not measured yet is inferred where it can be: speculation pays less as more rows share a
+    step, so a loss measured at fewer rows (or a win at more) decides it; otherwise the nearest count
+    measured within a factor of two decides it (a batch whose rows finish one by one explores about
+    log2(B) counts, not B). Only a count with nothing to infer from tries one step of each kind.
+
+    The kind not chosen runs once after `recheck` steps, so the estimates follow the machine and the
+    text; each recheck that confirms the choice doubles the wait (up to `max_recheck`), one that
+    overturns it resets the wait."""
+
+    def __init__(self, recheck: int = 32, smoothing: float = 0.3, max_recheck: int = 256):
+        self.recheck, self.smoothing, self.max_recheck = recheck, smoothing, max_recheck
         self.seconds: dict[tuple[int, bool], float] = {}  # (rows, speculative) -> seconds per step
         self.accept = 1.0  # mean accepted length per row of speculative steps (moving average)
         self.accept_seen = False
         self.steps = 0
+        self.interval = recheck  # steps until the next recheck
+        self.next_recheck = recheck
+        self.rechecking: tuple[int, bool] | None = None  # (rows, the choice a recheck step questions)
 
     def speculate(self, rows: int) -> bool:
         """Whether the next step over `rows` live rows should be speculative."""
@@ -65,7 +74,10 @@ class StepPricer:
         best = self.best(rows)
         if best is None:
             return (rows, True) not in self.seconds  # measure the kind still missing
-        return (not best) if self.steps % self.recheck == 0 else best
+        if self.steps >= self.next_recheck:
+            self.rechecking = (rows, best)
+            return not best
+        return best
 
     def best(self, rows: int) -> bool | None:
         """Whether speculation pays at `rows` rows: measured there, inferred from other row counts, or
@@ -77,6 +89,9 @@ class StepPricer:
             return False
         if any(r >= rows and self.pays(r) for r in measured):
             return True
+        near = [r for r in measured if r <= 2 * rows and rows <= 2 * r]
+        if near:
+            return self.pays(min(near, key=lambda r: (abs(r - rows), r)))
         return None
 
     def pays(self, rows: int) -> bool:
@@ -89,6 +104,12 @@ class StepPricer:
         if speculative:
             self.accept = accepted if not self.accept_seen else (1 - a) * self.accept + a * accepted
             self.accept_seen = True
+        if self.rechecking is not None:
+            checked_rows, choice = self.rechecking
+            confirmed = checked_rows == rows and self.best(rows) == choice
+            self.interval = min(2 * self.interval, self.max_recheck) if confirmed else self.recheck
+            self.next_recheck = self.steps + self.interval
+            self.rechecking = None
 
 
 @dataclass
@@ -132,8 +153,8 @@ class BatchDecoder:
                 "verification of its own): decode a batch with heads, prompt lookup or plain decoding, "
                 "or decode these prompts one by one"
             )
-        if self.drafter.scorer() is not None or getattr(self.drafter, "feature_layers", ()):
-            raise ValueError("a drafter with its own scorer or the target's features takes one sequence")
+        if self.drafter.scorer() is not None:
+            raise ValueError("a drafter with its own scorer (partial-layer verification) takes one sequence")
         if (
             plain_above != "auto"
             and plain_above is not None
@@ -160,6 +181,10 @@ class BatchDecoder:
         self.generator = None if seed is None else torch.Generator(self.device).manual_seed(seed)
         self.linears = linears
         self.scorer = CompiledForward(model, linears) if compile else partial(full_forward, model)
+        # the target's hidden states the drafter reads (the EAGLE-style drafter); () = none
+        self.feature_layers = tuple(getattr(self.drafter, "feature_layers", ()))
+        if self.feature_layers:
+            self.scorer = partial(self.scorer, feature_layers=self.feature_layers)
         self.cache: BatchKVCache | None = None
         self.live: list[int] = []  # cache rows still decoding, in the drafter's row order
         self.hidden: torch.Tensor | None = None  # [A, H] at each live row's last committed token
@@ -197,15 +222,18 @@ class BatchDecoder:
             self.cache.begin([row], len(prompt))
             positions = torch.arange(len(prompt), device=self.device)[None]  # [1, P]
             plan = self.cache.attention_plan(AttentionPlan(self.kernel))
+            features = None  # [1, P, F] for a drafter that reads the target's features
             with self.running():
-                out = full_forward(self.model, ids, positions, self.cache, plan)  # [1, P, H]
-                logits = output_logits(self.model, out[0, -1])  # [V]
+                out = full_forward(self.model, ids, positions, self.cache, plan, self.feature_layers)
+                if self.feature_layers:
+                    out, features = out
+                logits = output_logits(self.model, out[0, -1])  # out [1, P, H] -> [V]
             self.cache.commit_all()
             root = self.sampling.sample(logits, self.generator)
             hidden.append(out[0, -1])
             roots.append(root)
             self.drafter.start(
-                SequenceStart(list(prompt) + [root], needed, self.cache, self.kernel, row=row, rows=B)
+                SequenceStart(list(prompt) + [root], needed, self.cache, self.kernel, features, row, B)
             )
             self.stats[row].time_prefill = self.clock() - t0
         self.live = list(range(B))
@@ -237,6 +265,9 @@ class BatchDecoder:
             positions = self.cache.positions(depth)  # [A, N]
             plan = self.cache.attention_plan(plan)
             hidden_tree = self.scorer(tokens, positions, self.cache, plan)  # [A, N, H]
+            features = None
+            if self.feature_layers:
+                hidden_tree, features = hidden_tree  # features [A, N, F]
             logits = output_logits(self.model, hidden_tree)  # [A, N, V]
             node_tokens = tokens.tolist()
             paths, bonuses = [], []
@@ -256,7 +287,13 @@ class BatchDecoder:
             [node_tokens[a][i] for i in p[1:]] + [b]
             for a, (p, b) in enumerate(zip(paths, bonuses, strict=True))
         ]
-        self.drafter.observe(committed)
+        if self.feature_layers:  # each row's features at its accepted nodes, padded to the longest path
+            longest = max(len(p) for p in paths)
+            index = torch.tensor([p + [p[-1]] * (longest - len(p)) for p in paths], device=self.device)
+            picked = features[torch.arange(len(rows), device=self.device)[:, None], index]  # [A, m, F]
+            self.drafter.observe(committed, picked)
+        else:
+            self.drafter.observe(committed)
         t_draft = (t1 - t0) + (self.clock() - t3)
         if self.pricer is not None:
             accepted = sum(len(p) for p in paths) / len(paths)

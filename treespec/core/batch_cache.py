@@ -60,6 +60,7 @@ class BatchKVCache(KVCacheBase):
         self.block = 0  # n: tokens the current forward writes per row
         self._write_index: tuple[torch.Tensor, torch.Tensor] | None = None
         self._write_end = 0
+        self._rows_host = self._starts_host = torch.zeros(0, dtype=torch.long)
 
     @classmethod
     def for_model(cls, model, max_len: int, batch_size: int, spec_reserve: int = 0) -> BatchKVCache:
@@ -86,20 +87,21 @@ class BatchKVCache(KVCacheBase):
                 "(longest prompt + max_new_tokens + speculation size)"
             )
         self.rows, self.block, self._write_end = rows, n, end
+        # [A] each, on the CPU (the kernels read them on the host): the rows and their committed lengths
+        self._rows_host = torch.tensor(rows, dtype=torch.long)
+        self._starts_host = torch.tensor(starts, dtype=torch.long)
         offsets = torch.arange(n, device=self.device)  # [n]
-        dst = torch.tensor(starts, device=self.device)[:, None] + offsets  # [A, n]
-        self._write_index = (torch.tensor(rows, device=self.device)[:, None], dst)  # [A, 1], [A, n]
+        dst = self._starts_host.to(self.device)[:, None] + offsets  # [A, n]
+        self._write_index = (self._rows_host.to(self.device)[:, None], dst)  # [A, 1], [A, n]
         self.length = end
 
     def positions(self, depth: torch.Tensor) -> torch.Tensor:
         """Positions of the current forward's tokens: c_row + depth, [A, n] (depth [n])."""
-        starts = torch.tensor([self.lengths[r] for r in self.rows], device=depth.device)  # [A]
-        return starts[:, None] + depth[None]
+        return self._starts_host.to(depth.device)[:, None] + depth[None]
 
     def attention_plan(self, plan: AttentionPlan) -> AttentionPlan:
         """`plan` (the tree's visibility) with this forward's rows and their committed lengths."""
-        rows = torch.tensor(self.rows, dtype=torch.long)  # [A] on the CPU: the kernels read them on the host
-        return replace(plan, rows=rows, prefix_lens=torch.tensor([self.lengths[r] for r in self.rows]))
+        return replace(plan, rows=self._rows_host, prefix_lens=self._starts_host)
 
     def _write_start(self) -> int:
         return max(self.lengths[r] for r in self.rows) if self.rows else 0
@@ -137,6 +139,17 @@ class BatchKVCache(KVCacheBase):
         """Accept every row's whole block as written (a prefill, plain decoding)."""
         for row in self.rows:
             self.lengths[row] += self.block
+        self._end_forward()
+
+    def rollback_rows(self, rows: Sequence[int], lengths: Sequence[int]) -> None:
+        """Roll `rows` back to committed `lengths` (no longer than they are): the entries after them are
+        dropped by pointer, nothing is copied or cleared."""
+        for row, length in zip(rows, lengths, strict=True):
+            if not 0 <= length <= self.lengths[row]:
+                raise ValueError(
+                    f"row {row} has {self.lengths[row]} committed tokens: cannot roll back to {length}"
+                )
+            self.lengths[row] = int(length)
         self._end_forward()
 
     def _copy_slots(self, rows: list[int], src: list[int], dst: list[int]) -> None:

@@ -233,7 +233,8 @@ def generate_batch(
     are live; "auto" (default) times plain and speculative steps as the batch runs and takes the one
     that pays at each row count; None: always speculate (`BatchDecoder`). Statistics are per row; a
     step's time counts in every row that took part. compile: steps through torch.compile.
-    Drafters that keep a cache of their own (draft models, EAGLE, self-speculation) refuse batches.
+    Heads, prompt lookup and the EAGLE-style drafter batch; draft models, self-speculation and dynamic
+    trees refuse batches.
     Other arguments as in `generate`.
     """
     if isinstance(prompts, torch.Tensor):

@@ -1,7 +1,8 @@
 """The EAGLE-style drafter: one draft layer (`eagle_model.EagleDraftModel`) with its own small KV cache,
 fed with the target's features from the verification forward that already ran.
 
-Per sequence, with T the target's committed length and x_T the next root (the target's own token):
+Per sequence (each row of a batch on its own), with T the target's committed length and x_T the next
+root (the target's own token):
 
     start / observe   the committed positions the drafter has not seen yet get their entries:
                       (target features f_t, token x_t+1) -> K/V appended and accepted in the drafter's
@@ -13,7 +14,10 @@ Per sequence, with T the target's committed length and x_T the next root (the ta
                       the drafted entries stay speculative and are dropped by pointer afterwards
 
 So one step runs the layer once over the newly committed positions and once per deeper tree level, and
-never runs the target. `feature_layers` tells the decoder which of the target's hidden states to keep.
+never runs the target. The drafter's cache is a `BatchKVCache` of one layer: a batch of sequences drafts
+in the same calls, each row at its own committed length (rows that accept fewer tokens than others are
+padded in the catch-up pass, and the padding is dropped by pointer). `feature_layers` tells the decoder
+which of the target's hidden states to keep.
 """
 
 from __future__ import annotations
@@ -22,30 +26,26 @@ import time
 
 import torch
 
+from ..core.batch_cache import BatchKVCache
 from ..core.packed import packed_linears
-from ..core.spec_cache import SpeculativeKVCache
 from ..core.tree import Tree
-from .base import BaseDrafter, DrafterReport, Proposal, SequenceStart, single_row
+from .base import BaseDrafter, DrafterReport, Proposal, SequenceStart, batch_rows
 from .eagle_model import EagleDraftModel
 
 
 class EagleDrafter(BaseDrafter):
-    """Drafts `tree` (a chain or a top-k tree, node order of `core.tree.Tree`) with an EAGLE draft layer."""
+    """Drafts `tree` (a chain or a top-k tree, node order of `core.tree.Tree`) with an EAGLE draft layer,
+    for one sequence or a batch of them."""
 
-    def __init__(
-        self,
-        draft: EagleDraftModel,
-        tree: Tree,
-        model: torch.nn.Module,
-        storage: str = "model",
-        linears: str = "auto",
-    ):
-        """storage: the precision of the drafter's KV cache (`SpeculativeKVCache`); linears: how its linear
-        layers run on CPU (`core.packed`): "auto" (treespec's block kernel for weights rounded with
-        `EagleDraftModel.round_to_blocks`, else oneDNN prepacked), "onednn" or "torch"."""
+    batched = True
+
+    def __init__(self, draft: EagleDraftModel, tree: Tree, model: torch.nn.Module, linears: str = "auto"):
+        """linears: how the draft layer's linear layers run on CPU (`core.packed`): "auto" (treespec's
+        block kernel for weights rounded with `EagleDraftModel.round_to_blocks`, else oneDNN prepacked),
+        "onednn" or "torch"."""
         if tree.num_nodes < 1:
             raise ValueError("the tree needs at least its root")
-        self.draft, self.tree, self.storage, self.linears = draft, tree, storage, linears
+        self.draft, self.tree, self.linears = draft, tree, linears
         self.embedding = model.get_input_embeddings().weight  # [V, H]
         self.feature_layers = tuple(draft.feature_layers)
         self.device = self.embedding.device
@@ -67,103 +67,139 @@ class EagleDrafter(BaseDrafter):
                     if ancestor in slot:
                         mask[row, slot[ancestor]] = True
             self.level_masks.append(mask.to(self.device))
-        self.cache: SpeculativeKVCache | None = None
-        self.last_hidden: torch.Tensor | None = None  # [1, 1, H] the output at position T-1
+        self.cache: BatchKVCache | None = None
+        self.live: list[int] = []  # the cache rows still decoding, in the decoder's row order
+        self.last_hidden: torch.Tensor | None = None  # [B, H] per cache row: the output at position T-1
         self.stats = {"catch_up_seconds": 0.0, "draft_seconds": 0.0, "steps": 0}
 
     # -- the drafter's committed entries ---------------------------------------------------------------
     def start(self, sequence: SequenceStart) -> None:
+        """A new sequence, or row `sequence.row` of a batch (row 0 starts the batch)."""
         if sequence.features is None:
             raise ValueError(
                 "the EAGLE drafter needs the target's features at the prompt: run it through treespec's "
-                "Decoder (it asks the verification forward for the layers in drafter.feature_layers)"
+                "Decoder or BatchDecoder (they ask the verification forward for drafter.feature_layers)"
             )
-        d = self.draft
-        if self.cache is None or self.cache.max_len < sequence.capacity:
-            self.cache = SpeculativeKVCache(
-                1,
-                1,
-                d.num_kv_heads,
-                d.head_dim,
-                sequence.capacity,
-                d.fc.weight.dtype,
-                self.device,
-                self.storage,
-                spec_reserve=self.num_drafted,
-            )
-        self.cache.rollback(0)
-        self.stats = {"catch_up_seconds": 0.0, "draft_seconds": 0.0, "steps": 0}
+        if sequence.row == 0:
+            d, rows = self.draft, sequence.rows
+            if self.cache is None or self.cache.max_len < sequence.capacity or self.cache.num_rows != rows:
+                dtype = d.fc.weight.dtype
+                self.cache = BatchKVCache(
+                    1, rows, d.num_kv_heads, d.head_dim, sequence.capacity, dtype, self.device
+                )
+                self.cache.spec_reserve = self.num_drafted
+            self.cache.reset()
+            self.live = list(range(rows))
+            self.last_hidden = d.fc.weight.new_zeros(rows, d.hidden_size)  # [B, H]
+            self.stats = {"catch_up_seconds": 0.0, "draft_seconds": 0.0, "steps": 0}
         tokens = sequence.tokens  # prompt + root: the entry at t reads x_t+1
-        self._append(sequence.features, torch.tensor([tokens[1:]], device=self.device))
+        next_tokens = torch.tensor([tokens[1:]], device=self.device)  # [1, P]
+        self._append([sequence.row], sequence.features, next_tokens, [len(tokens) - 1])
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self.live = [self.live[r] for r in rows]
 
     def observe(self, committed: list[list[int]], features: torch.Tensor | None = None) -> None:
-        """committed: per row, the accepted tokens after the root, then the bonus; features [1, a+1, F]
-        at the accepted nodes (root first): exactly the positions whose entries are missing."""
+        """committed: per live row, the accepted tokens after the root, then the bonus. features [A, m, F]
+        at each row's accepted nodes (root first): exactly the positions whose entries are missing; row a's
+        first len(committed[a]) are its own (m: the longest), the rest padding."""
         if features is None:
             raise ValueError("the EAGLE drafter needs the verification forward's features in observe()")
-        self._append(features, torch.tensor(committed, device=self.device))
+        if len(committed) != len(self.live) or features.shape[0] != len(committed):
+            raise ValueError(
+                f"observe got {len(committed)} rows of tokens and {features.shape[0]} of features for "
+                f"{len(self.live)} live rows"
+            )
+        m = features.shape[1]
+        padded = [list(tokens) + [0] * (m - len(tokens)) for tokens in committed]
+        next_tokens = torch.tensor(padded, device=self.device)  # [A, m]
+        self._append(self.live, features, next_tokens, [len(tokens) for tokens in committed])
 
     @torch.inference_mode()
-    def _append(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        """Committed entries from features [1, n, F] at positions c..c+n-1 and next_tokens [1, n] (x_t+1)."""
+    def _append(self, rows: list[int], features: torch.Tensor, next_tokens: torch.Tensor, counts: list[int]):
+        """Committed entries for cache `rows` from features [A, m, F] at positions c_a .. c_a+m-1 and
+        next_tokens [A, m] (x_t+1); row a keeps its first counts[a] entries, the rest is padding."""
         t0 = time.perf_counter()
         cache, d = self.cache, self.draft
-        cache.rollback(cache.committed)  # drop the last step's drafted entries
-        c, n = cache.committed, next_tokens.shape[1]
-        positions = torch.arange(c, c + n, device=self.device)[None]  # [1, n]
+        A, m = next_tokens.shape
+        starts = torch.tensor([cache.lengths[r] for r in rows], device=self.device)  # [A]
+        positions = starts[:, None] + torch.arange(m, device=self.device)  # [A, m]
+        cache.begin(rows, m)
         with packed_linears(d, mode=self.linears):
-            hidden = d.fuse(features)  # [1, n, H]
-            emb = self.embedding[next_tokens]  # [1, n, H]
+            hidden = d.fuse(features)  # [A, m, H]
+            emb = self.embedding[next_tokens]  # [A, m, H]
             q, k, v = d.qkv(hidden, emb, positions)
-            keys, values = cache.layers[0].update(k, v)  # [1, Hkv, c+n, D]
-            mask = torch.ones(n, c + n, dtype=torch.bool, device=self.device).tril(c)  # causal, [0, c+n)
-            out = d.finish(hidden, d.attend(q, keys, values, mask))  # [1, n, H]
-        cache.advance(n)
-        cache.accept(n)
-        self.last_hidden = out[:, -1:]  # [1, 1, H]
+            keys, values = self._rows_kv(cache.layers[0].update(k, v), rows)  # [A, Hkv, end, D]
+            keys_at = torch.arange(keys.shape[2], device=self.device)  # [end]
+            mask = keys_at[None, None, :] <= positions[:, :, None]  # [A, m, end]: committed, then causal
+            out = d.finish(hidden, d.attend(q, keys, values, mask[:, None]))  # [A, m, H]
+        cache.commit([range(n) for n in counts])  # each row's own entries; its padding rolled back
+        last = torch.tensor(counts, device=self.device) - 1  # [A]
+        self.last_hidden[rows] = out[torch.arange(A, device=self.device), last]
         self.stats["catch_up_seconds"] += time.perf_counter() - t0
+
+    def _rows_kv(self, kv: tuple[torch.Tensor, torch.Tensor], rows: list[int]):
+        """The cache's [B, Hkv, end, D] views narrowed to `rows` (the views themselves when all rows)."""
+        keys, values = kv
+        if rows == list(range(self.cache.num_rows)):
+            return keys, values
+        index = torch.tensor(rows, device=self.device)
+        return keys[index], values[index]  # [A, Hkv, end, D]
 
     # -- drafting --------------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, hidden: torch.Tensor, roots: torch.Tensor) -> Proposal:
-        _, root = single_row(hidden, roots)  # the target's hidden is not used: the drafter keeps its own
+        _, roots = batch_rows(hidden, roots)  # the target's hidden is not used: the drafter keeps its own
         if self.cache is None or self.last_hidden is None:
-            raise RuntimeError("EagleDrafter.propose() before start(): run it through treespec's Decoder")
+            raise RuntimeError(
+                "EagleDrafter.propose() before start(): run it through treespec's Decoder or BatchDecoder"
+            )
+        if roots.numel() != len(self.live):
+            raise ValueError(f"propose got {roots.numel()} roots for {len(self.live)} live rows")
         t0 = time.perf_counter()
         with packed_linears(self.draft, mode=self.linears):
-            proposal = self._draft(root)
+            proposal = self._draft(roots.to(self.device))
         self.stats["draft_seconds"] += time.perf_counter() - t0
         self.stats["steps"] += 1
         return proposal
 
-    def _draft(self, root: int) -> Proposal:
-        """The tree's tokens and draft probabilities, level by level (see the module docstring)."""
-        d, cache, n = self.draft, self.cache, self.tree.num_nodes
-        c = cache.committed
-        tokens = torch.empty(n, dtype=torch.long, device=self.device)  # [N]
-        tokens[0] = root
-        probs = torch.ones(n, device=self.device)  # [N]
-        outputs = self.last_hidden.new_empty(n, d.hidden_size)  # [N, H] the output of each node's entry
-        outputs[0] = self.last_hidden[0, 0]
+    def _draft(self, roots: torch.Tensor) -> Proposal:
+        """Each live row's tree tokens and draft probabilities, level by level (see the module docstring);
+        roots [A]."""
+        d, cache, n, live = self.draft, self.cache, self.tree.num_nodes, self.live
+        A = len(live)
+        committed = [cache.lengths[r] for r in live]
+        c = torch.tensor(committed, device=self.device)  # [A]
+        tokens = torch.empty(A, n, dtype=torch.long, device=self.device)  # [A, N]
+        tokens[:, 0] = roots
+        probs = torch.ones(A, n, device=self.device)  # [A, N]
+        outputs = self.last_hidden.new_empty(A, n, d.hidden_size)  # [A, N, H] the output of each node's entry
+        outputs[:, 0] = self.last_hidden[torch.tensor(live, device=self.device)]
+        written = 0  # drafted entries per row so far
         for level, (expanded, parents, children, row, rank, k) in enumerate(self.levels):
             if level == 0:
-                h = self.last_hidden[0]  # [1, H]
+                h = outputs[:, :1]  # [A, 1, H]
             else:
                 count = len(expanded)
-                x = outputs[parents][None]  # [1, n_d, H] each node's parent's output
-                emb = self.embedding[tokens[expanded]][None]  # [1, n_d, H]
-                positions = torch.full((1, count), c - 1 + level, device=self.device)  # [1, n_d]
+                x = outputs[:, parents]  # [A, n_d, H] each node's parent's output
+                emb = self.embedding[tokens[:, expanded]]  # [A, n_d, H]
+                positions = (c - 1 + level)[:, None].expand(A, count)  # [A, n_d]
                 q, key, value = d.qkv(x, emb, positions)
-                keys, values = cache.layers[0].update(key, value)  # [1, Hkv, end, D]
-                cache.advance(count)
-                seen = self.level_masks[level]  # [n_d, drafted so far]
-                mask = torch.cat([seen.new_ones(count, c), seen], dim=1)  # [n_d, end]
-                h = d.finish(x, d.attend(q, keys, values, mask))[0]  # [n_d, H]
-                outputs[expanded] = h
-            top = d.logits(h).float().softmax(dim=-1).topk(k, dim=-1)  # values, indices [n_d, k]
-            tokens[children] = d.token_ids(top.indices[row, rank])  # [c_d]
-            probs[children] = top.values[row, rank]
-        return Proposal(tokens[None], probs[None])  # [1, N] each
+                cache.begin(live, count)  # at each row's end: after the levels drafted before
+                keys, values = self._rows_kv(cache.layers[0].update(key, value), live)  # [A, Hkv, end, D]
+                written += count
+                # key slot j of row a: committed when j < c_a, drafted slot j - c_a when below c_a + written
+                rel = torch.arange(keys.shape[2], device=self.device)[None] - c[:, None]  # [A, end]
+                seen = self.level_masks[level][:, rel.clamp(0, written - 1)]  # [n_d, A, end]
+                mask = (rel < 0)[None] | (seen & ((rel >= 0) & (rel < written))[None])  # [n_d, A, end]
+                h = d.finish(x, d.attend(q, keys, values, mask.transpose(0, 1)[:, None]))  # [A, n_d, H]
+                cache.commit_all()  # the deeper levels see this level's entries; dropped after drafting
+                outputs[:, expanded] = h
+            top = d.logits(h).float().softmax(dim=-1).topk(k, dim=-1)  # values, indices [A, n_d, k]
+            tokens[:, children] = d.token_ids(top.indices[:, row, rank])  # [A, c_d]
+            probs[:, children] = top.values[:, row, rank]
+        cache.rollback_rows(live, committed)  # the drafted entries were speculative: dropped by pointer
+        return Proposal(tokens, probs)  # [A, N] each
 
     def report(self) -> DrafterReport:
         memory = self.cache.memory_bytes() if self.cache is not None else {}

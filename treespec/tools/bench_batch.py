@@ -7,11 +7,13 @@ tokens), greedy. Methods:
 
     hf               HF `generate` on the group, left-padded (its own batching)
     hf_prompt_lookup HF `generate` with prompt_lookup_num_tokens=10, one prompt after the other (HF's
-                     prompt lookup takes batch 1)
+                     prompt lookup takes batch 1, so it runs at the smallest B only and its throughput
+                     is reported at every B)
     plain            treespec's batched decoder, one token per row per step
     treespec         the heads' tree every step (plain_above=None)
     treespec_auto    the heads' tree where it pays, plain steps where not (plain_above="auto")
     treespec_lookup  treespec_auto with a prompt-lookup branch (--lookup)
+    eagle            an EAGLE-style drafter (--eagle FOLDER, its tree from --eagle-tree), plain_above="auto"
     vllm             vLLM's CPU engine on the group (`make vllm-env`)
 
 Each group runs every method back to back, the order rotating per group. It reports tokens/s per method
@@ -38,10 +40,12 @@ from ..core.generate import encode_prompt
 from ..core.tokens import eos_token_ids
 from ..io import atomic_write_json
 from . import bench
+from . import drafter_options as options
 from .models import default_model_folder
 from .peers import VllmPeer
 
-METHODS = ("hf", "hf_prompt_lookup", "plain", "treespec", "treespec_auto", "treespec_lookup", "vllm")
+METHODS = ("hf", "hf_prompt_lookup", "plain", "treespec", "treespec_auto", "treespec_lookup", "eagle", "vllm")
+ONE_AT_A_TIME = ("hf_prompt_lookup",)  # methods that decode one prompt after the other: measured once
 DEFAULT_METHODS = ("hf", "hf_prompt_lookup", "plain", "treespec", "treespec_auto", "vllm")
 
 
@@ -68,6 +72,10 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
         "--methods", default=",".join(DEFAULT_METHODS), help=f"comma list from {','.join(METHODS)}"
     )
     p.add_argument("--lookup", type=int, default=4, help="treespec_lookup: branch length (default 4)")
+    p.add_argument("--eagle", default=None, help="eagle: EAGLE-style drafter folder (scripts/train_eagle.py)")
+    p.add_argument(
+        "--eagle-tree", default=None, help="eagle: tree JSON, folder with tree.json, or N (a chain)"
+    )
     p.add_argument("--data", default=None, help="Spec-Bench questions JSONL (default: the project's)")
     p.add_argument("--out", default=None, help="results JSON (default bench_results/batch-<timestamp>.json)")
     p.add_argument("--threads", type=int, default=None)
@@ -82,6 +90,8 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
     unknown = sorted(set(args.methods) - set(METHODS))
     if unknown:
         p.error(f"unknown methods {unknown}; choose from {list(METHODS)}")
+    if "eagle" in args.methods and not args.eagle:
+        p.error("the eagle method needs --eagle FOLDER")
     args.batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
     if min(args.batch_sizes) < 1 or args.num_prompts < max(args.batch_sizes):
         p.error("batch sizes must be >= 1 and --num-prompts at least the largest batch size")
@@ -147,6 +157,10 @@ def make_runners(args, model, tokenizer, eos: set[int]) -> tuple[dict, dict]:
         runners["treespec_lookup"] = ours(
             lambda: treespec.LookupDrafter(heads_drafter(), args.lookup), "auto"
         )
+    if "eagle" in args.methods:
+        eagle = options.load_eagle_option(args.eagle, model, args.eagle_tree)
+        setup["eagle"] = eagle.description
+        runners["eagle"] = ours(lambda: eagle.drafter(model), "auto")
     return {m: runners[m] for m in args.methods if m in runners}, setup
 
 
@@ -158,8 +172,10 @@ def run_groups(prompts, runners, batch_sizes, max_new_tokens) -> list[dict]:
             run(prompts[:size], 8)
     for size in batch_sizes:
         groups = [prompts[i : i + size] for i in range(0, len(prompts) - size + 1, size)]
+        # one-at-a-time methods decode the same way at every B: measured at the smallest only
+        names_here = [n for n in runners if size == batch_sizes[0] or n not in ONE_AT_A_TIME]
         for g, group in enumerate(groups):
-            names = list(runners)
+            names = list(names_here)
             names = names[g % len(names) :] + names[: g % len(names)]  # rotating order
             for name in names:
                 t0 = time.perf_counter()
@@ -187,6 +203,10 @@ def summarize(records: list[dict], methods: list[str], batch_sizes: list[int]) -
     for size in batch_sizes:
         for method in methods:
             mine = [r for r in records if r["batch"] == size and r["method"] == method]
+            measured_at = size
+            if not mine and method in ONE_AT_A_TIME:  # one prompt after the other: the same at every B
+                measured_at = min(batch_sizes)
+                mine = [r for r in records if r["batch"] == measured_at and r["method"] == method]
             if not mine:
                 continue
             tokens = sum(len(o) for r in mine for o in r["outputs"])
@@ -194,7 +214,7 @@ def summarize(records: list[dict], methods: list[str], batch_sizes: list[int]) -
             same = total = 0
             for r in mine:
                 for i, out in enumerate(r["outputs"]):
-                    reference = single.get((method, r["group"] * size + i))
+                    reference = single.get((method, r["group"] * r["batch"] + i))
                     if reference is not None:
                         total += 1
                         same += out == reference
@@ -206,6 +226,7 @@ def summarize(records: list[dict], methods: list[str], batch_sizes: list[int]) -
                     "seconds": seconds,
                     "tokens_per_second": tokens / seconds if seconds else 0.0,
                     "same_as_single": [same, total],
+                    "measured_at": measured_at,
                 }
             )
     for row in rows:
@@ -232,6 +253,8 @@ def format_table(summary: list[dict]) -> str:
     for r in summary:
         ratio = f"{r['vs_hf']:.2f}" if r["vs_hf"] is not None else "-"
         same = "{}/{}".format(*r["same_as_single"]) if r["batch"] > 1 else "-"
+        if r.get("measured_at", r["batch"]) != r["batch"]:
+            same = f"- (one prompt at a time, run at B = {r['measured_at']})"
         lines.append(f"| {r['batch']} | {r['method']} | {r['tokens_per_second']:.1f} | {ratio} | {same} |")
     return "\n".join(lines)
 
