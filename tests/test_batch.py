@@ -227,40 +227,44 @@ def test_plain_steps_above_the_row_limit():
 
 
 def test_step_pricer_takes_the_kind_of_step_that_pays():
-    pricer = StepPricer(recheck=4, smoothing=1.0)
-    assert pricer.speculate(8)  # nothing measured: one speculative step first
-    pricer.record(8, True, 2.0, accepted=1.5)
-    assert not pricer.speculate(8)  # then one plain step
-    pricer.record(8, False, 1.0, accepted=1.0)
+    pricer = StepPricer(recheck=4, smoothing=1.0, min_accepted=2)
+    # two steps of each kind first; the first of each is a warm-up (a drafter's first call is slow)
+    for speculative, seconds in ((True, 5.0), (True, 2.0), (False, 3.0), (False, 1.0)):
+        assert pricer.speculate(8) is speculative
+        pricer.record(8, speculative, seconds, accepted=1.5)
+    assert pricer.seconds == {(8, True): 2.0, (8, False): 1.0}
     # 1.5 tokens per row for 2 s against 1 token for 1 s: plain pays; after 4 steps the other kind runs
     # once, and each recheck that confirms the choice doubles the wait (4, then 8, then 16 steps)
     choices = []
-    for _ in range(12):  # the pricer's steps 3 to 14
+    for _ in range(12):  # the pricer's steps 5 to 16
         choice = pricer.speculate(8)
         pricer.record(8, choice, 2.0 if choice else 1.0, accepted=1.5)
         choices.append(choice)
-    assert choices == [False, True] + [False] * 7 + [True, False, False]
-    assert pricer.interval == 16 and pricer.next_recheck == 28
+    assert choices == [True] + [False] * 7 + [True] + [False] * 3
+    assert pricer.interval == 16 and pricer.next_recheck == 29
     assert pricer.best(16) is False  # lost at 8 rows: loses at more rows too, without measuring
     assert pricer.best(4) is False  # fewer rows within a factor of two: the nearest measured count decides
     assert pricer.best(3) is None  # further away: unknown, measured on its own
-    pricer.record(8, True, 2.0, accepted=3.0)  # 3 tokens per row for 2 s: speculation pays now
+    for _ in range(4):  # 4 tokens per row for 2 s: the mean over recent steps is 2.75, speculation pays
+        pricer.record(8, True, 2.0, accepted=4.0)
+    assert pricer.accept == pytest.approx((4 * 1.5 + 4 * 4.0) / 8)
     assert pricer.best(8) is True and pricer.best(4) is True and pricer.best(3) is True
     assert pricer.best(16) is True and pricer.best(17) is None
 
 
 def test_step_pricer_recheck_that_overturns_resets_the_wait():
-    pricer = StepPricer(recheck=2, smoothing=1.0)
-    for speculative, seconds in ((True, 2.0), (False, 1.0)):
+    pricer = StepPricer(recheck=2, smoothing=0.3, min_accepted=2)
+    for speculative, seconds in ((True, 2.0), (True, 2.0), (False, 1.0), (False, 1.0)):
         assert pricer.speculate(4) is speculative
         pricer.record(4, speculative, seconds, accepted=1.5)
-    assert pricer.speculate(4)  # step 3: the recheck of speculation (plain was chosen)
-    pricer.record(4, True, 1.0, accepted=3.0)  # now it pays: the choice is overturned
-    assert pricer.best(4) is True and pricer.interval == 2 and pricer.next_recheck == 5
+    assert pricer.speculate(4)  # step 5: the recheck of speculation (plain was chosen)
+    pricer.record(4, True, 1.0, accepted=3.0)  # 1 s now (replaced, not averaged), 2 tokens: it pays
+    assert pricer.seconds[(4, True)] == 1.0
+    assert pricer.best(4) is True and pricer.interval == 2 and pricer.next_recheck == 7
     # rows finishing one by one from 8: counts within a factor of two of a measured one are inferred
-    pricer = StepPricer(smoothing=1.0)
+    pricer = StepPricer(smoothing=1.0, recheck=100)
     for rows in range(8, 0, -1):
-        for _ in range(3):
+        for _ in range(6):
             choice = pricer.speculate(rows)
             pricer.record(rows, choice, 2.0 if choice else 1.0, accepted=1.5)  # plain always pays
     assert {rows for rows, speculative in pricer.seconds if speculative} == {8, 3, 1}
@@ -273,7 +277,8 @@ def test_auto_fallback_keeps_the_output():
     decoder = BatchDecoder(model, treespec.make_drafter(heads, treespec.default_tree(16, 4), model))
     decoder.prefill(prompts, max_new_tokens=30)
     kinds = [decoder.step().nodes for _ in range(6)]
-    assert kinds[:2] == [16, 1]  # measures both kinds of step before choosing
+    # measures both kinds of step (after a warm-up each; 4 speculative steps for the accepted length)
+    assert kinds == [16, 16, 16, 16, 1, 1]
     assert set(decoder.pricer.seconds) == {(4, True), (4, False)}
     results = treespec.generate(model, heads, prompts, max_new_tokens=30, eos_token_id=[])
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 30) for p in prompts]

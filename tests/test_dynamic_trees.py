@@ -163,3 +163,64 @@ def test_trace_and_page_show_each_steps_tree_and_prediction(tmp_path):
     assert [s["nodes_verified"] for s in data["steps"]] == drafter.sizes[: len(loaded.steps)]
     viz.write_html(loaded, tmp_path / "t.html")
     assert "predicted" in (tmp_path / "t.html").read_text()
+
+
+def test_level_by_level_drafters_stop_at_max_depth():
+    """Sequential heads and the EAGLE drafter with max_depth=D: the nodes down to depth D are the full
+    proposal's; deeper ones keep the root's token with probability 0. Independent heads draft everything."""
+    from conftest import random_eagle
+
+    model = tiny_model("llama", dtype=torch.float32)
+    tree = treespec.default_tree(16, 4)
+    hidden, roots = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(0)), None
+    roots = torch.tensor([3, 9])
+    sequential = treespec.make_drafter(random_heads(model, seed=4, sequential=True), tree, model)
+    independent = treespec.make_drafter(random_heads(model, seed=4), tree, model)
+    assert sequential.limits_depth and independent.limits_depth
+    full = sequential.propose(hidden, roots)
+    for depth in (0, 1, 2):
+        part = sequential.propose(hidden, roots, max_depth=depth)
+        shallow = tree.depth <= depth
+        assert torch.equal(part.tokens[:, shallow], full.tokens[:, shallow])
+        torch.testing.assert_close(part.probs[:, shallow], full.probs[:, shallow])
+        assert (part.probs[:, ~shallow] == 0).all() and (part.tokens[:, ~shallow] == roots[:, None]).all()
+    assert torch.equal(
+        independent.propose(hidden, roots, max_depth=1).tokens, independent.propose(hidden, roots).tokens
+    )
+
+    eagle_tree = treespec.Tree.from_choices([[0], [1], [0, 0], [0, 1], [0, 0, 0]])
+    eagle = treespec.EagleDrafter(random_eagle(model, seed=1, draft_size=40), eagle_tree, model)
+    prompt = [4, 8, 15, 16, 23]
+    features = torch.randn(1, len(prompt) - 1, 3 * model.config.hidden_size)
+    eagle.start(treespec.drafters.base.SequenceStart(prompt, 32, None, "sdpa", features))
+    whole = eagle.propose(hidden[:1], roots[:1])
+    part = eagle.propose(hidden[:1], roots[:1], max_depth=1)
+    shallow = eagle_tree.depth <= 1
+    assert torch.equal(part.tokens[:, shallow], whole.tokens[:, shallow])
+    assert (part.probs[:, ~shallow] == 0).all()
+
+
+def test_dynamic_drafter_drafts_one_level_below_the_deepest_kept_tree():
+    from treespec.drafters.dynamic import DynamicTreeDrafter
+
+    model = tiny_model("llama")
+    heads = random_heads(model, seed=3, sequential=True)
+    inner = treespec.make_drafter(heads, treespec.default_tree(16, heads.num_heads), model)
+    drafter = DynamicTreeDrafter(inner, lambda n, prefix: 1.0 + 0.01 * (n - 1), depth_window=4)
+    assert inner.tree.max_depth == 3
+    assert drafter.limits_depth and drafter.draft_depth() == 3  # nothing seen yet: every level
+    drafter.kept_depths = [1, 0, 0]
+    assert drafter.draft_depth() == 3  # fewer steps than the window
+    drafter.kept_depths = [1, 0, 0, 1]
+    assert drafter.draft_depth() == 2
+    drafter.kept_depths = [0, 0, 0, 0]
+    assert drafter.draft_depth() == 1
+    drafter.kept_depths = [2, 0, 0, 0]
+    assert drafter.draft_depth() == 3
+    # through the decoder: exact, and levels are skipped once the kept trees stay shallow
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    costly = DynamicTreeDrafter(inner, lambda n, prefix: 1.0 + 0.5 * (n - 1), depth_window=4)
+    result = treespec.generate(model, None, prompt, drafter=costly, max_new_tokens=40, eos_token_id=[])
+    assert result.token_ids == hf_greedy(model, prompt, 40)
+    counts = costly.counts
+    assert counts["levels"] < 3 * (counts["steps"] - counts["skipped"])

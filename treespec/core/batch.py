@@ -20,6 +20,7 @@ commits more tokens per second at the current row count.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from functools import partial
 
@@ -45,35 +46,51 @@ from .tree import Tree
 class StepPricer:
     """Chooses plain or speculative steps from their measured cost at each live-row count.
 
-    Per row count A it keeps a moving average of the seconds of a speculative and of a plain step, and
-    over all speculative steps the mean accepted length E per row. A speculative step commits E tokens
-    per row where a plain one commits 1, so it pays while E x t_plain(A) > t_spec(A).
+    Per row count A it keeps a moving average of the seconds of a speculative and of a plain step (the
+    first step of each kind at each count is a warm-up and is not kept: a drafter's first call pays for
+    its allocations), and the mean accepted length E per row over the last `window` speculative steps
+    (at least `min_accepted` of them before choosing). A speculative step commits E tokens per row where
+    a plain one commits 1, so it pays while E x t_plain(A) > t_spec(A).
 
     A row count not measured yet is inferred where it can be: speculation pays less as more rows share a
     step, so a loss measured at fewer rows (or a win at more) decides it; otherwise the nearest count
     measured within a factor of two decides it (a batch whose rows finish one by one explores about
-    log2(B) counts, not B). Only a count with nothing to infer from tries one step of each kind.
+    log2(B) counts, not B). Only a count with nothing to infer from tries both kinds.
 
-    The kind not chosen runs once after `recheck` steps, so the estimates follow the machine and the
-    text; each recheck that confirms the choice doubles the wait (up to `max_recheck`), one that
-    overturns it resets the wait."""
+    The kind not chosen runs once after `recheck` steps and its estimate is replaced by what it costs
+    now, so the estimates follow the machine and the text. A recheck that confirms the choice by a
+    clear margin (`margin`) doubles the wait (up to `max_recheck`); otherwise the wait starts again."""
 
-    def __init__(self, recheck: int = 32, smoothing: float = 0.3, max_recheck: int = 256):
+    def __init__(
+        self,
+        recheck: int = 32,
+        smoothing: float = 0.3,
+        max_recheck: int = 256,
+        window: int = 64,
+        min_accepted: int = 4,
+        margin: float = 1.1,
+    ):
         self.recheck, self.smoothing, self.max_recheck = recheck, smoothing, max_recheck
+        self.min_accepted, self.margin = min_accepted, margin
         self.seconds: dict[tuple[int, bool], float] = {}  # (rows, speculative) -> seconds per step
-        self.accept = 1.0  # mean accepted length per row of speculative steps (moving average)
-        self.accept_seen = False
+        self.samples: dict[tuple[int, bool], int] = {}  # steps recorded per key, the warm-up included
+        self.accepted: deque[float] = deque(maxlen=window)  # accepted length per row, speculative steps
         self.steps = 0
         self.interval = recheck  # steps until the next recheck
         self.next_recheck = recheck
         self.rechecking: tuple[int, bool] | None = None  # (rows, the choice a recheck step questions)
 
+    @property
+    def accept(self) -> float:
+        """Mean accepted length per row of the recent speculative steps."""
+        return sum(self.accepted) / len(self.accepted) if self.accepted else 1.0
+
     def speculate(self, rows: int) -> bool:
         """Whether the next step over `rows` live rows should be speculative."""
         self.steps += 1
         best = self.best(rows)
-        if best is None:
-            return (rows, True) not in self.seconds  # measure the kind still missing
+        if best is None:  # measure what is missing: speculative steps first, then plain ones
+            return not self.measured(rows, True) or len(self.accepted) < self.min_accepted
         if self.steps >= self.next_recheck:
             self.rechecking = (rows, best)
             return not best
@@ -82,9 +99,13 @@ class StepPricer:
     def best(self, rows: int) -> bool | None:
         """Whether speculation pays at `rows` rows: measured there, inferred from other row counts, or
         None (unknown)."""
-        if (rows, True) in self.seconds and (rows, False) in self.seconds:
+        if len(self.accepted) < self.min_accepted:
+            return None
+        if self.measured(rows, True) and self.measured(rows, False):
             return self.pays(rows)
-        measured = [r for (r, spec) in self.seconds if spec and (r, False) in self.seconds]
+        measured = [
+            r for (r, spec) in self.seconds if spec and self.measured(r, True) and self.measured(r, False)
+        ]
         if any(r <= rows and not self.pays(r) for r in measured):
             return False
         if any(r >= rows and self.pays(r) for r in measured):
@@ -94,20 +115,39 @@ class StepPricer:
             return self.pays(min(near, key=lambda r: (abs(r - rows), r)))
         return None
 
+    def measured(self, rows: int, speculative: bool) -> bool:
+        """Whether the kind has a kept measurement at this row count (a step after its warm-up)."""
+        return self.samples.get((rows, speculative), 0) >= 2
+
     def pays(self, rows: int) -> bool:
         return self.accept * self.seconds[(rows, False)] > self.seconds[(rows, True)]
+
+    def ratio(self, rows: int) -> float:
+        """Tokens per second of the better kind over the other's, at a measured row count (>= 1)."""
+        gain = self.accept * self.seconds[(rows, False)] / self.seconds[(rows, True)]
+        return max(gain, 1 / gain)
 
     def record(self, rows: int, speculative: bool, seconds: float, accepted: float) -> None:
         """One step over `rows` rows took `seconds`; a speculative one accepted `accepted` tokens per row."""
         key, a = (rows, speculative), self.smoothing
-        self.seconds[key] = seconds if key not in self.seconds else (1 - a) * self.seconds[key] + a * seconds
+        self.samples[key] = self.samples.get(key, 0) + 1
+        rechecked = self.rechecking is not None and self.rechecking == (rows, not speculative)
+        if self.samples[key] <= 2 or rechecked:  # the warm-up, the first kept step, a fresh recheck
+            self.seconds[key] = seconds
+        else:
+            self.seconds[key] = (1 - a) * self.seconds[key] + a * seconds
         if speculative:
-            self.accept = accepted if not self.accept_seen else (1 - a) * self.accept + a * accepted
-            self.accept_seen = True
+            self.accepted.append(accepted)
         if self.rechecking is not None:
             checked_rows, choice = self.rechecking
-            confirmed = checked_rows == rows and self.best(rows) == choice
-            self.interval = min(2 * self.interval, self.max_recheck) if confirmed else self.recheck
+            clear = (
+                checked_rows == rows
+                and self.best(rows) == choice
+                and self.measured(rows, True)
+                and self.measured(rows, False)
+                and self.ratio(rows) >= self.margin
+            )
+            self.interval = min(2 * self.interval, self.max_recheck) if clear else self.recheck
             self.next_recheck = self.steps + self.interval
             self.rechecking = None
 

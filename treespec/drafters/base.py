@@ -8,6 +8,8 @@ One decoding step, seen from a drafter:
                                     and the target's features there when the drafter asked for them
     feature_layers                  which of the target's hidden states the drafter reads (default none)
     batched                         True when it drafts for B > 1 rows (a batch of sequences)
+    limits_depth                    True when propose(hidden, roots, max_depth=D) drafts depths 1..D only
+                                    (deeper nodes: probability 0), so a dynamic tree can skip levels
     keep_rows(rows)                 batches: only these rows (indices into the last batch) go on decoding
     report() -> DrafterReport       what the drafter measured and the memory of its own cache, if any
     scorer() -> Scorer | None       its own verification forward (partial-layer verification), or None
@@ -85,6 +87,7 @@ class Drafter(Protocol):
     # decoder hands to `start` and `observe` as features; () = none
     feature_layers: tuple[int, ...]
     batched: bool  # drafts for several rows at once (hidden [B, H], roots [B])
+    limits_depth: bool  # propose takes max_depth= (drafts depths 1..max_depth only)
 
     def start(self, sequence: SequenceStart) -> None: ...
 
@@ -106,6 +109,7 @@ class BaseDrafter:
     tree: Tree
     feature_layers: tuple[int, ...] = ()
     batched: bool = False
+    limits_depth: bool = False
 
     def start(self, sequence: SequenceStart) -> None:
         pass

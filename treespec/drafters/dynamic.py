@@ -14,7 +14,11 @@ Every step:
    the verification cost from this machine's cost curve (`verify_seconds`) and the drafting cost timed
    as it runs. The kept set can be the root alone;
 4. when the root alone won `patience` steps in a row, drafting itself is skipped for a while (doubling
-   up to `max_skip` steps), so a drafter that does not pay costs almost nothing.
+   up to `max_skip` steps), so a drafter that does not pay costs almost nothing;
+5. an inner drafter that drafts level by level (`limits_depth`: sequential heads, the EAGLE drafter)
+   drafts only one level deeper than the deepest tree kept over the last `depth_window` steps: each
+   level costs a read of its output rows, and levels no kept tree reaches are not drafted. A step that
+   keeps a node at the deepest drafted level lets the next one draft a level further.
 
 The step's tree and its prediction go into the proposal (`Proposal.tree`, `expected_accept`); the
 decoder records predicted against observed accepted length per step.
@@ -95,6 +99,7 @@ class DynamicTreeDrafter(BaseDrafter):
         calibration: AcceptanceCalibration | None = None,
         patience: int = 4,
         max_skip: int = 8,
+        depth_window: int = 8,
     ):
         if inner.scorer() is not None:
             raise ValueError(
@@ -105,6 +110,8 @@ class DynamicTreeDrafter(BaseDrafter):
         self.verify_seconds = verify_seconds
         self.calibration = calibration or AcceptanceCalibration()
         self.patience, self.max_skip = patience, max_skip
+        self.depth_window = depth_window
+        self.limits_depth = bool(getattr(inner, "limits_depth", False))
         self.parents = inner.tree.parents  # [N]
         self.choices = [(), *inner.tree.choices]
         self.index = {c: i for i, c in enumerate(self.choices)}  # choice path -> node of the inner tree
@@ -116,7 +123,8 @@ class DynamicTreeDrafter(BaseDrafter):
         self.draft_seconds = 0.0  # running estimate of one inner propose
         self.root_only_streak, self.skip, self.skip_left = 0, 1, 0
         self.last: tuple[Tree, torch.Tensor, torch.Tensor] | None = None  # tree, tokens [n], probs [n]
-        self.counts = {"steps": 0, "skipped": 0, "nodes": 0}
+        self.kept_depths: list[int] = []  # depth of the tree kept by each of the last steps (drafted ones)
+        self.counts = {"steps": 0, "skipped": 0, "nodes": 0, "levels": 0}
 
     def start(self, sequence: SequenceStart) -> None:
         self._reset()
@@ -133,7 +141,12 @@ class DynamicTreeDrafter(BaseDrafter):
                 roots.reshape(1, 1).to(hidden.device), None, tree=self.root_tree, expected_accept=1.0
             )
         t0 = time.perf_counter()
-        full = self.inner.propose(hidden, roots)
+        depth = self.draft_depth()
+        if depth < self.tree.max_depth:
+            full = self.inner.propose(hidden, roots, max_depth=depth)
+        else:
+            full = self.inner.propose(hidden, roots)
+        self.counts["levels"] += depth
         elapsed = time.perf_counter() - t0
         self.draft_seconds = elapsed if not self.draft_seconds else 0.8 * self.draft_seconds + 0.2 * elapsed
         if full.probs is None:
@@ -152,6 +165,7 @@ class DynamicTreeDrafter(BaseDrafter):
         tokens, node_probs = full.tokens[:, order], full.probs[:, order]
         self.last = (tree, tokens[0].cpu(), node_probs[0].float().cpu())
         self.counts["nodes"] += tree.num_nodes
+        self.kept_depths = (self.kept_depths + [tree.max_depth])[-self.depth_window :]
         if tree.num_nodes == 1:
             self.root_only_streak += 1
             if self.root_only_streak >= self.patience:
@@ -160,6 +174,13 @@ class DynamicTreeDrafter(BaseDrafter):
         else:
             self.root_only_streak, self.skip = 0, 1
         return Proposal(tokens, node_probs, tree=tree, expected_accept=expected)
+
+    def draft_depth(self) -> int:
+        """Levels the inner drafter drafts this step: one more than the deepest tree kept lately (all of
+        them until a window of steps is seen, or when the inner drafter cannot limit its depth)."""
+        if not self.limits_depth or len(self.kept_depths) < self.depth_window:
+            return self.tree.max_depth
+        return min(self.tree.max_depth, max(self.kept_depths) + 1)
 
     def observe(self, committed: list[list[int]], features: torch.Tensor | None = None) -> None:
         """Calibrate on what was verified: every node whose parent was accepted, accepted or not."""

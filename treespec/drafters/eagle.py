@@ -38,6 +38,7 @@ class EagleDrafter(BaseDrafter):
     for one sequence or a batch of them."""
 
     batched = True
+    limits_depth = True  # propose(..., max_depth=D): levels 1..D only (see `SequentialDrafter`)
 
     def __init__(self, draft: EagleDraftModel, tree: Tree, model: torch.nn.Module, linears: str = "auto"):
         """linears: how the draft layer's linear layers run on CPU (`core.packed`): "auto" (treespec's
@@ -148,7 +149,7 @@ class EagleDrafter(BaseDrafter):
 
     # -- drafting --------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, hidden: torch.Tensor, roots: torch.Tensor) -> Proposal:
+    def propose(self, hidden: torch.Tensor, roots: torch.Tensor, max_depth: int | None = None) -> Proposal:
         _, roots = batch_rows(hidden, roots)  # the target's hidden is not used: the drafter keeps its own
         if self.cache is None or self.last_hidden is None:
             raise RuntimeError(
@@ -158,25 +159,26 @@ class EagleDrafter(BaseDrafter):
             raise ValueError(f"propose got {roots.numel()} roots for {len(self.live)} live rows")
         t0 = time.perf_counter()
         with packed_linears(self.draft, mode=self.linears):
-            proposal = self._draft(roots.to(self.device))
+            proposal = self._draft(roots.to(self.device), max_depth)
         self.stats["draft_seconds"] += time.perf_counter() - t0
         self.stats["steps"] += 1
         return proposal
 
-    def _draft(self, roots: torch.Tensor) -> Proposal:
+    def _draft(self, roots: torch.Tensor, max_depth: int | None = None) -> Proposal:
         """Each live row's tree tokens and draft probabilities, level by level (see the module docstring);
-        roots [A]."""
+        roots [A]. With max_depth, nodes deeper than it keep the root's token and probability 0."""
         d, cache, n, live = self.draft, self.cache, self.tree.num_nodes, self.live
         A = len(live)
         committed = [cache.lengths[r] for r in live]
         c = torch.tensor(committed, device=self.device)  # [A]
-        tokens = torch.empty(A, n, dtype=torch.long, device=self.device)  # [A, N]
-        tokens[:, 0] = roots
-        probs = torch.ones(A, n, device=self.device)  # [A, N]
+        tokens = roots[:, None].repeat(1, n)  # [A, N] undrafted nodes: the root's token
+        probs = torch.zeros(A, n, device=self.device)  # [A, N] undrafted nodes: 0
+        probs[:, 0] = 1.0
+        levels = self.levels if max_depth is None else self.levels[: max(max_depth, 0)]
         outputs = self.last_hidden.new_empty(A, n, d.hidden_size)  # [A, N, H] the output of each node's entry
         outputs[:, 0] = self.last_hidden[torch.tensor(live, device=self.device)]
         written = 0  # drafted entries per row so far
-        for level, (expanded, parents, children, row, rank, k) in enumerate(self.levels):
+        for level, (expanded, parents, children, row, rank, k) in enumerate(levels):
             if level == 0:
                 h = outputs[:, :1]  # [A, 1, H]
             else:

@@ -94,6 +94,11 @@ class LookupDrafter(BaseDrafter):
     def batched(self) -> bool:
         return bool(getattr(self.inner, "batched", False))
 
+    @property
+    def limits_depth(self) -> bool:
+        """propose(..., max_depth=D) limits the inner drafter's levels (the chain is drafted whole)."""
+        return bool(getattr(self.inner, "limits_depth", False))
+
     def start(self, sequence: SequenceStart) -> None:
         """A new sequence (or row `sequence.row` of a batch): index its prompt and first token; the inner
         drafter starts too."""
@@ -134,8 +139,11 @@ class LookupDrafter(BaseDrafter):
     def scorer(self) -> Scorer | None:
         return None  # refused at construction for inner drafters with their own
 
-    def propose(self, hidden: torch.Tensor, roots: torch.Tensor) -> Proposal:
-        inner = self.inner.propose(hidden, roots)
+    def propose(self, hidden: torch.Tensor, roots: torch.Tensor, max_depth: int | None = None) -> Proposal:
+        if max_depth is None:
+            inner = self.inner.propose(hidden, roots)
+        else:
+            inner = self.inner.propose(hidden, roots, max_depth=max_depth)
         B = inner.tokens.shape[0]
         device = inner.tokens.device
         tokens = torch.empty(B, self.tree.num_nodes, dtype=torch.long, device=device)  # [B, N]

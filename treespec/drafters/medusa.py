@@ -19,6 +19,7 @@ class MedusaDrafter(BaseDrafter):
     """Independent Medusa heads: head k's top-r tokens fill the tree nodes at depth k+1 with rank r."""
 
     batched = True
+    limits_depth = True
 
     def __init__(self, heads: MedusaHeads, tree: Tree, lm_head: torch.nn.Module):
         _check_depth(heads, tree)
@@ -32,7 +33,9 @@ class MedusaDrafter(BaseDrafter):
         device = next(heads.parameters()).device
         self.token_index = tree.token_index(self.topk).to(device)  # [N] into [root, head0 top-k, ...]
 
-    def propose(self, hidden: torch.Tensor, roots: torch.Tensor) -> Proposal:
+    def propose(self, hidden: torch.Tensor, roots: torch.Tensor, max_depth: int | None = None) -> Proposal:
+        """max_depth is accepted for the protocol (`limits_depth`) and ignored: every head's logits come
+        from one read of the output rows, so drafting fewer depths would save nothing."""
         hidden, roots = batch_rows(hidden, roots)  # [B, H], [B]
         B, depth = hidden.shape[0], self.tree.max_depth
         with packed_linears(self.heads):
@@ -51,9 +54,12 @@ class SequentialDrafter(BaseDrafter):
 
     The children of a node at depth d are head d's top-ranked guesses given the tokens on the path to
     that node: head d runs once per depth, batched over the nodes of depth d that have children.
+    `propose(..., max_depth=D)` drafts depths 1..D only (each level reads the output rows once): the
+    deeper nodes keep the root's token and probability 0.
     """
 
     batched = True
+    limits_depth = True
 
     def __init__(self, heads: MedusaHeads, tree: Tree, lm_head: torch.nn.Module, embedding: torch.nn.Module):
         _check_depth(heads, tree)
@@ -70,15 +76,16 @@ class SequentialDrafter(BaseDrafter):
         self.hidden_size = heads.hidden_size
         self.dtype = next(heads.parameters()).dtype
 
-    def propose(self, hidden: torch.Tensor, roots: torch.Tensor) -> Proposal:
+    def propose(self, hidden: torch.Tensor, roots: torch.Tensor, max_depth: int | None = None) -> Proposal:
         hidden, roots = batch_rows(hidden, roots)  # [B, H], [B]
         B, n = hidden.shape[0], self.tree.num_nodes
-        tokens = torch.empty(B, n, dtype=torch.long, device=hidden.device)  # [B, N]
-        tokens[:, 0] = roots.to(hidden.device)
-        probs = torch.ones(B, n, device=hidden.device)  # [B, N]
+        tokens = roots.to(hidden.device)[:, None].repeat(1, n)  # [B, N] undrafted nodes: the root's token
+        probs = torch.zeros(B, n, device=hidden.device)  # [B, N] undrafted nodes: 0
+        probs[:, 0] = 1.0
         states = hidden.new_empty(B, n, self.hidden_size, dtype=self.dtype)  # [B, N, H] u at expanded nodes
+        levels = self.levels if max_depth is None else self.levels[: max(max_depth, 0)]
         with packed_linears(self.heads):
-            for d, (expanded, parents, children, row, rank, k) in enumerate(self.levels):
+            for d, (expanded, parents, children, row, rank, k) in enumerate(levels):
                 before = hidden[:, None] if d == 0 else states[:, parents]  # [B, n_d, H] parents' states
                 emb = self.heads.embed_tokens(self.embedding, tokens[:, expanded])  # [B, n_d, H]
                 u = self.heads.advance(d, before, emb)  # [B, n_d, H]
