@@ -47,9 +47,9 @@ class StepPricer:
     """Chooses plain or speculative steps from their measured cost at each live-row count.
 
     Per row count A it keeps a moving average of the seconds of a speculative and of a plain step (the
-    first step of each kind at each count is a warm-up and is not kept: a drafter's first call pays for
-    its allocations), and the mean accepted length E per row over the last `window` speculative steps
-    (at least `min_accepted` of them before choosing). A speculative step commits E tokens per row where
+    first step of each kind is a warm-up and is not kept: a drafter's first call pays for its
+    allocations), and the mean accepted length E per row over the rows of the last `window`
+    speculative steps (at least `min_accepted` rows before choosing: one step of a batch of 4). A speculative step commits E tokens per row where
     a plain one commits 1, so it pays while E x t_plain(A) > t_spec(A).
 
     A row count not measured yet is inferred where it can be: speculation pays less as more rows share a
@@ -73,8 +73,10 @@ class StepPricer:
         self.recheck, self.smoothing, self.max_recheck = recheck, smoothing, max_recheck
         self.min_accepted, self.margin = min_accepted, margin
         self.seconds: dict[tuple[int, bool], float] = {}  # (rows, speculative) -> seconds per step
-        self.samples: dict[tuple[int, bool], int] = {}  # steps recorded per key, the warm-up included
-        self.accepted: deque[float] = deque(maxlen=window)  # accepted length per row, speculative steps
+        self.samples: dict[tuple[int, bool], int] = {}  # steps kept per key
+        self.warmed: set[bool] = set()  # the kinds whose warm-up step ran
+        # per speculative step: (tokens accepted over its rows, its rows)
+        self.accepted: deque[tuple[float, int]] = deque(maxlen=window)
         self.steps = 0
         self.interval = recheck  # steps until the next recheck
         self.next_recheck = recheck
@@ -82,15 +84,20 @@ class StepPricer:
 
     @property
     def accept(self) -> float:
-        """Mean accepted length per row of the recent speculative steps."""
-        return sum(self.accepted) / len(self.accepted) if self.accepted else 1.0
+        """Mean accepted length per row over the rows of the recent speculative steps."""
+        rows = self.accepted_rows
+        return sum(total for total, _ in self.accepted) / rows if rows else 1.0
+
+    @property
+    def accepted_rows(self) -> int:
+        return sum(rows for _, rows in self.accepted)
 
     def speculate(self, rows: int) -> bool:
         """Whether the next step over `rows` live rows should be speculative."""
         self.steps += 1
         best = self.best(rows)
         if best is None:  # measure what is missing: speculative steps first, then plain ones
-            return not self.measured(rows, True) or len(self.accepted) < self.min_accepted
+            return not self.measured(rows, True) or self.accepted_rows < self.min_accepted
         if self.steps >= self.next_recheck:
             self.rechecking = (rows, best)
             return not best
@@ -99,7 +106,7 @@ class StepPricer:
     def best(self, rows: int) -> bool | None:
         """Whether speculation pays at `rows` rows: measured there, inferred from other row counts, or
         None (unknown)."""
-        if len(self.accepted) < self.min_accepted:
+        if self.accepted_rows < self.min_accepted:
             return None
         if self.measured(rows, True) and self.measured(rows, False):
             return self.pays(rows)
@@ -117,7 +124,7 @@ class StepPricer:
 
     def measured(self, rows: int, speculative: bool) -> bool:
         """Whether the kind has a kept measurement at this row count (a step after its warm-up)."""
-        return self.samples.get((rows, speculative), 0) >= 2
+        return self.samples.get((rows, speculative), 0) >= 1
 
     def pays(self, rows: int) -> bool:
         return self.accept * self.seconds[(rows, False)] > self.seconds[(rows, True)]
@@ -130,14 +137,17 @@ class StepPricer:
     def record(self, rows: int, speculative: bool, seconds: float, accepted: float) -> None:
         """One step over `rows` rows took `seconds`; a speculative one accepted `accepted` tokens per row."""
         key, a = (rows, speculative), self.smoothing
+        if speculative:
+            self.accepted.append((accepted * rows, rows))
+        if speculative not in self.warmed:  # the warm-up: its time is not kept
+            self.warmed.add(speculative)
+            return
         self.samples[key] = self.samples.get(key, 0) + 1
         rechecked = self.rechecking is not None and self.rechecking == (rows, not speculative)
-        if self.samples[key] <= 2 or rechecked:  # the warm-up, the first kept step, a fresh recheck
+        if self.samples[key] == 1 or rechecked:  # the first kept step, a fresh recheck
             self.seconds[key] = seconds
         else:
             self.seconds[key] = (1 - a) * self.seconds[key] + a * seconds
-        if speculative:
-            self.accepted.append(accepted)
         if self.rechecking is not None:
             checked_rows, choice = self.rechecking
             clear = (
