@@ -269,7 +269,9 @@ def test_step_pricer_recheck_that_overturns_resets_the_wait():
             pricer.record(rows, choice, 2.0 if choice else 1.0, accepted=1.5)  # plain always pays
     assert {rows for rows, speculative in pricer.seconds if speculative} == {8, 3, 1}
     # the warm-up is once per kind, not per row count: a new count costs one speculative step
-    assert pricer.samples[(8, True)] == 1 and pricer.samples[(3, True)] == 1 and pricer.samples[(3, False)] == 5
+    assert (
+        pricer.samples[(8, True)] == 1 and pricer.samples[(3, True)] == 1 and pricer.samples[(3, False)] == 5
+    )
 
 
 def test_auto_fallback_keeps_the_output():
@@ -286,6 +288,42 @@ def test_auto_fallback_keeps_the_output():
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 30) for p in prompts]
     with pytest.raises(ValueError, match="plain_above must be"):
         BatchDecoder(model, None, plain_above="sometimes")
+
+
+def test_the_pricer_is_shared_per_model_and_drafter_setting(monkeypatch):
+    """A batch starts from what earlier batches measured (same model, drafter kind and tree)."""
+    model = tiny_model("llama", dtype=torch.float32)
+    heads = random_heads(model)
+    tree = treespec.default_tree(16, 4)
+    first = BatchDecoder(model, treespec.make_drafter(heads, tree, model))
+    again = BatchDecoder(model, treespec.make_drafter(heads, tree, model))
+    other_tree = BatchDecoder(model, treespec.make_drafter(heads, treespec.default_tree(8, 4), model))
+    own = StepPricer()
+    given = BatchDecoder(model, treespec.make_drafter(heads, tree, model), pricer=own)
+    assert first.pricer is again.pricer and other_tree.pricer is not first.pricer and given.pricer is own
+    assert (
+        BatchDecoder(
+            tiny_model("llama", dtype=torch.float32), treespec.make_drafter(heads, tree, model)
+        ).pricer
+        is not first.pricer
+    )
+    # generate hands compile= and the other settings to the batch decoder
+    made = []
+
+    class Made(Exception):
+        pass
+
+    def spy(*args, **kwargs):  # records the settings; compiling would take a minute
+        made.append(kwargs)
+        raise Made
+
+    monkeypatch.setattr(treespec.core.generate, "BatchDecoder", spy)
+    prompts = _prompts(model, [4, 6], seed=30)
+    with pytest.raises(Made):
+        treespec.generate(
+            model, heads, prompts, max_new_tokens=3, eos_token_id=[], plain_above=None, compile=True
+        )
+    assert made[0]["compile"] is True and made[0]["plain_above"] is None
 
 
 def test_streaming_per_row():

@@ -20,7 +20,9 @@ commits more tokens per second at the current row count.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass
 from functools import partial
 
@@ -49,8 +51,9 @@ class StepPricer:
     Per row count A it keeps a moving average of the seconds of a speculative and of a plain step (the
     first step of each kind is a warm-up and is not kept: a drafter's first call pays for its
     allocations), and the mean accepted length E per row over the rows of the last `window`
-    speculative steps (at least `min_accepted` rows before choosing: one step of a batch of 4). A speculative step commits E tokens per row where
-    a plain one commits 1, so it pays while E x t_plain(A) > t_spec(A).
+    speculative steps (at least `min_accepted` rows before choosing: one step of a batch of 4). A
+    speculative step commits E tokens per row where a plain one commits 1, so it pays while
+    E x t_plain(A) > t_spec(A).
 
     A row count not measured yet is inferred where it can be: speculation pays less as more rows share a
     step, so a loss measured at fewer rows (or a win at more) decides it; otherwise the nearest count
@@ -59,7 +62,17 @@ class StepPricer:
 
     The kind not chosen runs once after `recheck` steps and its estimate is replaced by what it costs
     now, so the estimates follow the machine and the text. A recheck that confirms the choice by a
-    clear margin (`margin`) doubles the wait (up to `max_recheck`); otherwise the wait starts again."""
+    clear margin (`margin`) doubles the wait (up to `max_recheck`); otherwise the wait starts again.
+
+    `StepPricer.shared(model, key)` keeps one pricer per model and drafter setting for the process, so a
+    batch starts from what earlier batches measured instead of exploring again."""
+
+    _shared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: StepPricer}
+
+    @classmethod
+    def shared(cls, model, key: Hashable) -> StepPricer:
+        """The process's pricer for `model` and `key` (the drafter's kind and tree, kernel, compile ...)."""
+        return cls._shared.setdefault(model, {}).setdefault(key, cls())
 
     def __init__(
         self,
@@ -190,10 +203,12 @@ class BatchDecoder:
         linears: str = "auto",
         plain_above: int | str | None = "auto",
         compile: bool = False,
+        pricer: StepPricer | None = None,
     ):
         """plain_above: verify the root alone (plain decoding) while more rows than this are live; None:
         always speculate; "auto": each step of the kind measured to pay at the current row count
-        (`StepPricer`). compile: steps through torch.compile (`core.compiled`, as `Decoder`; the compiled
+        (`StepPricer`; by default the process's shared one for this model and drafter setting, or `pricer`).
+        compile: steps through torch.compile (`core.compiled`, as `Decoder`; the compiled
         kernel takes each row's committed length itself). The other arguments are `Decoder`'s."""
         check_settings(linears, acceptance, kernel)
         self.drafter = drafter or RootOnlyDrafter()
@@ -227,7 +242,10 @@ class BatchDecoder:
         }
         self.plain_above = plain_above
         # "auto" with a tree of more than the root: price the two kinds of step on this machine
-        self.pricer = StepPricer() if plain_above == "auto" and self.tree.num_nodes > 1 else None
+        self.pricer = None
+        if plain_above == "auto" and self.tree.num_nodes > 1:
+            key = (type(self.drafter).__name__, self.tree, self.kernel, compile, linears)
+            self.pricer = pricer or StepPricer.shared(model, key)
         self.generator = None if seed is None else torch.Generator(self.device).manual_seed(seed)
         self.linears = linears
         self.scorer = CompiledForward(model, linears) if compile else partial(full_forward, model)

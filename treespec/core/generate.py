@@ -254,6 +254,7 @@ def generate_batch(
         kernel=kernel,
         seed=seed,
         plain_above=plain_above,
+        compile=compile,
     )
     for ids, s in zip(prompt_ids, streamers, strict=True):
         if s is not None:
