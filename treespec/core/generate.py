@@ -232,10 +232,8 @@ def generate_batch(
     HF-style streamer (or None) per prompt. plain_above: plain one-token steps while more rows than this
     are live; "auto" (default) times plain and speculative steps as the batch runs and takes the one
     that pays at each row count; None: always speculate (`BatchDecoder`). Statistics are per row; a
-    step's time counts in every row that took part. compile: steps through torch.compile.
-    Heads, prompt lookup and the EAGLE-style drafter batch; draft models, self-speculation and dynamic
-    trees refuse batches.
-    Other arguments as in `generate`.
+    step's time counts in every row that took part. compile: steps through torch.compile. Heads, lookup
+    and EAGLE batch; draft models, self-speculation and dynamic trees refuse. Others as in `generate`.
     """
     if isinstance(prompts, torch.Tensor):
         prompts = list(prompts)
@@ -246,16 +244,8 @@ def generate_batch(
     stopping = [StopCondition(eos, stop, tokenizer, max_new_tokens) for _ in prompt_ids]
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     drafter = choose_drafter(model, heads, tree, drafter, lookup)
-    decoder = BatchDecoder(
-        model,
-        drafter,
-        acceptance=acceptance,
-        sampling=sampling,
-        kernel=kernel,
-        seed=seed,
-        plain_above=plain_above,
-        compile=compile,
-    )
+    settings = dict(acceptance=acceptance, sampling=sampling, kernel=kernel, seed=seed, compile=compile)
+    decoder = BatchDecoder(model, drafter, plain_above=plain_above, **settings)
     for ids, s in zip(prompt_ids, streamers, strict=True):
         if s is not None:
             s.put(torch.tensor([ids]))
