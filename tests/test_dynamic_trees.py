@@ -208,7 +208,7 @@ def test_dynamic_drafter_drafts_one_level_below_the_deepest_kept_tree():
     inner = treespec.make_drafter(heads, treespec.default_tree(16, heads.num_heads), model)
     drafter = DynamicTreeDrafter(inner, lambda n, prefix: 1.0 + 0.01 * (n - 1), depth_window=4)
     assert inner.tree.max_depth == 3
-    assert drafter.limits_depth and drafter.draft_depth() == 3  # nothing seen yet: every level
+    assert drafter.inner_limits_depth and drafter.draft_depth() == 3  # nothing seen yet: every level
     drafter.kept_depths = [1, 0, 0]
     assert drafter.draft_depth() == 3  # fewer steps than the window
     drafter.kept_depths = [1, 0, 0, 1]

@@ -3,7 +3,8 @@
 One decoding step, seen from a drafter:
 
     start(SequenceStart)            once per sequence, after the prefill (prompt + the first token)
-    propose(hidden [B, H], roots [B]) -> Proposal(tokens [B, N], probs [B, N] | None)
+    propose(hidden [B, H], roots [B], max_depth=None) -> Proposal(tokens [B, N], probs [B, N] | None)
+                                    (max_depth: a dynamic tree's hint, honoured where `limits_depth`)
     observe(committed, features)    the tokens the step committed per row (accepted nodes, then the bonus),
                                     and the target's features there when the drafter asked for them
     feature_layers                  which of the target's hidden states the drafter reads (default none)
@@ -93,7 +94,9 @@ class Drafter(Protocol):
 
     def keep_rows(self, rows: list[int]) -> None: ...
 
-    def propose(self, hidden: torch.Tensor, roots: torch.Tensor) -> Proposal: ...
+    def propose(
+        self, hidden: torch.Tensor, roots: torch.Tensor, max_depth: int | None = None
+    ) -> Proposal: ...
 
     def observe(self, committed: list[list[int]], features: torch.Tensor | None = None) -> None: ...
 
@@ -117,7 +120,7 @@ class BaseDrafter:
     def keep_rows(self, rows: list[int]) -> None:
         """A batch lost rows (they finished): later calls see only `rows` of the last batch, in order."""
 
-    def propose(self, hidden: torch.Tensor, roots: torch.Tensor) -> Proposal:
+    def propose(self, hidden: torch.Tensor, roots: torch.Tensor, max_depth: int | None = None) -> Proposal:
         raise NotImplementedError
 
     def observe(self, committed: list[list[int]], features: torch.Tensor | None = None) -> None:
@@ -159,5 +162,5 @@ class RootOnlyDrafter(BaseDrafter):
     def __init__(self):
         self.tree = Tree.from_choices([])
 
-    def propose(self, hidden: torch.Tensor, roots: torch.Tensor) -> Proposal:
+    def propose(self, hidden: torch.Tensor, roots: torch.Tensor, max_depth: int | None = None) -> Proposal:
         return Proposal(roots.reshape(-1, 1).to(hidden.device))  # [B, 1]

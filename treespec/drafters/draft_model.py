@@ -179,7 +179,7 @@ class DraftModelDrafter(BaseDrafter):
         return self.model.get_output_embeddings()(out.last_hidden_state[0, -1])  # [V]
 
     @torch.inference_mode()
-    def propose(self, hidden: torch.Tensor, roots: torch.Tensor) -> Proposal:
+    def propose(self, hidden: torch.Tensor, roots: torch.Tensor, max_depth: int | None = None) -> Proposal:
         hidden, root = single_row(hidden, roots)  # [H], int
         if self.cache is None:
             raise RuntimeError("DraftModelDrafter.start(sequence) must run before propose()")

@@ -111,7 +111,7 @@ class DynamicTreeDrafter(BaseDrafter):
         self.calibration = calibration or AcceptanceCalibration()
         self.patience, self.max_skip = patience, max_skip
         self.depth_window = depth_window
-        self.limits_depth = bool(getattr(inner, "limits_depth", False))
+        self.inner_limits_depth = bool(getattr(inner, "limits_depth", False))
         self.parents = inner.tree.parents  # [N]
         self.choices = [(), *inner.tree.choices]
         self.index = {c: i for i, c in enumerate(self.choices)}  # choice path -> node of the inner tree
@@ -131,7 +131,7 @@ class DynamicTreeDrafter(BaseDrafter):
         self.prefix = len(sequence.tokens)
         self.inner.start(sequence)
 
-    def propose(self, hidden: torch.Tensor, roots: torch.Tensor) -> Proposal:
+    def propose(self, hidden: torch.Tensor, roots: torch.Tensor, max_depth: int | None = None) -> Proposal:
         self.counts["steps"] += 1
         if self.skip_left > 0:  # trees have not paid lately: plain step, no drafting
             self.skip_left -= 1
@@ -178,7 +178,7 @@ class DynamicTreeDrafter(BaseDrafter):
     def draft_depth(self) -> int:
         """Levels the inner drafter drafts this step: one more than the deepest tree kept lately (all of
         them until a window of steps is seen, or when the inner drafter cannot limit its depth)."""
-        if not self.limits_depth or len(self.kept_depths) < self.depth_window:
+        if not self.inner_limits_depth or len(self.kept_depths) < self.depth_window:
             return self.tree.max_depth
         return min(self.tree.max_depth, max(self.kept_depths) + 1)
 

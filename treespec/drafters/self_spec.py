@@ -103,7 +103,7 @@ class SelfSpeculativeDrafter(BaseDrafter):
         self.lower = hidden.new_empty(1, self.gamma + 1, hidden.shape[1])  # allocated once per generation
 
     @torch.inference_mode()
-    def propose(self, hidden: torch.Tensor, roots: torch.Tensor) -> Proposal:
+    def propose(self, hidden: torch.Tensor, roots: torch.Tensor, max_depth: int | None = None) -> Proposal:
         hidden, root = single_row(hidden, roots)  # [H], int
         if self.target_cache is None:
             raise RuntimeError("SelfSpeculativeDrafter.start(sequence) must run before propose()")

@@ -54,7 +54,7 @@ class _Shape(BaseDrafter):
     def __init__(self, tree: Tree):
         self.tree = tree
 
-    def propose(self, hidden, roots):
+    def propose(self, hidden, roots, max_depth=None):
         raise RuntimeError("a cost-curve shape drafts nothing: use Decoder.score")
 
 
