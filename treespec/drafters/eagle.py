@@ -123,9 +123,8 @@ class EagleDrafter(BaseDrafter):
         t0 = time.perf_counter()
         cache, d = self.cache, self.draft
         A, m = next_tokens.shape
-        starts = torch.tensor([cache.lengths[r] for r in rows], device=self.device)  # [A]
-        positions = starts[:, None] + torch.arange(m, device=self.device)  # [A, m]
         cache.begin(rows, m)
+        positions = cache.positions(torch.arange(m, device=self.device))  # [A, m]: c_a + i
         with packed_linears(d, mode=self.linears):
             hidden = d.fuse(features)  # [A, m, H]
             emb = self.embedding[next_tokens]  # [A, m, H]
