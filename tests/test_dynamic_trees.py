@@ -224,3 +224,26 @@ def test_dynamic_drafter_drafts_one_level_below_the_deepest_kept_tree():
     assert result.token_ids == hf_greedy(model, prompt, 40)
     counts = costly.counts
     assert counts["levels"] < 3 * (counts["steps"] - counts["skipped"])
+
+
+def test_a_reused_dynamic_drafter_keeps_what_it_learned_and_stays_exact():
+    from treespec.drafters.dynamic import DynamicTreeDrafter
+
+    model = tiny_model("llama")
+    heads = random_heads(model, seed=4, sequential=True)
+    inner = treespec.make_drafter(heads, treespec.default_tree(16, heads.num_heads), model)
+    drafter = DynamicTreeDrafter(inner, lambda n, prefix: 1.0 + 0.01 * (n - 1), depth_window=4)
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 3, 9, 3, 9, 3, 9]]
+    first = treespec.generate(model, None, prompts[0], drafter=drafter, max_new_tokens=30, eos_token_id=[])
+    assert first.token_ids == hf_greedy(model, prompts[0], 30)
+    proposed = drafter.calibration.proposed.clone()
+    depths, seconds = list(drafter.kept_depths), drafter.draft_seconds
+    assert len(depths) == 4 and seconds > 0
+    drafter.start(treespec.drafters.base.SequenceStart(prompts[1], 64, None, "sdpa", None))
+    # a new sequence: its own counts and prefix, the learned calibration, cost and depths unchanged
+    assert drafter.counts["steps"] == 0 and drafter.prefix == len(prompts[1])
+    assert torch.equal(drafter.calibration.proposed, proposed)
+    assert drafter.kept_depths == depths and drafter.draft_seconds == seconds
+    second = treespec.generate(model, None, prompts[1], drafter=drafter, max_new_tokens=30, eos_token_id=[])
+    assert second.token_ids == hf_greedy(model, prompts[1], 30)
+    assert drafter.calibration.proposed.sum() > proposed.sum()  # and it goes on learning

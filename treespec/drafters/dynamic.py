@@ -20,8 +20,10 @@ Every step:
    level costs a read of its output rows, and levels no kept tree reaches are not drafted. A step that
    keeps a node at the deepest drafted level lets the next one draft a level further.
 
-The step's tree and its prediction go into the proposal (`Proposal.tree`, `expected_accept`); the
-decoder records predicted against observed accepted length per step.
+What it learns (the calibration, the drafting cost, the depths kept) describes the drafter on this
+machine, not one prompt: it carries over to the next sequence, so a drafter reused across `generate`
+calls starts warm. The step's tree and its prediction go into the proposal (`Proposal.tree`,
+`expected_accept`); the decoder records predicted against observed accepted length per step.
 """
 
 from __future__ import annotations
@@ -116,14 +118,16 @@ class DynamicTreeDrafter(BaseDrafter):
         self.choices = [(), *inner.tree.choices]
         self.index = {c: i for i, c in enumerate(self.choices)}  # choice path -> node of the inner tree
         self.root_tree = Tree.from_choices([])
+        # learned about this drafter on this machine, kept across sequences (a reused drafter starts warm):
+        self.draft_seconds = 0.0  # running estimate of one inner propose
+        self.kept_depths: list[int] = []  # depth of the tree kept by each of the last steps (drafted ones)
         self._reset()
 
     def _reset(self) -> None:
+        """Per-sequence state; the calibration, drafting cost and kept depths carry over."""
         self.prefix = 0
-        self.draft_seconds = 0.0  # running estimate of one inner propose
         self.root_only_streak, self.skip, self.skip_left = 0, 1, 0
         self.last: tuple[Tree, torch.Tensor, torch.Tensor] | None = None  # tree, tokens [n], probs [n]
-        self.kept_depths: list[int] = []  # depth of the tree kept by each of the last steps (drafted ones)
         self.counts = {"steps": 0, "skipped": 0, "nodes": 0, "levels": 0}
 
     def start(self, sequence: SequenceStart) -> None:

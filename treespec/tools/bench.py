@@ -19,7 +19,8 @@ Methods (all run in the same process on the same prompt token ids):
     eagle             `treespec.generate` with an EagleDrafter (`--eagle`, its tree from `--eagle-tree`)
     eagle_lookup      the same plus the prompt-lookup branch
     dynamic           heads (their tree.json as the largest tree) + the lookup branch, pruned every step to
-                      the nodes worth their cost here (`DynamicTreeDrafter`, this machine's cost curve)
+                      the nodes worth their cost here (`DynamicTreeDrafter`, this machine's cost curve);
+                      one drafter serves every call, so its calibration carries from prompt to prompt
     eagle_dynamic     the same over the EAGLE drafter's tree + the lookup branch
     hf_assisted       HF `model.generate(assistant_model=<--draft-model>)`, num_assistant_tokens = gamma
                       with the constant schedule (the same chain length as draft_model)
@@ -386,12 +387,10 @@ def make_runners(
 
         verify_seconds = verify_cost_model(model, compile=compile, curve_file=cost_curve)
 
-        def dynamic(make_inner):
-            def make():
-                inner = make_inner()
-                return DynamicTreeDrafter(LookupDrafter(inner, lookup) if lookup else inner, verify_seconds)
-
-            return with_drafter(make)
+        def dynamic(make_inner):  # one drafter for every call, as a user reuses it: its learning carries over
+            inner = make_inner()
+            drafter = DynamicTreeDrafter(LookupDrafter(inner, lookup) if lookup else inner, verify_seconds)
+            return with_drafter(lambda: drafter)
 
         if "dynamic" in methods:
             if heads is None:
