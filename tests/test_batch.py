@@ -250,6 +250,13 @@ def test_step_pricer_takes_the_kind_of_step_that_pays():
     assert pricer.accept == pytest.approx((4 * 1.5 + 4 * 4.0) / 8)
     assert pricer.best(8) is True and pricer.best(4) is True and pricer.best(3) is True
     assert pricer.best(16) is True and pricer.best(17) is None
+    # a close call (3% here) decides neither more rows nor fewer ones within the factor of two
+    close = StepPricer(smoothing=1.0, min_accepted=2)
+    for speculative, seconds in ((True, 5.0), (True, 1.55), (False, 3.0), (False, 1.0)):
+        close.speculate(8)
+        close.record(8, speculative, seconds, accepted=1.5)
+    assert close.best(8) is False and close.best(16) is False  # a loss at fewer rows still decides more
+    assert close.best(4) is None and close.speculate(4) is True  # measured at 4 rows: speculation first
 
 
 def test_step_pricer_recheck_that_overturns_resets_the_wait():

@@ -57,8 +57,9 @@ class StepPricer:
 
     A row count not measured yet is inferred where it can be: speculation pays less as more rows share a
     step, so a loss measured at fewer rows (or a win at more) decides it; otherwise the nearest count
-    measured within a factor of two decides it (a batch whose rows finish one by one explores about
-    log2(B) counts, not B). Only a count with nothing to infer from tries both kinds.
+    measured within a factor of two decides it when it won there by at least `margin` (a batch whose rows
+    finish one by one explores about log2(B) counts, not B). A count with nothing to infer from, or
+    only a close call nearby, tries both kinds.
 
     The kind not chosen runs once after `recheck` steps and its estimate is replaced by what it costs
     now, so the estimates follow the machine and the text. A recheck that confirms the choice by a
@@ -131,8 +132,10 @@ class StepPricer:
         if any(r >= rows and self.pays(r) for r in measured):
             return True
         near = [r for r in measured if r <= 2 * rows and rows <= 2 * r]
-        if near:
-            return self.pays(min(near, key=lambda r: (abs(r - rows), r)))
+        if near:  # the nearest count decides only a clear case; a close call is measured here
+            nearest = min(near, key=lambda r: (abs(r - rows), r))
+            if self.ratio(nearest) >= self.margin:
+                return self.pays(nearest)
         return None
 
     def measured(self, rows: int, speculative: bool) -> bool:
