@@ -200,7 +200,7 @@ def test_level_by_level_drafters_stop_at_max_depth():
     assert (part.probs[:, ~shallow] == 0).all()
 
 
-def test_dynamic_drafter_drafts_one_level_below_the_deepest_kept_tree():
+def test_dynamic_drafter_drafts_as_deep_as_the_deepest_kept_tree():
     from treespec.drafters.dynamic import DynamicTreeDrafter
 
     model = tiny_model("llama")
@@ -212,11 +212,16 @@ def test_dynamic_drafter_drafts_one_level_below_the_deepest_kept_tree():
     drafter.kept_depths = [1, 0, 0]
     assert drafter.draft_depth() == 3  # fewer steps than the window
     drafter.kept_depths = [1, 0, 0, 1]
-    assert drafter.draft_depth() == 2
-    drafter.kept_depths = [0, 0, 0, 0]
     assert drafter.draft_depth() == 1
+    drafter.reached_limit = True  # the last step kept a node at the deepest level drafted: one further
+    assert drafter.draft_depth() == 2
+    drafter.reached_limit = False
+    drafter.kept_depths = [0, 0, 0, 0]
+    assert drafter.draft_depth() == 1  # at least one level (root-only streaks pause drafting instead)
     drafter.kept_depths = [2, 0, 0, 0]
-    assert drafter.draft_depth() == 3
+    assert drafter.draft_depth() == 2
+    drafter.kept_depths, drafter.reached_limit = [3, 0, 0, 3], True
+    assert drafter.draft_depth() == 3  # never deeper than the tree
     # through the decoder: exact, and levels are skipped once the kept trees stay shallow
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
     costly = DynamicTreeDrafter(inner, lambda n, prefix: 1.0 + 0.5 * (n - 1), depth_window=4)
@@ -224,6 +229,10 @@ def test_dynamic_drafter_drafts_one_level_below_the_deepest_kept_tree():
     assert result.token_ids == hf_greedy(model, prompt, 40)
     counts = costly.counts
     assert counts["levels"] < 3 * (counts["steps"] - counts["skipped"])
+    # a pruned tree is built once per kept set; its node j is the inner tree's node order[j]
+    tree, order = costly.pruned_tree((0, 1, 3))
+    assert costly.pruned_tree((0, 1, 3))[0] is tree
+    assert tree.choices == (inner.tree.choices[0], inner.tree.choices[2]) and order == [0, 1, 3]
 
 
 def test_a_reused_dynamic_drafter_keeps_what_it_learned_and_stays_exact():

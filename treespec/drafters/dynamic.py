@@ -16,9 +16,9 @@ Every step:
 4. when the root alone won `patience` steps in a row, drafting itself is skipped for a while (doubling
    up to `max_skip` steps), so a drafter that does not pay costs almost nothing;
 5. an inner drafter that drafts level by level (`limits_depth`: sequential heads, the EAGLE drafter)
-   drafts only one level deeper than the deepest tree kept over the last `depth_window` steps: each
-   level costs a read of its output rows, and levels no kept tree reaches are not drafted. A step that
-   keeps a node at the deepest drafted level lets the next one draft a level further.
+   drafts only as deep as the deepest tree kept over the last `depth_window` steps: each level costs a
+   read of its output rows, and levels no kept tree reaches are not drafted. A step that keeps a node
+   at the deepest level it drafted lets the next one draft a level further.
 
 What it learns (the calibration, the drafting cost, the depths kept) describes the drafter on this
 machine, not one prompt: it carries over to the next sequence, so a drafter reused across `generate`
@@ -29,7 +29,7 @@ calls starts warm. The step's tree and its prediction go into the proposal (`Pro
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -64,7 +64,7 @@ class AcceptanceCalibration:
 
 
 def choose_nodes(
-    values: torch.Tensor, parents: torch.Tensor, step_seconds: Callable[[int], float]
+    values: Sequence[float], parents: Sequence[int], step_seconds: Callable[[int], float]
 ) -> tuple[list[int], float]:
     """The connected node set with the most expected tokens per second.
 
@@ -114,13 +114,15 @@ class DynamicTreeDrafter(BaseDrafter):
         self.patience, self.max_skip = patience, max_skip
         self.depth_window = depth_window
         self.inner_limits_depth = bool(getattr(inner, "limits_depth", False))
-        self.parents = inner.tree.parents  # [N]
+        self.parents = inner.tree.parents.tolist()  # [N]
         self.choices = [(), *inner.tree.choices]
         self.index = {c: i for i, c in enumerate(self.choices)}  # choice path -> node of the inner tree
         self.root_tree = Tree.from_choices([])
+        self.pruned: dict[tuple[int, ...], tuple[Tree, list[int]]] = {}  # kept nodes -> tree, node order
         # learned about this drafter on this machine, kept across sequences (a reused drafter starts warm):
         self.draft_seconds = 0.0  # running estimate of one inner propose
         self.kept_depths: list[int] = []  # depth of the tree kept by each of the last steps (drafted ones)
+        self.reached_limit = False  # the last drafted step kept a node at the deepest level it drafted
         self._reset()
 
     def _reset(self) -> None:
@@ -156,20 +158,20 @@ class DynamicTreeDrafter(BaseDrafter):
         if full.probs is None:
             raise ValueError("a dynamic tree needs the inner drafter's node probabilities (Proposal.probs)")
         probs = full.probs[0].float().cpu()  # [N]
-        accept = self.calibration.predict(probs)  # [N]
-        values = torch.ones(len(probs), dtype=torch.float64)
-        for i in range(1, len(probs)):  # parents come first in node order
-            values[i] = values[int(self.parents[i])] * accept[i]
+        accept = self.calibration.predict(probs).tolist()  # [N]
+        values = [1.0] * len(accept)
+        for i in range(1, len(accept)):  # parents come first in node order
+            values[i] = values[self.parents[i]] * accept[i]
         kept, expected = choose_nodes(
             values, self.parents, lambda n: self.draft_seconds + self.verify_seconds(n, self.prefix)
         )
-        tree = Tree.from_choices([self.choices[i] for i in kept[1:]])
-        # kept nodes in the new tree's canonical order (its node j is choices[j - 1])
-        order = torch.tensor([0] + [self.index[c] for c in tree.choices], device=full.tokens.device)
-        tokens, node_probs = full.tokens[:, order], full.probs[:, order]
+        tree, order = self.pruned_tree(tuple(kept))
+        index = torch.tensor(order, device=full.tokens.device)  # [n]
+        tokens, node_probs = full.tokens[:, index], full.probs[:, index]
         self.last = (tree, tokens[0].cpu(), node_probs[0].float().cpu())
         self.counts["nodes"] += tree.num_nodes
         self.kept_depths = (self.kept_depths + [tree.max_depth])[-self.depth_window :]
+        self.reached_limit = 0 < depth == tree.max_depth
         if tree.num_nodes == 1:
             self.root_only_streak += 1
             if self.root_only_streak >= self.patience:
@@ -179,12 +181,22 @@ class DynamicTreeDrafter(BaseDrafter):
             self.root_only_streak, self.skip = 0, 1
         return Proposal(tokens, node_probs, tree=tree, expected_accept=expected)
 
+    def pruned_tree(self, kept: tuple[int, ...]) -> tuple[Tree, list[int]]:
+        """The tree of the kept nodes of the inner tree (sorted, root first) and, for each of its nodes in
+        canonical order, the inner node it is; built once per distinct kept set."""
+        if kept not in self.pruned:
+            tree = Tree.from_choices([self.choices[i] for i in kept[1:]])
+            # the new tree's node j is choices[j - 1]: its inner node
+            self.pruned[kept] = (tree, [0] + [self.index[c] for c in tree.choices])
+        return self.pruned[kept]
+
     def draft_depth(self) -> int:
-        """Levels the inner drafter drafts this step: one more than the deepest tree kept lately (all of
-        them until a window of steps is seen, or when the inner drafter cannot limit its depth)."""
+        """Levels the inner drafter drafts this step: as deep as the deepest tree kept lately, one more
+        when the last step kept a node at the deepest level it drafted (all levels until a window of
+        steps is seen, or when the inner drafter cannot limit its depth)."""
         if not self.inner_limits_depth or len(self.kept_depths) < self.depth_window:
             return self.tree.max_depth
-        return min(self.tree.max_depth, max(self.kept_depths) + 1)
+        return min(self.tree.max_depth, max(1, max(self.kept_depths) + self.reached_limit))
 
     def observe(self, committed: list[list[int]], features: torch.Tensor | None = None) -> None:
         """Calibrate on what was verified: every node whose parent was accepted, accepted or not."""

@@ -126,9 +126,20 @@ def relative(curve: dict, path: str, prefix: int) -> dict[int, float]:
 def interpolate(curve: dict, path: str, prefix: int, n: int) -> float:
     """verify ms at n nodes (linear between measured counts, clamped at the ends) for the measured
     prefix nearest to `prefix`."""
-    prefixes = sorted(int(p) for p in curve["verify_ms"][path])
-    nearest = min(prefixes, key=lambda p: abs(p - prefix))
-    row = sorted((int(k), v) for k, v in curve["verify_ms"][path][str(nearest)].items())
+    return interpolate_rows(curve_rows(curve, path), prefix, n)
+
+
+def curve_rows(curve: dict, path: str) -> dict[int, list[tuple[int, float]]]:
+    """One path of a cost curve parsed once: measured prefix -> [(nodes, verify ms)] sorted by nodes."""
+    return {
+        int(p): sorted((int(k), v) for k, v in row.items()) for p, row in curve["verify_ms"][path].items()
+    }
+
+
+def interpolate_rows(rows: dict[int, list[tuple[int, float]]], prefix: int, n: int) -> float:
+    """`interpolate` over a path parsed by `curve_rows` (the dynamic tree asks it many times a step)."""
+    nearest = min(sorted(rows), key=lambda p: abs(p - prefix))
+    row = rows[nearest]
     if n <= row[0][0]:
         return row[0][1]
     for (n0, v0), (n1, v1) in zip(row, row[1:], strict=False):
@@ -155,7 +166,8 @@ def verify_cost_model(model, compile: bool = False, curve_file: str | os.PathLik
             f"{path_file} has no {wanted[0]!r} path (it has {sorted(curve['verify_ms'])}): "
             f"python scripts/cost_curve.py --paths {wanted[0]}"
         )
-    return lambda nodes, prefix: interpolate(curve, path, prefix, nodes) / 1e3
+    rows = curve_rows(curve, path)
+    return lambda nodes, prefix: interpolate_rows(rows, prefix, nodes) / 1e3
 
 
 def save_cost_curve(path: str | os.PathLike, curve: dict) -> None:
