@@ -81,6 +81,16 @@ def test_one_prompt_at_a_time_methods_run_at_the_smallest_batch_only():
     assert "one prompt at a time, run at B = 1" in bench_batch.format_table(summary)
 
 
+def test_a_compiled_run_warms_up_every_measured_batch_size():
+    calls = []
+    runners = {"plain": lambda prompts, m: calls.append((len(prompts), m)) or [[7] for _ in prompts]}
+    bench_batch.run_groups([[1]] * 8, runners, [1, 8], 5, compile=True)
+    assert [size for size, tokens in calls if tokens == 8] == [1, 2, 3, 8]  # the warm-up calls
+    calls.clear()
+    bench_batch.run_groups([[1]] * 8, runners, [1, 8], 5)
+    assert [size for size, tokens in calls if tokens == 8] == [1, 2, 3]  # eager: one row and several
+
+
 @pytest.mark.integration
 def test_smoke_run_on_the_embedded_model(tmp_path, capsys):
     out = tmp_path / "batch.json"

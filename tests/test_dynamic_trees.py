@@ -106,6 +106,23 @@ def test_calibration_learns_the_observed_acceptance():
     assert float(cal.predict(torch.tensor([0.1]))) == pytest.approx(0.5 * 0.125)  # untouched bin: its prior
 
 
+def test_calibration_per_group_starts_from_the_pooled_table_and_learns_its_own():
+    from treespec.drafters.dynamic import AcceptanceCalibration
+
+    cal = AcceptanceCalibration(bins=4, prior_weight=2.0, groups=3, group_weight=4.0)
+    probs = torch.full((200,), 0.6)
+    groups = torch.tensor([1] * 100 + [2] * 100)
+    hits = torch.cat([torch.ones(100, dtype=torch.bool), torch.zeros(100, dtype=torch.bool)])
+    cal.update(probs, hits, groups)  # level 1 always right, level 2 never, at the same probability
+    pooled = (100 + 2 * 0.5 * 0.625) / 202
+    assert float(cal.predict(torch.tensor([0.6]))) == pytest.approx(pooled)
+    by_group = cal.predict(torch.tensor([0.6, 0.6, 0.6]), [0, 1, 2]).tolist()
+    assert by_group[0] == pytest.approx(pooled)  # no observations of its own: the pooled estimate
+    assert by_group[1] == pytest.approx((100 + 4 * pooled) / 104)
+    assert by_group[2] == pytest.approx((0 + 4 * pooled) / 104)
+    assert float(cal.predict(torch.tensor([0.6]), [7])) == pytest.approx(by_group[2])  # the last group
+
+
 @pytest.mark.parametrize("sequential", [False, True])
 def test_dynamic_drafter_is_exact_and_shrinks_when_nodes_cost_too_much(sequential):
     from treespec.drafters.dynamic import DynamicTreeDrafter
@@ -200,31 +217,72 @@ def test_level_by_level_drafters_stop_at_max_depth():
     assert (part.probs[:, ~shallow] == 0).all()
 
 
-def test_dynamic_drafter_drafts_as_deep_as_the_deepest_kept_tree():
+def test_draft_costs_measure_each_level_count_and_draw_a_line_through_them():
+    from treespec.drafters.dynamic import DraftCosts
+
+    costs = DraftCosts(smoothing=0.5)
+    assert costs(3) == 0.0  # nothing measured yet
+    costs.record(4, 8.0)
+    assert costs(4) == 8.0 and costs(2) == 4.0 and costs(0) == 0.0  # one count: proportional
+    costs.record(2, 5.0)
+    assert costs(3) == pytest.approx(6.5) and costs(0) == pytest.approx(2.0)  # the line through both
+    costs.record(2, 7.0)
+    assert costs(2) == 6.0  # a running mean of the measurements
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_level_rates_price_every_level_count_against_brute_force(seed):
+    from treespec.drafters.dynamic import level_rates
+
+    gen = torch.Generator().manual_seed(seed)
+    # the inner tree to depth 3 plus a 2-node chain (level 0: drafted whatever the level count)
+    tree = treespec.Tree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [2], [2, 0]])
+    parents = tree.parents.tolist()
+    levels = [0] + [0 if path[0] == 2 else len(path) for path in tree.choices]
+    values = [1.0] * tree.num_nodes
+    for i in range(1, tree.num_nodes):
+        values[i] = values[parents[i]] * float(torch.rand(1, generator=gen))
+    per_node, per_level = float(torch.rand(1, generator=gen)) * 0.2, float(torch.rand(1, generator=gen))
+    verify = [0.0] + [1.0 + per_node * (n - 1) for n in range(1, tree.num_nodes + 1)]
+
+    def draft(d):
+        return 0.1 + per_level * d
+
+    rates = level_rates(values, levels, 3, draft, verify)
+    assert len(rates) == 4
+    for d, rate in enumerate(rates):
+        best = max(
+            sum(values[i] for i in s) / (draft(d) + verify[len(s)])
+            for s in _connected_subsets(parents)
+            if all(levels[i] <= d for i in s)
+        )
+        assert rate == pytest.approx(best)
+
+
+def test_dynamic_drafter_drafts_the_level_count_that_pays_and_tries_one_deeper_now_and_then():
     from treespec.drafters.dynamic import DynamicTreeDrafter
 
     model = tiny_model("llama")
     heads = random_heads(model, seed=3, sequential=True)
     inner = treespec.make_drafter(heads, treespec.default_tree(16, heads.num_heads), model)
-    drafter = DynamicTreeDrafter(inner, lambda n, prefix: 1.0 + 0.01 * (n - 1), depth_window=4)
-    assert inner.tree.max_depth == 3
-    assert drafter.inner_limits_depth and drafter.draft_depth() == 3  # nothing seen yet: every level
-    drafter.kept_depths = [1, 0, 0]
-    assert drafter.draft_depth() == 3  # fewer steps than the window
-    drafter.kept_depths = [1, 0, 0, 1]
-    assert drafter.draft_depth() == 1
-    drafter.reached_limit = True  # the last step kept a node at the deepest level drafted: one further
-    assert drafter.draft_depth() == 2
-    drafter.reached_limit = False
-    drafter.kept_depths = [0, 0, 0, 0]
-    assert drafter.draft_depth() == 1  # at least one level (root-only streaks pause drafting instead)
-    drafter.kept_depths = [2, 0, 0, 0]
-    assert drafter.draft_depth() == 2
-    drafter.kept_depths, drafter.reached_limit = [3, 0, 0, 3], True
-    assert drafter.draft_depth() == 3  # never deeper than the tree
-    # through the decoder: exact, and levels are skipped once the kept trees stay shallow
+    drafter = DynamicTreeDrafter(inner, lambda n, prefix: 1.0 + 0.01 * (n - 1), explore_after=4)
+    assert inner.tree.max_depth == 3 and drafter.max_levels == 3
+    assert drafter.inner_limits_depth and drafter.levels == 3  # nothing seen yet: every level
+    drafter.choose_levels([1.0, 2.0, 1.5, 1.2], drafted=3)
+    assert drafter.levels == 1
+    for _ in range(3):  # the deepest drafted is the best, but 2 levels were priced lately: stay
+        drafter.choose_levels([1.0, 3.0], drafted=1)
+        assert drafter.levels == 1
+    drafter.choose_levels([1.0, 3.0], drafted=1)  # explore_after steps since: one level deeper
+    assert drafter.levels == 2
+    drafter.choose_levels([1.0, 3.0, 1.0], drafted=2)  # level 2 does not pay: back to 1
+    assert drafter.levels == 1
+    for _ in range(10):  # the second level pays lately, the third was last priced long ago: try it
+        drafter.choose_levels([1.0, 1.0, 9.0], drafted=2)
+    assert drafter.level_gains[2] > 0 and drafter.levels == 3
+    # through the decoder: exact, and levels are skipped when nodes cost much
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
-    costly = DynamicTreeDrafter(inner, lambda n, prefix: 1.0 + 0.5 * (n - 1), depth_window=4)
+    costly = DynamicTreeDrafter(inner, lambda n, prefix: 1.0 + 0.5 * (n - 1))
     result = treespec.generate(model, None, prompt, drafter=costly, max_new_tokens=40, eos_token_id=[])
     assert result.token_ids == hf_greedy(model, prompt, 40)
     counts = costly.counts
@@ -235,24 +293,60 @@ def test_dynamic_drafter_drafts_as_deep_as_the_deepest_kept_tree():
     assert tree.choices == (inner.tree.choices[0], inner.tree.choices[2]) and order == [0, 1, 3]
 
 
+def test_the_step_time_beyond_the_cost_curve_is_learned_and_the_curve_made_monotone():
+    from treespec.drafters.dynamic import DynamicTreeDrafter
+
+    model = tiny_model("llama")
+    heads = random_heads(model, seed=3, sequential=True)
+    inner = treespec.make_drafter(heads, treespec.default_tree(8, heads.num_heads), model)
+    noisy = {1: 3.0, 2: 2.0, 3: 2.5, 4: 4.0, 5: 3.5}  # ms by node count, above 5: 1 ms more per node
+
+    def curve(n, prefix):
+        return 1e-6 * noisy.get(n, n - 1.0)  # far below what a step really takes
+
+    drafter = DynamicTreeDrafter(inner, curve)
+    table = drafter.verify_table()
+    assert [round(t * 1e6, 6) for t in table[1:6]] == [2.0, 2.0, 2.5, 3.5, 3.5]  # never falls with n
+    assert all(a <= b for a, b in zip(table[1:], table[2:], strict=False))
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    result = treespec.generate(model, None, prompt, drafter=drafter, max_new_tokens=20, eos_token_id=[])
+    assert result.token_ids == hf_greedy(model, prompt, 20)
+    # the steps took far longer than the curve says: the rest (sampling, commit, Python) is learned
+    assert drafter.overhead > 100 * table[-1]
+    drafter.start(treespec.drafters.base.SequenceStart(prompt, 64, None, "sdpa", None))
+    assert drafter.step_started is None  # the time between sequences is not a step
+
+
+def test_a_lookup_branch_is_drafted_whatever_the_level_count():
+    inner = treespec.make_drafter(
+        random_heads(tiny_model("llama"), seed=3, sequential=True),
+        treespec.default_tree(8, 3),
+        tiny_model("llama"),
+    )
+    lookup = treespec.LookupDrafter(inner, length=2)
+    levels = lookup.node_levels.tolist()
+    assert [levels[i] for i in lookup.chain_nodes.tolist()] == [0, 0]
+    assert [levels[i] for i in lookup.inner_nodes.tolist()] == inner.tree.depth.tolist()
+
+
 def test_a_reused_dynamic_drafter_keeps_what_it_learned_and_stays_exact():
     from treespec.drafters.dynamic import DynamicTreeDrafter
 
     model = tiny_model("llama")
     heads = random_heads(model, seed=4, sequential=True)
     inner = treespec.make_drafter(heads, treespec.default_tree(16, heads.num_heads), model)
-    drafter = DynamicTreeDrafter(inner, lambda n, prefix: 1.0 + 0.01 * (n - 1), depth_window=4)
+    drafter = DynamicTreeDrafter(inner, lambda n, prefix: 1.0 + 0.01 * (n - 1))
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 3, 9, 3, 9, 3, 9]]
     first = treespec.generate(model, None, prompts[0], drafter=drafter, max_new_tokens=30, eos_token_id=[])
     assert first.token_ids == hf_greedy(model, prompts[0], 30)
     proposed = drafter.calibration.proposed.clone()
-    depths, seconds = list(drafter.kept_depths), drafter.draft_seconds
-    assert len(depths) == 4 and seconds > 0
+    gains, costs = dict(drafter.level_gains), dict(drafter.draft_costs.measured)
+    assert gains and costs and all(t > 0 for t in costs.values())
     drafter.start(treespec.drafters.base.SequenceStart(prompts[1], 64, None, "sdpa", None))
     # a new sequence: its own counts and prefix, the learned calibration, cost and depths unchanged
     assert drafter.counts["steps"] == 0 and drafter.prefix == len(prompts[1])
     assert torch.equal(drafter.calibration.proposed, proposed)
-    assert drafter.kept_depths == depths and drafter.draft_seconds == seconds
+    assert drafter.level_gains == gains and drafter.draft_costs.measured == costs
     second = treespec.generate(model, None, prompts[1], drafter=drafter, max_new_tokens=30, eos_token_id=[])
     assert second.token_ids == hf_greedy(model, prompts[1], 30)
     assert drafter.calibration.proposed.sum() > proposed.sum()  # and it goes on learning

@@ -6,28 +6,37 @@ Every step:
 
 1. the inner drafter fills its (largest) tree; each node gets a *calibrated* acceptance probability
    a_i = P(node accepted | parent accepted), read from a table of draft probability -> observed
-   acceptance (`AcceptanceCalibration`, learned online from every verified step, starting from a prior);
+   acceptance per drafting level (`AcceptanceCalibration`, learned online from every verified step,
+   starting from a prior; a level with few observations follows the table pooled over levels);
 2. a node's value is the probability that verification reaches it: v_i = a_i x v_parent (v_root = 1),
    so E[accepted length] of a connected set S = 1 + sum of v_i over S (the root always counts);
 3. nodes sorted by value (parents never after their children) are taken while they pay: the kept
-   prefix of k nodes maximises E[accepted](k) / (draft seconds + verify seconds(k + 1, prefix)), with
-   the verification cost from this machine's cost curve (`verify_seconds`) and the drafting cost timed
-   as it runs. The kept set can be the root alone;
+   prefix of k nodes maximises E[accepted](k) / step seconds(k + 1), a step costing the drafting (timed
+   as it runs), the verification of k + 1 nodes at this prefix length (this machine's cost curve,
+   `verify_seconds`, made non-decreasing in the node count) and the rest of the step (sampling, commit,
+   Python: learned as the running mean of each step's measured time beyond the other two). The kept
+   set can be the root alone;
 4. when the root alone won `patience` steps in a row, drafting itself is skipped for a while (doubling
    up to `max_skip` steps), so a drafter that does not pay costs almost nothing;
 5. an inner drafter that drafts level by level (`limits_depth`: sequential heads, the EAGLE drafter)
-   drafts only as deep as the deepest tree kept over the last `depth_window` steps: each level costs a
-   read of its output rows, and levels no kept tree reaches are not drafted. A step that keeps a node
-   at the deepest level it drafted lets the next one draft a level further.
+   drafts only the levels that pay. Each level costs a read of its output rows; the drafting time of
+   each level count is measured as it runs (unmeasured counts: on a line through the measured ones).
+   Every step also prices the level counts it could have drafted instead: for d up to the levels drafted,
+   the best expected tokens per second with levels 1..d only (the lookup branch is drafted whole). What
+   level d adds, log(rate_d / rate_d-1), is averaged over the steps that priced it; the next step drafts
+   the level count with the largest summed gains, and one level further than the deepest drafted is
+   tried again every `explore_after` steps while the deepest drafted is the best.
 
-What it learns (the calibration, the drafting cost, the depths kept) describes the drafter on this
-machine, not one prompt: it carries over to the next sequence, so a drafter reused across `generate`
-calls starts warm. The step's tree and its prediction go into the proposal (`Proposal.tree`,
-`expected_accept`); the decoder records predicted against observed accepted length per step.
+What it learns (the calibration, the drafting costs, the level gains, the rest of the step) describes
+the drafter on this machine, not one prompt: it carries over to the next sequence, so a drafter reused
+across `generate` calls starts warm. The step's tree and its prediction go into the proposal
+(`Proposal.tree`, `expected_accept`); the decoder records predicted against observed accepted length
+per step.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -40,27 +49,57 @@ from .base import BaseDrafter, Drafter, DrafterReport, Proposal, Scorer, Sequenc
 class AcceptanceCalibration:
     """P(node accepted | parent accepted) as a function of the drafter's probability for the node, in
     probability bins, from counts of verified nodes whose parent was accepted; each bin starts from a
-    prior of `prior_weight` pseudo-observations at `prior_scale` x its centre."""
+    prior of `prior_weight` pseudo-observations at `prior_scale` x its centre.
 
-    def __init__(self, bins: int = 10, prior_weight: float = 4.0, prior_scale: float = 0.5):
+    With `groups` > 1 (e.g. one per drafting level: deeper heads and a lookup branch are calibrated
+    differently), each group keeps its own counts per bin, starting from `group_weight`
+    pseudo-observations at the pooled estimate of the bin (a group with few observations follows the
+    pooled table)."""
+
+    def __init__(
+        self,
+        bins: int = 10,
+        prior_weight: float = 4.0,
+        prior_scale: float = 0.5,
+        groups: int = 1,
+        group_weight: float = 4.0,
+    ):
         self.edges = torch.linspace(0, 1, bins + 1)[1:-1]  # [bins - 1] inner edges
         centres = (torch.arange(bins, dtype=torch.float64) + 0.5) / bins  # [bins]
         self.proposed = torch.full((bins,), prior_weight, dtype=torch.float64)
         self.accepted = prior_weight * prior_scale * centres
+        self.group_weight = group_weight
+        self.group_proposed = torch.zeros(groups, bins, dtype=torch.float64)  # [groups, bins]
+        self.group_accepted = torch.zeros(groups, bins, dtype=torch.float64)
 
     def bin(self, probs: torch.Tensor) -> torch.Tensor:
         return torch.bucketize(probs.double().clamp(0, 1), self.edges.double())  # [n]
 
-    def predict(self, probs: torch.Tensor) -> torch.Tensor:
-        """probs [n] -> calibrated acceptance probabilities [n] (float64)."""
-        b = self.bin(probs)
-        return self.accepted[b] / self.proposed[b]
+    def group(self, groups: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        return torch.as_tensor(groups, dtype=torch.long).clamp(0, self.group_proposed.shape[0] - 1)  # [n]
 
-    def update(self, probs: torch.Tensor, accepted: torch.Tensor) -> None:
-        """probs [m] of nodes whose parent was accepted; accepted [m] bool: whether they were."""
+    def predict(
+        self, probs: torch.Tensor, groups: torch.Tensor | Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """probs [n] (and their groups [n]) -> calibrated acceptance probabilities [n] (float64)."""
+        b = self.bin(probs)
+        pooled = self.accepted[b] / self.proposed[b]  # [n]
+        if groups is None:
+            return pooled
+        g, w = self.group(groups), self.group_weight
+        return (self.group_accepted[g, b] + w * pooled) / (self.group_proposed[g, b] + w)
+
+    def update(
+        self, probs: torch.Tensor, accepted: torch.Tensor, groups: torch.Tensor | Sequence[int] | None = None
+    ) -> None:
+        """probs [m] of nodes whose parent was accepted; accepted [m] bool: whether they were; groups [m]."""
         b = self.bin(probs)
         self.proposed.index_add_(0, b, torch.ones_like(b, dtype=torch.float64))
         self.accepted.index_add_(0, b, accepted.double())
+        if groups is not None:
+            g = self.group(groups)
+            self.group_proposed.index_put_((g, b), torch.ones_like(b, dtype=torch.float64), accumulate=True)
+            self.group_accepted.index_put_((g, b), accepted.double(), accumulate=True)
 
 
 def choose_nodes(
@@ -88,6 +127,60 @@ def choose_nodes(
     return sorted(chosen), gains[best_k]
 
 
+def level_rates(
+    values: Sequence[float],
+    levels: Sequence[int],
+    drafted: int,
+    draft_seconds: Callable[[int], float],
+    verify_seconds: Sequence[float],
+) -> list[float]:
+    """For d = 0..drafted: the best expected tokens per second had only levels 1..d been drafted.
+
+    values [N] (as in `choose_nodes`), levels [N]: the drafting level that makes each node (0: drafted
+    whole, whatever the level count: the root, a lookup branch); draft_seconds(d): drafting d levels;
+    verify_seconds[n]: verifying n nodes (index 0 unused). A node's level is never below its parent's,
+    so the nodes of levels <= d taken by value form a connected set."""
+    order = sorted((i for i in range(1, len(values)) if values[i] > 0), key=lambda i: (-values[i], i))
+    rates = []
+    for d in range(drafted + 1):
+        fixed = draft_seconds(d)
+        total, count, best = 1.0, 1, 1.0 / (fixed + verify_seconds[1])
+        for i in order:
+            if levels[i] <= d and count + 1 < len(verify_seconds):
+                total, count = total + values[i], count + 1
+                best = max(best, total / (fixed + verify_seconds[count]))
+        rates.append(best)
+    return rates
+
+
+class DraftCosts:
+    """Seconds to draft d levels: a running mean per measured d; other d on the least-squares line
+    through the measured ones (one measured d: proportional to d)."""
+
+    def __init__(self, smoothing: float = 0.2):
+        self.smoothing = smoothing
+        self.measured: dict[int, float] = {}
+
+    def record(self, levels: int, seconds: float) -> None:
+        old = self.measured.get(levels)
+        self.measured[levels] = seconds if old is None else old + self.smoothing * (seconds - old)
+
+    def __call__(self, levels: int) -> float:
+        if levels in self.measured:
+            return self.measured[levels]
+        if not self.measured:
+            return 0.0
+        if len(self.measured) == 1:
+            ((d, t),) = self.measured.items()
+            return t * levels / d if d else t
+        ds, ts = list(self.measured), list(self.measured.values())
+        mean_d, mean_t = sum(ds) / len(ds), sum(ts) / len(ts)
+        slope = sum((d - mean_d) * (t - mean_t) for d, t in zip(ds, ts, strict=True)) / sum(
+            (d - mean_d) ** 2 for d in ds
+        )
+        return max(0.0, mean_t + slope * (levels - mean_d))
+
+
 class DynamicTreeDrafter(BaseDrafter):
     """Prunes the inner drafter's tree every step to the nodes worth verifying (module docstring).
 
@@ -101,7 +194,8 @@ class DynamicTreeDrafter(BaseDrafter):
         calibration: AcceptanceCalibration | None = None,
         patience: int = 4,
         max_skip: int = 8,
-        depth_window: int = 8,
+        explore_after: int = 16,
+        prefix_bucket: int = 16,
     ):
         if inner.scorer() is not None:
             raise ValueError(
@@ -110,26 +204,38 @@ class DynamicTreeDrafter(BaseDrafter):
         self.inner, self.tree = inner, inner.tree
         self.feature_layers = tuple(getattr(inner, "feature_layers", ()))
         self.verify_seconds = verify_seconds
-        self.calibration = calibration or AcceptanceCalibration()
         self.patience, self.max_skip = patience, max_skip
-        self.depth_window = depth_window
+        self.explore_after, self.prefix_bucket = explore_after, prefix_bucket
         self.inner_limits_depth = bool(getattr(inner, "limits_depth", False))
         self.parents = inner.tree.parents.tolist()  # [N]
+        # the drafting level that makes each node (0: always drafted: the root, a lookup branch)
+        self.node_levels = [int(d) for d in getattr(inner, "node_levels", inner.tree.depth)]  # [N]
+        self.max_levels = max(self.node_levels)
+        # calibrated per drafting level (the lookup branch: level 0) unless given
+        self.calibration = calibration or AcceptanceCalibration(groups=self.max_levels + 1)
         self.choices = [(), *inner.tree.choices]
         self.index = {c: i for i, c in enumerate(self.choices)}  # choice path -> node of the inner tree
         self.root_tree = Tree.from_choices([])
         self.pruned: dict[tuple[int, ...], tuple[Tree, list[int]]] = {}  # kept nodes -> tree, node order
         # learned about this drafter on this machine, kept across sequences (a reused drafter starts warm):
-        self.draft_seconds = 0.0  # running estimate of one inner propose
-        self.kept_depths: list[int] = []  # depth of the tree kept by each of the last steps (drafted ones)
-        self.reached_limit = False  # the last drafted step kept a node at the deepest level it drafted
+        self.draft_costs = DraftCosts()  # seconds of one inner propose per level count
+        # level d -> running mean of log(best rate with levels 1..d / best rate with 1..d-1), both priced
+        # on the same steps (the steps that drafted d levels or more)
+        self.level_gains: dict[int, float] = {}
+        self.gain_age: dict[int, int] = {}  # level d -> steps since its gain was last priced
+        self.overhead = 0.0  # running mean of each step's time beyond drafting and the curve's verification
+        self.levels = self.max_levels  # levels the next step drafts
+        self.verify_tables: dict[int, list[float]] = {}  # prefix bucket -> verify seconds by node count
         self._reset()
 
     def _reset(self) -> None:
-        """Per-sequence state; the calibration, drafting cost and kept depths carry over."""
+        """Per-sequence state; the calibration, drafting costs, level gains and overhead carry over."""
         self.prefix = 0
+        self.step_started: float | None = None  # when the last step's propose began (None: no step yet)
+        self.predicted_seconds = 0.0  # what the last step was expected to cost
         self.root_only_streak, self.skip, self.skip_left = 0, 1, 0
-        self.last: tuple[Tree, torch.Tensor, torch.Tensor] | None = None  # tree, tokens [n], probs [n]
+        # the last step's tree, tokens [n], probs [n], drafting levels [n] (None: no tree)
+        self.last: tuple[Tree, torch.Tensor, torch.Tensor, list[int]] | None = None
         self.counts = {"steps": 0, "skipped": 0, "nodes": 0, "levels": 0}
 
     def start(self, sequence: SequenceStart) -> None:
@@ -139,39 +245,51 @@ class DynamicTreeDrafter(BaseDrafter):
 
     def propose(self, hidden: torch.Tensor, roots: torch.Tensor, max_depth: int | None = None) -> Proposal:
         self.counts["steps"] += 1
+        t0 = time.perf_counter()
+        if self.step_started is not None:  # the last step took t0 - step_started: learn the rest's cost
+            spent = t0 - self.step_started - self.predicted_seconds
+            self.overhead += 0.1 * (spent - self.overhead)
+        self.step_started = t0
+        verify = self.verify_table()
         if self.skip_left > 0:  # trees have not paid lately: plain step, no drafting
             self.skip_left -= 1
             self.counts["skipped"] += 1
             self.last = None
+            self.predicted_seconds = verify[1]
             return Proposal(
                 roots.reshape(1, 1).to(hidden.device), None, tree=self.root_tree, expected_accept=1.0
             )
-        t0 = time.perf_counter()
-        depth = self.draft_depth()
-        if depth < self.tree.max_depth:
-            full = self.inner.propose(hidden, roots, max_depth=depth)
+        levels = self.levels if self.inner_limits_depth else self.max_levels
+        if levels < self.max_levels:
+            full = self.inner.propose(hidden, roots, max_depth=levels)
         else:
             full = self.inner.propose(hidden, roots)
-        self.counts["levels"] += depth
-        elapsed = time.perf_counter() - t0
-        self.draft_seconds = elapsed if not self.draft_seconds else 0.8 * self.draft_seconds + 0.2 * elapsed
+        self.counts["levels"] += levels
+        drafting = time.perf_counter() - t0
+        self.draft_costs.record(levels, drafting)
         if full.probs is None:
             raise ValueError("a dynamic tree needs the inner drafter's node probabilities (Proposal.probs)")
         probs = full.probs[0].float().cpu()  # [N]
-        accept = self.calibration.predict(probs).tolist()  # [N]
+        accept = self.calibration.predict(probs, self.node_levels).tolist()  # [N]
         values = [1.0] * len(accept)
-        for i in range(1, len(accept)):  # parents come first in node order
-            values[i] = values[self.parents[i]] * accept[i]
-        kept, expected = choose_nodes(
-            values, self.parents, lambda n: self.draft_seconds + self.verify_seconds(n, self.prefix)
-        )
+        drafted = [p > 0 for p in probs.tolist()]  # probability 0: not drafted this step (or a filler)
+        for i in range(1, len(accept)):  # parents come first in node order; undrafted nodes are worth 0
+            useful = drafted[i] and self.node_levels[i] <= levels
+            values[i] = values[self.parents[i]] * accept[i] if useful else 0.0
+        draft = self.draft_costs(levels)
+        kept, expected = choose_nodes(values, self.parents, lambda n: self.overhead + draft + verify[n])
+        self.predicted_seconds = drafting + verify[len(kept)]
+        if self.inner_limits_depth:
+            rates = level_rates(
+                values, self.node_levels, levels, lambda d: self.overhead + self.draft_costs(d), verify
+            )
+            self.choose_levels(rates, levels)
         tree, order = self.pruned_tree(tuple(kept))
         index = torch.tensor(order, device=full.tokens.device)  # [n]
         tokens, node_probs = full.tokens[:, index], full.probs[:, index]
-        self.last = (tree, tokens[0].cpu(), node_probs[0].float().cpu())
+        levels_kept = [self.node_levels[i] for i in order]  # [n] each node's calibration group
+        self.last = (tree, tokens[0].cpu(), node_probs[0].float().cpu(), levels_kept)
         self.counts["nodes"] += tree.num_nodes
-        self.kept_depths = (self.kept_depths + [tree.max_depth])[-self.depth_window :]
-        self.reached_limit = 0 < depth == tree.max_depth
         if tree.num_nodes == 1:
             self.root_only_streak += 1
             if self.root_only_streak >= self.patience:
@@ -180,6 +298,43 @@ class DynamicTreeDrafter(BaseDrafter):
         else:
             self.root_only_streak, self.skip = 0, 1
         return Proposal(tokens, node_probs, tree=tree, expected_accept=expected)
+
+    def verify_table(self) -> list[float]:
+        """Verification seconds by node count (index 0 unused) at the current prefix length, rounded down
+        to `prefix_bucket` tokens; computed once per bucket. Made non-decreasing (a measured curve can
+        price n nodes above n + 1 by noise; verifying fewer nodes never costs more)."""
+        bucket = self.prefix // self.prefix_bucket * self.prefix_bucket
+        if bucket not in self.verify_tables:
+            table = [self.verify_seconds(k, bucket) for k in range(1, self.tree.num_nodes + 1)]
+            for k in range(len(table) - 2, -1, -1):
+                table[k] = min(table[k], table[k + 1])
+            self.verify_tables[bucket] = [0.0, *table]
+        return self.verify_tables[bucket]
+
+    def choose_levels(self, rates: Sequence[float], drafted: int) -> None:
+        """Learn from this step's `rates` (levels 0..drafted, all priced on this step) what each level
+        adds: gain_d = log(rate_d / rate_d-1). The next step drafts the level count whose summed gains
+        are the largest, or one level further than the deepest drafted when that was the best and the
+        next level has not been priced for `explore_after` steps."""
+        for d in self.gain_age:
+            self.gain_age[d] += 1
+        for d in range(1, len(rates)):
+            gain = math.log(rates[d] / rates[d - 1])
+            old = self.level_gains.get(d)
+            self.level_gains[d] = gain if old is None else old + 0.2 * (gain - old)
+            self.gain_age[d] = 0
+        best, total, best_total = 0, 0.0, 0.0
+        for d in range(1, self.max_levels + 1):
+            if d not in self.level_gains:
+                break
+            total += self.level_gains[d]
+            if total > best_total:
+                best, best_total = d, total
+        if best == drafted < self.max_levels and self.gain_age.get(best + 1, self.explore_after) >= (
+            self.explore_after
+        ):
+            best += 1
+        self.levels = best
 
     def pruned_tree(self, kept: tuple[int, ...]) -> tuple[Tree, list[int]]:
         """The tree of the kept nodes of the inner tree (sorted, root first) and, for each of its nodes in
@@ -190,20 +345,12 @@ class DynamicTreeDrafter(BaseDrafter):
             self.pruned[kept] = (tree, [0] + [self.index[c] for c in tree.choices])
         return self.pruned[kept]
 
-    def draft_depth(self) -> int:
-        """Levels the inner drafter drafts this step: as deep as the deepest tree kept lately, one more
-        when the last step kept a node at the deepest level it drafted (all levels until a window of
-        steps is seen, or when the inner drafter cannot limit its depth)."""
-        if not self.inner_limits_depth or len(self.kept_depths) < self.depth_window:
-            return self.tree.max_depth
-        return min(self.tree.max_depth, max(1, max(self.kept_depths) + self.reached_limit))
-
     def observe(self, committed: list[list[int]], features: torch.Tensor | None = None) -> None:
         """Calibrate on what was verified: every node whose parent was accepted, accepted or not."""
         tokens_committed = committed[0]
         self.prefix += len(tokens_committed)
         if self.last is not None and self.last[0].num_nodes > 1:
-            tree, tokens, probs = self.last
+            tree, tokens, probs, levels = self.last
             node, seen, hits = 0, [], []
             for token in tokens_committed[:-1] + [None]:  # walk the accepted path down the tree
                 children = tree.children(node)
@@ -214,7 +361,7 @@ class DynamicTreeDrafter(BaseDrafter):
                     break
                 node = nxt
             if seen:
-                self.calibration.update(probs[seen], torch.tensor(hits))
+                self.calibration.update(probs[seen], torch.tensor(hits), [levels[i] for i in seen])
         if self.feature_layers:
             self.inner.observe(committed, features)
         else:

@@ -99,6 +99,13 @@ class LookupDrafter(BaseDrafter):
         """propose(..., max_depth=D) limits the inner drafter's levels (the chain is drafted whole)."""
         return bool(getattr(self.inner, "limits_depth", False))
 
+    @property
+    def node_levels(self) -> torch.Tensor:
+        """[N] the inner drafter's level that drafts each node; 0 for the chain (always drafted whole)."""
+        levels = torch.zeros(self.tree.num_nodes, dtype=torch.long)
+        levels[self.inner_nodes] = getattr(self.inner, "node_levels", self.inner.tree.depth)
+        return levels
+
     def start(self, sequence: SequenceStart) -> None:
         """A new sequence (or row `sequence.row` of a batch): index its prompt and first token; the inner
         drafter starts too."""

@@ -164,11 +164,17 @@ def make_runners(args, model, tokenizer, eos: set[int]) -> tuple[dict, dict]:
     return {m: runners[m] for m in args.methods if m in runners}, setup
 
 
-def run_groups(prompts, runners, batch_sizes, max_new_tokens) -> list[dict]:
+def warm_up_sizes(batch_sizes: list[int], compile: bool) -> list[int]:
+    """Row counts of the warm-up calls: 1, 2 and 3 (one row and several), and under torch.compile every
+    measured batch size too, so that no compile of a new row count lands in a timed group."""
+    return sorted({1, 2, 3} | (set(batch_sizes) if compile else set()))
+
+
+def run_groups(prompts, runners, batch_sizes, max_new_tokens, compile: bool = False) -> list[dict]:
     """Every method on every group of every batch size; one record per (batch size, group, method)."""
     records = []
     for run in runners.values():  # warm-up: a first call pays for allocations, lazy loading, compiling
-        for size in (1, 2, 3):  # one row and several: a compiled step has a graph for each
+        for size in warm_up_sizes(batch_sizes, compile):
             run(prompts[:size], 8)
     for size in batch_sizes:
         groups = [prompts[i : i + size] for i in range(0, len(prompts) - size + 1, size)]
@@ -286,7 +292,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
         runners["vllm"] = lambda group, m: peer.run_batch(group, m, 0.0, None, sorted(eos))
     try:
         t0 = time.perf_counter()
-        records = run_groups(prompts, runners, args.batch_sizes, args.max_new_tokens)
+        records = run_groups(prompts, runners, args.batch_sizes, args.max_new_tokens, args.compile)
         wall = time.perf_counter() - t0
     finally:
         if peer is not None:
@@ -307,7 +313,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
         "compile": args.compile,
         **setup,
         "vllm": peer.info if peer is not None else None,
-        "timing": "wall clock per group call (prefill included), after warm-up calls of 1, 2 and 3 rows",
+        "timing": "wall clock per group call (prefill included), after warm-up calls of "
+        + ", ".join(map(str, warm_up_sizes(args.batch_sizes, args.compile)))
+        + " rows",
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "platform": platform.platform(),
         "started": datetime.now().isoformat(timespec="seconds"),
