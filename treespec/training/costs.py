@@ -137,8 +137,8 @@ def curve_rows(curve: dict, path: str) -> dict[int, list[tuple[int, float]]]:
 
 
 def interpolate_rows(rows: dict[int, list[tuple[int, float]]], prefix: int, n: int) -> float:
-    """`interpolate` over a path parsed by `curve_rows` (the dynamic tree asks it many times a step)."""
-    nearest = min(sorted(rows), key=lambda p: abs(p - prefix))
+    """`interpolate` over a path parsed by `curve_rows` (parsed once, asked for every node count)."""
+    nearest = min(rows, key=lambda p: (abs(p - prefix), p))  # a tie goes to the shorter prefix
     row = rows[nearest]
     if n <= row[0][0]:
         return row[0][1]
