@@ -44,19 +44,25 @@ def test_summary_ratios_same_rows_and_crossover():
         _record(1, 0, "plain", 1.0, [[1, 2]]),
         _record(1, 1, "plain", 1.0, [[3, 4]]),
         _record(1, 0, "treespec", 0.5, [[1, 2]]),
-        _record(1, 1, "treespec", 0.5, [[3, 4]]),
+        _record(1, 1, "treespec", 0.25, [[3, 4]]),
         _record(2, 0, "hf", 1.0, [[1, 2], [3, 4]]),
         _record(2, 0, "plain", 0.5, [[1, 2], [3, 4]]),
         _record(2, 0, "treespec", 0.8, [[1, 2], [3, 5]]),  # slower than plain, one row differs
     ]
     summary = bench_batch.summarize(records, ["hf", "plain", "treespec"], [1, 2])
     row = {(r["batch"], r["method"]): r for r in summary}
-    assert row[(1, "treespec")]["tokens_per_second"] == 4.0 and row[(1, "treespec")]["vs_hf"] == 4.0
+    assert row[(1, "treespec")]["tokens_per_second"] == 4 / 0.75 and row[(1, "treespec")]["vs_hf"] == 4 / 0.75
     assert row[(2, "plain")]["vs_hf"] == 2.0
     assert row[(2, "treespec")]["same_as_single"] == [1, 2]
+    # paired per group against plain on the same group, sorted: 1.0 / 0.5 and 1.0 / 0.25
+    assert row[(1, "treespec")]["vs_plain_groups"] == [2.0, 4.0]
+    assert row[(2, "treespec")]["vs_plain_groups"] == [0.625]
+    assert row[(1, "hf")]["vs_plain_groups"] == [0.5, 0.5]
     assert bench_batch.crossover(summary) == 2
     assert bench_batch.crossover(summary[:3]) is None  # B = 1 only: speculation pays
-    assert "| 2 | treespec | 5.0 | 1.25 | 1/2 |" in bench_batch.format_table(summary)
+    table = bench_batch.format_table(summary)
+    assert "| 2 | treespec | 5.0 | 1.25 | 0.62 / 0.62 / 0.62 (1) | 1/2 |" in table
+    assert "| 1 | treespec | 5.3 | 5.33 | 2.00 / 4.00 / 4.00 (2) | - |" in table
 
 
 def test_one_prompt_at_a_time_methods_run_at_the_smallest_batch_only():

@@ -105,7 +105,7 @@ def test_a_model_with_block_weights_decodes_exactly_through_them():
 
 
 @needs_ops
-@pytest.mark.parametrize("rows", [1, 16, 17, 300])
+@pytest.mark.parametrize("rows", [1, 16, 24, 25, 64, 300])
 def test_packed_block_weights_use_the_kernel_for_few_rows_and_a_gemm_for_many(rows, monkeypatch):
     from treespec.core import packed
 
@@ -120,6 +120,8 @@ def test_packed_block_weights_use_the_kernel_for_few_rows_and_a_gemm_for_many(ro
     with torch.inference_mode():
         got = matrix(x)
     assert bool(calls) == (rows <= packed.BLOCK_ROWS_MAX)
+    # many rows: the oneDNN copy of the float32 weight, built on first use only
+    assert (matrix.packed is not None) == (rows > packed.BLOCK_ROWS_MAX)
     torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-5)
 
 

@@ -6,7 +6,7 @@ is `decoder.full_forward` (the model's decoder layers, treespec's tree attention
 the linear layers as `core.packed` switched them) traced with every size symbolic: the node count n, the
 committed length, the cache capacity. Dynamo still splits on what changes the graph itself: n = 1
 (its 0/1 rule) and more than `packed.BLOCK_ROWS_MAX` rows (block weights go to a GEMM there), so the
-node counts fall into three size classes (`size_class`), one compile each: 1, 2-16 and 17 or more.
+node counts fall into three size classes (`size_class`), one compile each: 1, 2-24 and 25 or more.
 A symbolic n was also faster than one graph per node count (AVX2, float32, 4 / 8 / 16 nodes: 23 / 38 /
 58 ms against 31-34 / 44-53 / 76 ms), and it lets trees change size from step to step.
 
@@ -70,7 +70,7 @@ def _compiled():
 
 
 def size_class(n: int) -> str:
-    """The node counts one compiled graph serves: "1", "2-16" or "17+" (`packed.BLOCK_ROWS_MAX`)."""
+    """The node counts one compiled graph serves: "1", "2-24" or "25+" (`packed.BLOCK_ROWS_MAX`)."""
     if n == 1:
         return "1"
     return f"2-{BLOCK_ROWS_MAX}" if n <= BLOCK_ROWS_MAX else f"{BLOCK_ROWS_MAX + 1}+"

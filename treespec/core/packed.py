@@ -34,9 +34,11 @@ from .. import ops
 from .blocks import BlockMatrix, recover_blocks
 
 MODES = ("auto", "onednn", "torch")
-# rows up to which the block kernel beats a GEMM on the same weight (cost curve, AVX2, float32: blocks win
-# at 1-8 rows, lose from about 32; prefill of hundreds of rows was 3x slower through blocks)
-BLOCK_ROWS_MAX = 16
+# rows up to which the block kernel beats a GEMM on the same weight. Whole-model linears of SmolLM2 (AVX2,
+# float32, session 10, min of 6): blocks 72 / 115 / 160 / 301 ms at 16 / 24 / 32 / 64 rows, the prepacked
+# oneDNN copy 160 / 145 / 146 / 185, F.linear 214 / 188 / 186 / 324 (noisy: +-30%). Above this count a block
+# weight multiplies through a oneDNN copy of its float32 values, built on first use.
+BLOCK_ROWS_MAX = 24
 
 
 def packing_supported(model) -> bool:
@@ -70,10 +72,17 @@ class PackedMatrix:
             raise ValueError(f"unknown linear mode {mode!r}; choose one of {MODES}")
         self.weight = weight  # [out, in]
         self.blocks = _blocks_of(weight) if mode == "auto" else None
-        self.packed = None
-        if self.blocks is None and mode != "torch" and _supported(weight):
+        self.packed = None  # block weights: built on the first call with more than BLOCK_ROWS_MAX rows
+        self.packable = mode != "torch" and _supported(weight)
+        if self.blocks is None and self.packable:
+            self.pack()
+
+    def pack(self) -> torch.Tensor:
+        """The weight reordered into oneDNN's blocked layout (once; a float32 copy beside the weight)."""
+        if self.packed is None:
             with torch.no_grad():
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+        return self.packed
 
     @property
     def kind(self) -> str:
@@ -88,11 +97,10 @@ class PackedMatrix:
             return F.linear(x.to(self.weight.dtype), self.weight, bias)
         if self.blocks is not None and x.numel() <= BLOCK_ROWS_MAX * x.shape[-1]:
             return self.blocks(x, bias)
-        if self.blocks is not None:  # many rows (prefill): a GEMM over the same float32 weight is faster
-            return F.linear(x, self.weight, bias)
-        if self.packed is not None and not torch.compiler.is_compiling():
-            # (inductor lowers this op only for weights it froze itself: compiled graphs get F.linear)
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        # many rows (prefill, a batch of trees): a GEMM over the float32 weight is faster than the blocks;
+        # inductor lowers the oneDNN op only for weights it froze itself: compiled graphs get F.linear
+        if self.packable and not torch.compiler.is_compiling():
+            return torch.ops.mkldnn._linear_pointwise(x, self.pack(), bias, "none", [], "")
         return F.linear(x, self.weight, bias)
 
 

@@ -238,7 +238,20 @@ def summarize(records: list[dict], methods: list[str], batch_sizes: list[int]) -
     for row in rows:
         hf = next((r for r in rows if r["batch"] == row["batch"] and r["method"] == "hf"), None)
         row["vs_hf"] = row["tokens_per_second"] / hf["tokens_per_second"] if hf else None
+        row["vs_plain_groups"] = group_ratios(records, row["batch"], row["method"])
     return rows
+
+
+def group_ratios(records: list[dict], size: int, method: str, base: str = "plain") -> list[float]:
+    """Per group of batch size `size`, sorted: `method`'s tokens/s over `base`'s on the same group, run
+    back to back (a paired comparison: the machine's drift between groups cancels out)."""
+
+    def speed(r):
+        return sum(len(o) for o in r["outputs"]) / r["seconds"]
+
+    mine = {r["group"]: r for r in records if r["batch"] == size and r["method"] == method}
+    other = {r["group"]: r for r in records if r["batch"] == size and r["method"] == base}
+    return sorted(speed(mine[g]) / speed(other[g]) for g in mine if g in other and other[g]["seconds"])
 
 
 def crossover(summary: list[dict], method: str = "treespec", plain: str = "plain") -> int | None:
@@ -255,13 +268,20 @@ def crossover(summary: list[dict], method: str = "treespec", plain: str = "plain
 
 
 def format_table(summary: list[dict]) -> str:
-    lines = ["| B | method | tokens/s | x HF | rows = B=1 output |", "|---|---|---|---|---|"]
+    lines = [
+        "| B | method | tokens/s | x HF | x plain per group (min / median / max, n) | rows = B=1 output |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in summary:
         ratio = f"{r['vs_hf']:.2f}" if r["vs_hf"] is not None else "-"
         same = "{}/{}".format(*r["same_as_single"]) if r["batch"] > 1 else "-"
         if r.get("measured_at", r["batch"]) != r["batch"]:
             same = f"- (one prompt at a time, run at B = {r['measured_at']})"
-        lines.append(f"| {r['batch']} | {r['method']} | {r['tokens_per_second']:.1f} | {ratio} | {same} |")
+        g = r.get("vs_plain_groups") or []
+        paired = f"{g[0]:.2f} / {g[len(g) // 2]:.2f} / {g[-1]:.2f} ({len(g)})" if g else "-"
+        lines.append(
+            f"| {r['batch']} | {r['method']} | {r['tokens_per_second']:.1f} | {ratio} | {paired} | {same} |"
+        )
     return "\n".join(lines)
 
 
