@@ -65,6 +65,31 @@ def test_drafted_tree_matches_the_per_node_oracle(sequential, draft_size):
             assert probs.shape == (tree.num_nodes,) and torch.all((probs > 0) & (probs <= 1))
 
 
+@pytest.mark.parametrize("sequential", [True, False])
+def test_drafters_share_the_output_rows_until_the_output_layer_changes(sequential):
+    model = tiny_model("llama", dtype=torch.float32)
+    vocab = model.config.vocab_size
+    heads = random_heads(model, seed=5, sequential=sequential, draft_vocab=_draft_vocab(vocab, 40, 5))
+    tree = treespec.default_tree(16, 4)
+    embed_weight = model.get_input_embeddings().weight.detach()
+    gen = torch.Generator().manual_seed(7)
+    hidden = torch.randn(model.config.hidden_size, generator=gen)
+    root = int(torch.randint(vocab, (1,), generator=gen))
+
+    def drafted(drafter):
+        return drafter.propose(hidden[None], torch.tensor([root])).tokens[0].tolist()
+
+    first, second = (treespec.make_drafter(heads, tree, model) for _ in range(2))
+    assert second.output is first.output  # built once, not per drafter (per generate call)
+    lm_weight = model.get_output_embeddings().weight
+    assert drafted(second) == _oracle_tokens(heads, tree, hidden, root, lm_weight.detach(), embed_weight)
+    with torch.no_grad():
+        lm_weight.mul_(-1.0)  # in place: same storage, new version
+    changed = treespec.make_drafter(heads, tree, model)
+    assert changed.output is not first.output
+    assert drafted(changed) == _oracle_tokens(heads, tree, hidden, root, lm_weight.detach(), embed_weight)
+
+
 def test_teacher_forced_logits_equal_the_drafters_on_the_true_path():
     """predict() (training) and SequentialDrafter (decoding) compute the same thing on a chain."""
     model = tiny_model("llama")
