@@ -186,3 +186,26 @@ def test_trace_records_each_step():
         assert step["path"] == tree.path_to(step["path"][-1])
         emitted += [step["tokens"][i] for i in step["path"][1:]] + [step["bonus"]]
     assert emitted[: len(res.token_ids)] == res.token_ids
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_the_model_stays_in_treespec_mode_for_a_call_and_is_stock_after_it(batch):
+    model = tiny_model("llama", dtype=torch.float32)
+    before = model.config._attn_implementation
+    seen = []
+
+    class Watch:  # an HF-style streamer that records the model's mode at every put
+        def put(self, ids):
+            linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+            seen.append((model.config._attn_implementation, all("forward" in m.__dict__ for m in linears)))
+
+        def end(self):
+            pass
+
+    prompts = [[3, 17, 5, 9], [4, 8, 15, 16, 23, 42]] if batch else [3, 17, 5, 9]
+    streamer = [Watch(), None] if batch else Watch()
+    treespec.generate(model, random_heads(model), prompts, max_new_tokens=6, streamer=streamer)
+    assert seen[0][0] == before  # the prompt goes out before the call switches the model
+    assert len(seen) > 2 and all(mode == ("treespec", True) for mode in seen[1:])
+    assert model.config._attn_implementation == before
+    assert not any("forward" in m.__dict__ for m in model.modules())

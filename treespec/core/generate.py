@@ -178,13 +178,17 @@ def generate(
         streamer.put(torch.tensor([prompt_ids]))
     started = decoder.clock()
     out: list[int] = []
-    finished = stopping.extend(out, [decoder.prefill(prompt_ids, max_new_tokens, max_length)], streamer)
     steps = []
-    while not finished:
-        step = decoder.step()
-        if trace:
-            steps.append(step.as_trace())
-        finished = stopping.extend(out, step.committed, streamer)
+    # the model stays in treespec's mode for the whole call: each step's own `running()` then only counts
+    # itself in, instead of switching the attention implementation (a walk over every module) per step
+    with decoder.running():
+        first = decoder.prefill(prompt_ids, max_new_tokens, max_length)
+        finished = stopping.extend(out, [first], streamer)
+        while not finished:
+            step = decoder.step()
+            if trace:
+                steps.append(step.as_trace())
+            finished = stopping.extend(out, step.committed, streamer)
     stats = decoder.finish(len(out), started)
     if streamer is not None:
         streamer.end()
@@ -252,24 +256,27 @@ def generate_batch(
     started = decoder.clock()
     outs: list[list[int]] = [[] for _ in prompt_ids]
     stats: list[GenerationStats | None] = [None] * len(prompt_ids)
-    firsts = decoder.prefill(prompt_ids, max_new_tokens, max_length)
-    done = [
-        row for row, first in enumerate(firsts) if stopping[row].extend(outs[row], [first], streamers[row])
-    ]
-    while True:
-        for row in done:
-            stats[row] = decoder.close(row, len(outs[row]), started)
-            if streamers[row] is not None:
-                streamers[row].end()
-        decoder.finish(done)
-        if not decoder.live:
-            break
-        step = decoder.step()
+    with decoder.running():  # one switch of the model's mode for the whole call (as in `generate`)
+        firsts = decoder.prefill(prompt_ids, max_new_tokens, max_length)
         done = [
             row
-            for row, committed in zip(step.rows, step.committed, strict=True)
-            if stopping[row].extend(outs[row], committed, streamers[row])
+            for row, first in enumerate(firsts)
+            if stopping[row].extend(outs[row], [first], streamers[row])
         ]
+        while True:
+            for row in done:
+                stats[row] = decoder.close(row, len(outs[row]), started)
+                if streamers[row] is not None:
+                    streamers[row].end()
+            decoder.finish(done)
+            if not decoder.live:
+                break
+            step = decoder.step()
+            done = [
+                row
+                for row, committed in zip(step.rows, step.committed, strict=True)
+                if stopping[row].extend(outs[row], committed, streamers[row])
+            ]
     return [
         GenerationResult(out, stopping[row].text(out), prompt_ids[row], stats[row], decoder.tree)
         for row, out in enumerate(outs)
