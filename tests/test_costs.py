@@ -125,3 +125,30 @@ def test_verify_cost_model_reads_the_curve_of_the_path_that_runs(tmp_path):
         verify_cost_model(model, compile=True, curve_file=curve)
     with pytest.raises(ValueError, match="no cost curve"):
         verify_cost_model(model, curve_file=tmp_path / "missing.json")
+
+
+def test_timed_steps_run_with_the_model_mode_held_as_generate_holds_it(tmp_path, monkeypatch):
+    """The step timings price what `generate` runs: the model switched into treespec's mode once, not
+    switched in and out around every timed step."""
+    from treespec.core.decoder import Decoder
+    from treespec.training import calibrate
+    from treespec.training.costs import step_costs
+
+    model, heads, _ = heads_with_acceptance(tmp_path, monkeypatch)
+    table = [[0.6, 0.2], [0.4, 0.1]]
+    modes = []
+    step = Decoder.step
+
+    def watched(self):
+        modes.append(model.config._attn_implementation)  # before the step's own switch
+        return step(self)
+
+    monkeypatch.setattr(Decoder, "step", watched)
+    curve = {"verify_ms": {"blocks": {"300": {"1": 10.0, "8": 20.0}}}}
+    costs = step_costs(model, heads, table, [2, 4], curve, "blocks", prefix=20, repeats=2)
+    assert set(costs) == {2, 4} and all(seconds > 0 for seconds in costs.values())
+    assert len(modes) == 2 * 3 and set(modes) == {"treespec"}
+    modes.clear()
+    costs = calibrate.forward_costs(model, [2, 4], heads, prefix=20, repeats=2, table=table)
+    assert set(costs) == {2, 4} and len(modes) == 2 * 3 and set(modes) == {"treespec"}
+    assert model.config._attn_implementation != "treespec"  # stock again after the timings

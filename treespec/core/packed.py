@@ -104,6 +104,12 @@ class PackedMatrix:
         return F.linear(x, self.weight, bias)
 
 
+def weight_key(w: torch.Tensor) -> tuple:
+    """What identifies a weight's values for a packed copy: storage, in-place version, shape and dtype
+    (a copy built from a weight whose key is unchanged is still its copy)."""
+    return (w.data_ptr(), w._version, tuple(w.shape), w.dtype)
+
+
 class _PackedLinear:
     """The replacement forward of one `nn.Linear`: its weight as a `PackedMatrix`, rebuilt when the
     weight changed; inputs the fast forms do not take (autograd, other dtypes) go to `F.linear`."""
@@ -117,7 +123,7 @@ class _PackedLinear:
     def refresh(self) -> None:
         """Re-pack when the weight's storage or version changed since the last packing."""
         w = self.module.weight
-        key = (w.data_ptr(), w._version, w.dtype)
+        key = weight_key(w)
         if key != self.key:
             self.matrix = PackedMatrix(w, self.mode)
             self.key = key

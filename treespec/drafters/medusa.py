@@ -11,7 +11,7 @@ import weakref
 
 import torch
 
-from ..core.packed import PackedMatrix, packed_linears
+from ..core.packed import PackedMatrix, packed_linears, weight_key
 from ..core.tree import Tree
 from .base import BaseDrafter, Proposal, batch_rows
 from .heads import ExitHead, MedusaHeads
@@ -111,13 +111,7 @@ def shared_output(heads: MedusaHeads, lm_head) -> tuple[torch.Tensor | None, Pac
     if source is None:
         return heads.output_weight(lm_head), None  # raises the error that says what to pass
     vocab = heads.draft_vocab
-    key = (
-        source.data_ptr(),
-        source._version,
-        tuple(source.shape),
-        source.dtype,
-        None if vocab is None else (vocab.data_ptr(), vocab._version),
-    )
+    key = (weight_key(source), None if vocab is None else weight_key(vocab))
     cached = _outputs.get(heads)
     if cached is None or cached[0] != key:
         weight = heads.output_weight(lm_head)

@@ -78,10 +78,11 @@ def forward_costs(
         tree = Tree.from_acceptance(table, n) if table else _tree_for_budget(n, heads.num_heads)
         decoder = timing_decoder(model, heads, tree, prefix, steps=repeats + 1)
         times = []
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            decoder.step()
-            times.append(time.perf_counter() - t0)
+        with decoder.running():  # the model's mode held, as `generate` holds it for a whole call
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                decoder.step()
+                times.append(time.perf_counter() - t0)
         costs[n] = sorted(times[1:])[len(times[1:]) // 2]  # median after one warm-up
     return costs
 

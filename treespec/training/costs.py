@@ -228,11 +228,12 @@ def step_costs(
     for n in budgets:
         tree = Tree.from_acceptance(table, n)
         decoder = calibrate.timing_decoder(model, heads, tree, prefix, steps=repeats + 1)
-        decoder.step()  # warm-up
-        stats = decoder.stats
-        before = (stats.time_draft, stats.time_commit, stats.steps)
-        for _ in range(repeats):
-            decoder.step()
+        with decoder.running():  # the model's mode held, as `generate` holds it for a whole call
+            decoder.step()  # warm-up
+            stats = decoder.stats
+            before = (stats.time_draft, stats.time_commit, stats.steps)
+            for _ in range(repeats):
+                decoder.step()
         steps = stats.steps - before[2]
         around = (stats.time_draft - before[0] + stats.time_commit - before[1]) / steps
         costs[n] = around + interpolate(curve, path, prefix, tree.num_nodes) / 1e3
