@@ -293,6 +293,21 @@ def test_dynamic_drafter_drafts_the_level_count_that_pays_and_tries_one_deeper_n
     assert tree.choices == (inner.tree.choices[0], inner.tree.choices[2]) and order == [0, 1, 3]
 
 
+def test_pruned_trees_are_kept_for_a_bounded_number_of_kept_sets(monkeypatch):
+    from treespec.drafters import dynamic
+
+    model = tiny_model("llama")
+    heads = random_heads(model, seed=3, sequential=True)
+    inner = treespec.make_drafter(heads, treespec.default_tree(16, heads.num_heads), model)
+    drafter = dynamic.DynamicTreeDrafter(inner, lambda n, prefix: 1.0)
+    monkeypatch.setattr(dynamic, "MAX_PRUNED_TREES", 2)
+    first, _ = drafter.pruned_tree((0, 1, 3))
+    for kept in [(0,), (0, 1), (0, 1, 3)]:  # a long run does not keep every set it ever drafted
+        tree, order = drafter.pruned_tree(kept)
+        assert order == list(kept) and tree.num_nodes == len(kept) and len(drafter.pruned) <= 2
+    assert tree is not first and tree.choices == first.choices  # dropped, then built again the same
+
+
 def test_the_step_time_beyond_the_cost_curve_is_learned_and_the_curve_made_monotone():
     from treespec.drafters.dynamic import DynamicTreeDrafter
 

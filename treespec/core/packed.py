@@ -121,7 +121,7 @@ class _PackedLinear:
         self.refresh()
 
     def refresh(self) -> None:
-        """Re-pack when the weight's storage or version changed since the last packing."""
+        """Re-pack when the weight changed since the last packing (`weight_key`)."""
         w = self.module.weight
         key = weight_key(w)
         if key != self.key:

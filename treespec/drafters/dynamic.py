@@ -45,6 +45,9 @@ import torch
 from ..core.tree import Tree
 from .base import BaseDrafter, Drafter, DrafterReport, Proposal, Scorer, SequenceStart
 
+# distinct kept-node sets whose pruned trees a drafter keeps: the decoder keeps as many layouts of them
+MAX_PRUNED_TREES = 512
+
 
 class AcceptanceCalibration:
     """P(node accepted | parent accepted) as a function of the drafter's probability for the node, in
@@ -338,8 +341,11 @@ class DynamicTreeDrafter(BaseDrafter):
 
     def pruned_tree(self, kept: tuple[int, ...]) -> tuple[Tree, list[int]]:
         """The tree of the kept nodes of the inner tree (sorted, root first) and, for each of its nodes in
-        canonical order, the inner node it is; built once per distinct kept set."""
+        canonical order, the inner node it is; built once per distinct kept set (at most
+        `MAX_PRUNED_TREES` are kept; all are dropped when that many are)."""
         if kept not in self.pruned:
+            if len(self.pruned) >= MAX_PRUNED_TREES:  # bounded, as the decoder's layouts of them are
+                self.pruned.clear()
             tree = Tree.from_choices([self.choices[i] for i in kept[1:]])
             # the new tree's node j is choices[j - 1]: its inner node
             self.pruned[kept] = (tree, [0] + [self.index[c] for c in tree.choices])
