@@ -152,3 +152,21 @@ def test_timed_steps_run_with_the_model_mode_held_as_generate_holds_it(tmp_path,
     costs = calibrate.forward_costs(model, [2, 4], heads, prefix=20, repeats=2, table=table)
     assert set(costs) == {2, 4} and len(modes) == 2 * 3 and set(modes) == {"treespec"}
     assert model.config._attn_implementation != "treespec"  # stock again after the timings
+
+
+def test_a_noisy_curve_never_prices_fewer_nodes_above_more(tmp_path, monkeypatch):
+    from treespec.training.costs import interpolate_monotone, step_costs
+
+    noisy = {"128": {"1": 41.5, "2": 30.1, "4": 36.9, "8": 50.6, "24": 170.0, "32": 161.5}}
+    curve = {"verify_ms": {"blocks": noisy}}
+    assert interpolate_monotone(curve, "blocks", 300, 1) == 30.1  # 1 node measured above 2
+    assert interpolate_monotone(curve, "blocks", 300, 3) == pytest.approx(33.5)  # between 2 and 4
+    assert interpolate_monotone(curve, "blocks", 300, 8) == 50.6
+    assert interpolate_monotone(curve, "blocks", 300, 24) == 161.5  # 24 measured above 32
+    assert interpolate_monotone(curve, "blocks", 300, 64) == 161.5
+    # the tree pricing reads it: 2 nodes are not priced at the 1,000 ms that noise put there
+    model, heads, _ = heads_with_acceptance(tmp_path, monkeypatch)
+    table = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.1, 0.05]]
+    steep = {"verify_ms": {"blocks": {"300": {"1": 1000.0, "2": 1000.0, "8": 100.0}}}}
+    costs = step_costs(model, heads, table, [2, 8], steep, "blocks", prefix=20, repeats=1)
+    assert costs[2] < 0.5 and costs[8] < 0.5

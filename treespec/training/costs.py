@@ -138,14 +138,26 @@ def curve_rows(curve: dict, path: str) -> dict[int, list[tuple[int, float]]]:
 
 def interpolate_rows(rows: dict[int, list[tuple[int, float]]], prefix: int, n: int) -> float:
     """`interpolate` over a path parsed by `curve_rows` (parsed once, asked for every node count)."""
-    nearest = min(rows, key=lambda p: (abs(p - prefix), p))  # a tie goes to the shorter prefix
-    row = rows[nearest]
+    row = nearest_row(rows, prefix)
     if n <= row[0][0]:
         return row[0][1]
     for (n0, v0), (n1, v1) in zip(row, row[1:], strict=False):
         if n <= n1:
             return v0 + (v1 - v0) * (n - n0) / (n1 - n0)
     return row[-1][1]
+
+
+def nearest_row(rows: dict[int, list[tuple[int, float]]], prefix: int) -> list[tuple[int, float]]:
+    """The measured row of the prefix nearest to `prefix` (a tie goes to the shorter prefix)."""
+    return rows[min(rows, key=lambda p: (abs(p - prefix), p))]
+
+
+def interpolate_monotone(curve: dict, path: str, prefix: int, n: int) -> float:
+    """`interpolate`, never above the price of more nodes at the same prefix: a measured curve can price n
+    nodes above n + 1 by noise, and verifying fewer nodes never costs more (the minimum of the
+    interpolated value and every measured count above n)."""
+    rows = curve_rows(curve, path)
+    return min([interpolate_rows(rows, prefix, n)] + [v for k, v in nearest_row(rows, prefix) if k > n])
 
 
 def verify_cost_model(model, compile: bool = False, curve_file: str | os.PathLike | None = None):
@@ -219,7 +231,7 @@ def step_costs(
 ) -> dict[int, float]:
     """Seconds of one step per budget: the tree's drafting and commit, timed here through `Decoder.step`
     on the uncompiled path (the drafter runs the same on every path), plus the verification of its node
-    count read from the cost curve of `path` (`interpolate`: no compile per budget)."""
+    count read from the cost curve of `path` (`interpolate_monotone`: no compile per budget)."""
     if path not in curve["verify_ms"]:
         raise ValueError(
             f"the cost curve has no {path!r} path; measure it: scripts/cost_curve.py --paths {path}"
@@ -236,7 +248,7 @@ def step_costs(
                 decoder.step()
         steps = stats.steps - before[2]
         around = (stats.time_draft - before[0] + stats.time_commit - before[1]) / steps
-        costs[n] = around + interpolate(curve, path, prefix, tree.num_nodes) / 1e3
+        costs[n] = around + interpolate_monotone(curve, path, prefix, tree.num_nodes) / 1e3
     return costs
 
 
