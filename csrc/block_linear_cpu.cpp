@@ -48,12 +48,16 @@ inline void q8_block(const int8_t* qs, float d, __m256 w[4]) {
   }
 }
 
-// R rows of x against one weight row n: out[r, n] for r < R.
+// R rows of x against one weight row n: out[r, n] for r < R. Each row sums into C independent accumulators
+// (the block's 8-wide quarters q go to accumulator q % C): one chain of dependent FMAs per row left a
+// one- or two-row product waiting on the FMA latency (5 cycles) four times per block.
 template <int R, bool Q4>
 inline void row_tile(const float* x, int64_t K, const void* qrow, const float* d, const float* m, float* out,
                      int64_t N) {
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  constexpr int C = R == 1 ? 4 : (R <= 3 ? 2 : 1);
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   const int64_t blocks = K / 32;
   for (int64_t b = 0; b < blocks; ++b) {
     __m256 w[4];
@@ -63,13 +67,15 @@ inline void row_tile(const float* x, int64_t K, const void* qrow, const float* d
       q8_block(static_cast<const int8_t*>(qrow) + 32 * b, d[b], w);
     for (int r = 0; r < R; ++r) {
       const float* xb = x + r * K + 32 * b;
-      acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xb), w[0], acc[r]);
-      acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), w[1], acc[r]);
-      acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), w[2], acc[r]);
-      acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), w[3], acc[r]);
+      for (int q = 0; q < 4; ++q)
+        acc[r][q % C] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8 * q), w[q], acc[r][q % C]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r * N] = hsum(acc[r]);
+  for (int r = 0; r < R; ++r) {
+    __m256 sum = acc[r][0];
+    for (int c = 1; c < C; ++c) sum = _mm256_add_ps(sum, acc[r][c]);
+    out[r * N] = hsum(sum);
+  }
 }
 #endif
 

@@ -66,11 +66,13 @@ def test_weights_without_exact_blocks_are_refused_whole():
 @needs_ops
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 32])
-def test_block_linear_equals_f_linear_on_the_dequantized_weight(kind, rows):
+@pytest.mark.parametrize("batch", [1, 2])
+def test_block_linear_equals_f_linear_on_the_dequantized_weight(kind, rows, batch):
+    # batch x rows products: every tile height of the kernel (1-6 rows) and the remainders after full tiles
     gen = torch.Generator().manual_seed(rows)
     weight = (q4_1_weight if kind == "q4_1" else q8_0_weight)(70, 160, gen)
     bias = torch.randn(70, generator=gen)
-    x = torch.randn(2, rows, 160, generator=gen)  # [B, n, K]
+    x = torch.randn(batch, rows, 160, generator=gen)  # [B, n, K]
     matrix = BlockMatrix(recover_blocks(weight))
     with torch.inference_mode():
         got = matrix(x, bias)
