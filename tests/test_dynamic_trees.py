@@ -183,8 +183,8 @@ def test_trace_and_page_show_each_steps_tree_and_prediction(tmp_path):
 
 
 def test_level_by_level_drafters_stop_at_max_depth():
-    """Sequential heads and the EAGLE drafter with max_depth=D: the nodes down to depth D are the full
-    proposal's; deeper ones keep the root's token with probability 0. Independent heads draft everything."""
+    """Sequential heads, independent heads and the EAGLE drafter with max_depth=D: the nodes down to depth
+    D are the full proposal's; deeper ones keep the root's token with probability 0."""
     from conftest import random_eagle
 
     model = tiny_model("llama", dtype=torch.float32)
@@ -194,16 +194,14 @@ def test_level_by_level_drafters_stop_at_max_depth():
     sequential = treespec.make_drafter(random_heads(model, seed=4, sequential=True), tree, model)
     independent = treespec.make_drafter(random_heads(model, seed=4), tree, model)
     assert sequential.limits_depth and independent.limits_depth
-    full = sequential.propose(hidden, roots)
-    for depth in (0, 1, 2):
-        part = sequential.propose(hidden, roots, max_depth=depth)
-        shallow = tree.depth <= depth
-        assert torch.equal(part.tokens[:, shallow], full.tokens[:, shallow])
-        torch.testing.assert_close(part.probs[:, shallow], full.probs[:, shallow])
-        assert (part.probs[:, ~shallow] == 0).all() and (part.tokens[:, ~shallow] == roots[:, None]).all()
-    assert torch.equal(
-        independent.propose(hidden, roots, max_depth=1).tokens, independent.propose(hidden, roots).tokens
-    )
+    for drafter in (sequential, independent):
+        full = drafter.propose(hidden, roots)
+        for depth in (0, 1, 2):
+            part = drafter.propose(hidden, roots, max_depth=depth)
+            shallow = tree.depth <= depth
+            assert torch.equal(part.tokens[:, shallow], full.tokens[:, shallow])
+            torch.testing.assert_close(part.probs[:, shallow], full.probs[:, shallow])
+            assert (part.probs[:, ~shallow] == 0).all() and (part.tokens[:, ~shallow] == roots[:, None]).all()
 
     eagle_tree = treespec.Tree.from_choices([[0], [1], [0, 0], [0, 1], [0, 0, 0]])
     eagle = treespec.EagleDrafter(random_eagle(model, seed=1, draft_size=40), eagle_tree, model)

@@ -11,6 +11,8 @@ One decoding step, seen from a drafter:
     batched                         True when it drafts for B > 1 rows (a batch of sequences)
     limits_depth                    True when propose(hidden, roots, max_depth=D) drafts depths 1..D only
                                     (deeper nodes: probability 0), so a dynamic tree can skip levels
+    node_levels                     [N] the drafting level (1..) that makes each node; 0 for nodes drafted
+                                    whole at any depth (the root, a lookup chain); default: the node's depth
     keep_rows(rows)                 batches: only these rows (indices into the last batch) go on decoding
     report() -> DrafterReport       what the drafter measured and the memory of its own cache, if any
     scorer() -> Scorer | None       its own verification forward (partial-layer verification), or None
@@ -90,6 +92,9 @@ class Drafter(Protocol):
     batched: bool  # drafts for several rows at once (hidden [B, H], roots [B])
     limits_depth: bool  # propose takes max_depth= (drafts depths 1..max_depth only)
 
+    @property
+    def node_levels(self) -> torch.Tensor: ...  # [N] long: the drafting level that makes each node
+
     def start(self, sequence: SequenceStart) -> None: ...
 
     def keep_rows(self, rows: list[int]) -> None: ...
@@ -113,6 +118,11 @@ class BaseDrafter:
     feature_layers: tuple[int, ...] = ()
     batched: bool = False
     limits_depth: bool = False
+
+    @property
+    def node_levels(self) -> torch.Tensor:
+        """[N] the drafting level that makes each node: its depth (level d drafts depth d)."""
+        return self.tree.depth
 
     def start(self, sequence: SequenceStart) -> None:
         pass

@@ -205,15 +205,15 @@ class DynamicTreeDrafter(BaseDrafter):
                 "a dynamic tree needs the decoder's own verification (this drafter brings its own)"
             )
         self.inner, self.tree = inner, inner.tree
-        self.feature_layers = tuple(getattr(inner, "feature_layers", ()))
+        self.feature_layers = tuple(inner.feature_layers)
         self.verify_seconds = verify_seconds
         self.patience, self.max_skip = patience, max_skip
         self.explore_after, self.prefix_bucket = explore_after, prefix_bucket
-        self.inner_limits_depth = bool(getattr(inner, "limits_depth", False))
+        self.inner_limits_depth = inner.limits_depth
         self.parents = inner.tree.parents.tolist()  # [N]
         # the drafting level that makes each node (0: always drafted: the root, a lookup branch)
-        self.node_levels = [int(d) for d in getattr(inner, "node_levels", inner.tree.depth)]  # [N]
-        self.max_levels = max(self.node_levels)
+        self.levels_of_nodes = [int(d) for d in inner.node_levels]  # [N]
+        self.max_levels = max(self.levels_of_nodes)
         # calibrated per drafting level (the lookup branch: level 0) unless given
         self.calibration = calibration or AcceptanceCalibration(groups=self.max_levels + 1)
         self.choices = [(), *inner.tree.choices]
@@ -263,34 +263,31 @@ class DynamicTreeDrafter(BaseDrafter):
                 roots.reshape(1, 1).to(hidden.device), None, tree=self.root_tree, expected_accept=1.0
             )
         levels = self.levels if self.inner_limits_depth else self.max_levels
-        if levels < self.max_levels:
-            full = self.inner.propose(hidden, roots, max_depth=levels)
-        else:
-            full = self.inner.propose(hidden, roots)
+        full = self.inner.propose(hidden, roots, levels)
         self.counts["levels"] += levels
         drafting = time.perf_counter() - t0
         self.draft_costs.record(levels, drafting)
         if full.probs is None:
             raise ValueError("a dynamic tree needs the inner drafter's node probabilities (Proposal.probs)")
         probs = full.probs[0].float().cpu()  # [N]
-        accept = self.calibration.predict(probs, self.node_levels).tolist()  # [N]
+        accept = self.calibration.predict(probs, self.levels_of_nodes).tolist()  # [N]
         values = [1.0] * len(accept)
         drafted = [p > 0 for p in probs.tolist()]  # probability 0: not drafted this step (or a filler)
         for i in range(1, len(accept)):  # parents come first in node order; undrafted nodes are worth 0
-            useful = drafted[i] and self.node_levels[i] <= levels
+            useful = drafted[i] and self.levels_of_nodes[i] <= levels
             values[i] = values[self.parents[i]] * accept[i] if useful else 0.0
         draft = self.draft_costs(levels)
         kept, expected = choose_nodes(values, self.parents, lambda n: self.overhead + draft + verify[n])
         self.predicted_seconds = drafting + verify[len(kept)]
         if self.inner_limits_depth:
             rates = level_rates(
-                values, self.node_levels, levels, lambda d: self.overhead + self.draft_costs(d), verify
+                values, self.levels_of_nodes, levels, lambda d: self.overhead + self.draft_costs(d), verify
             )
             self.choose_levels(rates, levels)
         tree, order = self.pruned_tree(tuple(kept))
         index = torch.tensor(order, device=full.tokens.device)  # [n]
         tokens, node_probs = full.tokens[:, index], full.probs[:, index]
-        levels_kept = [self.node_levels[i] for i in order]  # [n] each node's calibration group
+        levels_kept = [self.levels_of_nodes[i] for i in order]  # [n] each node's calibration group
         self.last = (tree, tokens[0].cpu(), node_probs[0].float().cpu(), levels_kept)
         self.counts["nodes"] += tree.num_nodes
         if tree.num_nodes == 1:
@@ -368,10 +365,12 @@ class DynamicTreeDrafter(BaseDrafter):
                 node = nxt
             if seen:
                 self.calibration.update(probs[seen], torch.tensor(hits), [levels[i] for i in seen])
-        if self.feature_layers:
-            self.inner.observe(committed, features)
-        else:
-            self.inner.observe(committed)
+        self.inner.observe(committed, features)
+
+    @property
+    def node_levels(self) -> torch.Tensor:
+        """[N] the inner drafter's level that makes each node."""
+        return torch.tensor(self.levels_of_nodes, dtype=torch.long)
 
     def report(self) -> DrafterReport:
         inner = self.inner.report()

@@ -64,7 +64,7 @@ class LookupDrafter(BaseDrafter):
                 "runs only the upper layers of the drafted chain); use lookup=0"
             )
         self.inner = inner
-        self.feature_layers = tuple(getattr(inner, "feature_layers", ()))
+        self.feature_layers = tuple(inner.feature_layers)
         self.length = length
         self.max_ngram = max_ngram
         inner_tree: Tree = inner.tree
@@ -92,18 +92,18 @@ class LookupDrafter(BaseDrafter):
 
     @property
     def batched(self) -> bool:
-        return bool(getattr(self.inner, "batched", False))
+        return self.inner.batched
 
     @property
     def limits_depth(self) -> bool:
         """propose(..., max_depth=D) limits the inner drafter's levels (the chain is drafted whole)."""
-        return bool(getattr(self.inner, "limits_depth", False))
+        return self.inner.limits_depth
 
     @property
     def node_levels(self) -> torch.Tensor:
         """[N] the inner drafter's level that drafts each node; 0 for the chain (always drafted whole)."""
         levels = torch.zeros(self.tree.num_nodes, dtype=torch.long)
-        levels[self.inner_nodes] = getattr(self.inner, "node_levels", self.inner.tree.depth)
+        levels[self.inner_nodes] = self.inner.node_levels
         return levels
 
     def start(self, sequence: SequenceStart) -> None:
@@ -127,10 +127,7 @@ class LookupDrafter(BaseDrafter):
             if self.last_chains[row] is not None:
                 self._record(*self.last_chains[row], tokens)
                 self.last_chains[row] = None
-        if self.feature_layers:
-            self.inner.observe(committed, features)
-        else:
-            self.inner.observe(committed)
+        self.inner.observe(committed, features)
 
     def _record(self, chain: list[int], n: int, committed: list[int]) -> None:
         """The chain's history: which of its nodes were accepted, given that their parent was."""
@@ -147,10 +144,7 @@ class LookupDrafter(BaseDrafter):
         return None  # refused at construction for inner drafters with their own
 
     def propose(self, hidden: torch.Tensor, roots: torch.Tensor, max_depth: int | None = None) -> Proposal:
-        if max_depth is None:
-            inner = self.inner.propose(hidden, roots)
-        else:
-            inner = self.inner.propose(hidden, roots, max_depth=max_depth)
+        inner = self.inner.propose(hidden, roots, max_depth)
         B = inner.tokens.shape[0]
         device = inner.tokens.device
         tokens = torch.empty(B, self.tree.num_nodes, dtype=torch.long, device=device)  # [B, N]

@@ -33,12 +33,20 @@ class MedusaDrafter(BaseDrafter):
         self.topk = max(tree.max_rank, 1)
         device = next(heads.parameters()).device
         self.token_index = tree.token_index(self.topk).to(device)  # [N] into [root, head0 top-k, ...]
+        self.depth = tree.depth.to(device)  # [N]
 
     def propose(self, hidden: torch.Tensor, roots: torch.Tensor, max_depth: int | None = None) -> Proposal:
-        """max_depth is accepted for the protocol (`limits_depth`) and ignored: every head's logits come
-        from one read of the output rows, so drafting fewer depths would save nothing."""
+        """max_depth=D: heads 1..D only; the deeper nodes keep the root's token and probability 0."""
         hidden, roots = batch_rows(hidden, roots)  # [B, H], [B]
         B, depth = hidden.shape[0], self.tree.max_depth
+        if max_depth is not None:
+            depth = max(0, min(depth, max_depth))
+        roots = roots.to(hidden.device)
+        if depth == 0:
+            n = self.tree.num_nodes
+            probs = torch.zeros(B, n, device=hidden.device)  # [B, N]
+            probs[:, 0] = 1.0
+            return Proposal(roots[:, None].repeat(1, n), probs)
         with packed_linears(self.heads):
             states = self.heads.head_hidden(hidden[:, None], num_heads=depth)  # [K, B, 1, H]
             logits = _logits(self, states, None)  # [K, B, 1, V']
@@ -46,8 +54,14 @@ class MedusaDrafter(BaseDrafter):
         guesses = self.heads.token_ids(top.indices.transpose(0, 1).reshape(B, -1))  # [B, K*topk]
         candidates = torch.cat([roots[:, None].to(guesses.device), guesses], dim=1)  # [B, 1 + K*topk]
         probs = torch.cat([top.values.new_ones(B, 1), top.values.transpose(0, 1).reshape(B, -1)], dim=1)
+        index = self.token_index  # [N] into [root, head0 top-k, ...]
+        if depth < self.tree.max_depth:  # undrafted nodes read the root's slot, then get probability 0
+            undrafted = self.depth > depth  # [N]
+            index = index.masked_fill(undrafted, 0)
+            tokens, node_probs = candidates[:, index], probs[:, index].masked_fill(undrafted, 0.0)
+            return Proposal(tokens, node_probs)
         # [B, N] each node's token and its probability under its head
-        return Proposal(candidates[:, self.token_index], probs[:, self.token_index])
+        return Proposal(candidates[:, index], probs[:, index])
 
 
 class SequentialDrafter(BaseDrafter):
