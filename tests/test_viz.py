@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -197,6 +199,26 @@ def test_bad_picture_format(tmp_path):
 
 
 # ----- one step -----
+
+
+def test_import_treespec_leaves_the_viz_extra_unloaded():
+    """matplotlib and rich are the optional viz extra: importing treespec (and viz itself) must not load them."""
+    code = (
+        "import sys, treespec, treespec.tools.viz, treespec.tools.cli; "
+        "loaded = [m for m in ('matplotlib', 'rich') if m in sys.modules]; "
+        "assert not loaded, loaded"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_drawing_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    tree = treespec.default_tree(8, num_heads=4)
+    assert viz.tree_graph(tree).number_of_nodes() == tree.num_nodes  # graphs need no matplotlib
+    with pytest.raises(ImportError, match=r"pip install treespec\[viz\]"):
+        viz.draw_tree(tree, tmp_path / "tree.png")
+    assert not (tmp_path / "tree.png").exists()
 
 
 def test_visible():

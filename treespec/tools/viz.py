@@ -3,7 +3,9 @@
 Every picture starts as a networkx graph whose nodes carry what is shown (``label``, ``kind``,
 probabilities, ``accepted``); :func:`layered_layout` places it top-down, x by leaf order and y by
 depth, and matplotlib (Agg, no pyplot state) draws it. The ``draw_*`` functions return the graph
-they drew so callers and tests can inspect it.
+they drew so callers and tests can inspect it. matplotlib is the optional ``viz`` extra
+(``pip install treespec[viz]``): it is imported only when a picture is drawn, so the graphs, the
+layout, ``visible`` and the HTML page work without it.
 
     draw_tree(tree, "tree.png", acceptance=None)     static tree, coloured by acceptance if known
     draw_step(trace, 0, "step.svg")                   one step: accepted path, rejected, bonus
@@ -17,18 +19,17 @@ import unicodedata
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import networkx as nx
-from matplotlib import colormaps
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.cm import ScalarMappable
-from matplotlib.colors import LogNorm, Normalize, to_rgb
-from matplotlib.figure import Figure
-from matplotlib.patches import Patch
 
 from ..core.tree import Tree
 from ..io import atomic_write, atomic_write_text
 from .trace import Trace
+
+if TYPE_CHECKING:
+    from matplotlib.colors import Normalize
 
 PICTURE_FORMATS = (".png", ".svg")
 VISIBLE = {" ": "␣", "\n": "↵", "\t": "⇥"}
@@ -48,6 +49,33 @@ EDGE_STYLE = {  # (colour, width, line style) per edge kind
 }
 HEAD_COLOURS = ("#a6cee3", "#b2df8a", "#fdbf6f", "#cab2d6", "#fb9a99", "#ffff99", "#8dd3c7", "#bebada")
 ROOT_COLOUR = "#d9d9d9"
+
+
+def _mpl() -> SimpleNamespace:
+    """matplotlib, imported when a picture is drawn (it is the optional ``viz`` extra): the graphs, the
+    layout and the HTML page work without it."""
+    try:
+        from matplotlib import colormaps
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.cm import ScalarMappable
+        from matplotlib.colors import LogNorm, Normalize, to_rgb
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+    except ImportError as error:
+        raise ImportError(
+            "drawing trees needs matplotlib, which is not installed: pip install treespec[viz] "
+            "(or pip install matplotlib)"
+        ) from error
+    return SimpleNamespace(
+        colormaps=colormaps,
+        FigureCanvasAgg=FigureCanvasAgg,
+        ScalarMappable=ScalarMappable,
+        LogNorm=LogNorm,
+        Normalize=Normalize,
+        to_rgb=to_rgb,
+        Figure=Figure,
+        Patch=Patch,
+    )
 
 
 # ----- text -----
@@ -213,18 +241,19 @@ def draw_tree(
     they are coloured by their path acceptance probability on a log colour bar (``mode="node"``:
     by the node's own acceptance, linear). Returns the graph that was drawn.
     """
+    mpl = _mpl()
     graph = tree_graph(tree, acceptance, mode)
     if acceptance is None:
         for node, attrs in graph.nodes(data=True):
             colour = ROOT_COLOUR if node == 0 else HEAD_COLOURS[attrs["head"] % len(HEAD_COLOURS)]
             attrs["style"] = (colour, "#555555", "black", "solid")
-        legend = [Patch(facecolor=ROOT_COLOUR, edgecolor="#555555", label="root")] + [
-            Patch(facecolor=HEAD_COLOURS[h % len(HEAD_COLOURS)], edgecolor="#555555", label=f"head {h}")
+        legend = [mpl.Patch(facecolor=ROOT_COLOUR, edgecolor="#555555", label="root")] + [
+            mpl.Patch(facecolor=HEAD_COLOURS[h % len(HEAD_COLOURS)], edgecolor="#555555", label=f"head {h}")
             for h in range(tree.max_depth)
         ]
         colorbar = None
     else:
-        cmap, norm = colormaps["viridis"], _probability_norm(graph, mode)
+        cmap, norm = mpl.colormaps["viridis"], _probability_norm(graph, mode)
         for _, attrs in graph.nodes(data=True):
             face = cmap(norm(max(attrs["prob"], norm.vmin)))
             attrs["style"] = (face, "#333333", _text_colour(face), "solid")
@@ -241,11 +270,12 @@ def draw_step(trace: Trace, step_index: int, path: str | Path | None = None) -> 
     the accepted path is green, rejected nodes grey, the bonus token a dashed gold box below the
     last accepted node. Returns the graph that was drawn.
     """
+    mpl = _mpl()
     graph = step_graph(trace, step_index)
     for _, attrs in graph.nodes(data=True):
         attrs["style"] = STEP_STYLE[attrs["kind"]]
     legend = [
-        Patch(facecolor=STEP_STYLE[k][0], edgecolor=STEP_STYLE[k][1], linestyle=STEP_STYLE[k][3], label=k)
+        mpl.Patch(facecolor=STEP_STYLE[k][0], edgecolor=STEP_STYLE[k][1], linestyle=STEP_STYLE[k][3], label=k)
         for k in ("root", "accepted", "rejected", "bonus")
     ]
     _render(graph, path, graph.graph["title"], legend, None, column_width=0.85)
@@ -254,14 +284,15 @@ def draw_step(trace: Trace, step_index: int, path: str | Path | None = None) -> 
 
 def _probability_norm(graph: nx.DiGraph, mode: str) -> Normalize:
     """Linear [0, 1] for node probabilities; log for path products, which shrink geometrically."""
+    mpl = _mpl()
     if mode == "node":
-        return Normalize(0.0, 1.0)
+        return mpl.Normalize(0.0, 1.0)
     smallest = min((p for _, p in graph.nodes(data="prob") if p > 0), default=1.0)
-    return LogNorm(max(min(smallest, 0.1), 1e-4), 1.0, clip=True)
+    return mpl.LogNorm(max(min(smallest, 0.1), 1e-4), 1.0, clip=True)
 
 
 def _text_colour(face) -> str:
-    r, g, b = to_rgb(face)
+    r, g, b = _mpl().to_rgb(face)
     return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "white"
 
 
@@ -276,12 +307,13 @@ def _render(
     """Draw a graph whose nodes carry ``label`` and ``style`` and whose edges carry ``kind``."""
     if path is not None and Path(path).suffix.lower() not in PICTURE_FORMATS:
         raise ValueError(f"{path}: unsupported picture format; use one of {', '.join(PICTURE_FORMATS)}")
+    mpl = _mpl()
     pos = layered_layout(graph)
     columns = max(x for x, _ in pos.values()) + 1
     rows = -min(y for _, y in pos.values()) + 1
     width = max(5.0, columns * column_width + (1.4 if colorbar else 0.6))
-    fig = Figure(figsize=(width, max(2.6, rows * 1.15 + 1.2)))
-    FigureCanvasAgg(fig)
+    fig = mpl.Figure(figsize=(width, max(2.6, rows * 1.15 + 1.2)))
+    mpl.FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     ax.set_axis_off()
     ax.set_xlim(-0.6, columns - 0.4)
@@ -326,8 +358,8 @@ def _render(
         )
     if colorbar is not None:
         cmap, norm, label = colorbar
-        bar = fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax, fraction=0.025, pad=0.01)
-        if isinstance(norm, LogNorm):  # plain numbers instead of 10^-1
+        bar = fig.colorbar(mpl.ScalarMappable(norm=norm, cmap=cmap), ax=ax, fraction=0.025, pad=0.01)
+        if isinstance(norm, mpl.LogNorm):  # plain numbers instead of 10^-1
             ticks = [t for t in (1e-4, 1e-3, 0.01, 0.03, 0.1, 0.3, 1.0) if norm.vmin <= t]
             bar.set_ticks(ticks, labels=[f"{t:g}" for t in ticks])
             bar.ax.minorticks_off()
