@@ -1,0 +1,380 @@
+"""Write BENCHMARKS.md, the current-results page, from the benchmark JSON files in ``benchmarks/``.
+
+    python scripts/benchmarks_page.py            rewrite BENCHMARKS.md from benchmarks/*.json
+    python scripts/benchmarks_page.py --check    exit 1 (and say so) when BENCHMARKS.md is out of date
+
+The page is generated, never edited by hand: a test regenerates it from the committed JSON files and
+fails when the committed page differs.
+
+Which runs are current: ``benchmarks/current.json`` lists them, in the order the page shows them:
+
+    {"runs": [{"file": "2026-12-02-dynamic-13-s11.json",          a JSON file in benchmarks/
+               "title": "One sequence, ...",                       optional: the section's heading
+               "machine": "AMD EPYC, AVX2, 2 cores",               optional: the JSON does not say
+               "log": "2026-12-02-c-session11-one-row-kernel.md",  optional: its notes in benchmarks/log/
+               "notes": ["...", "..."]}]}                          optional: lines printed under the table
+
+Without that file, the newest run of each kind (by the ``started`` time the benchmark recorded, else
+the file name) is current. Two kinds are shown as tables: ``bench`` (``scripts/bench.py``: one sequence
+at a time, a summary per Spec-Bench category and overall) and ``batch`` (``scripts/bench_batch.py``:
+tokens/s per method and batch size). Every other JSON file is listed under "Older runs and other
+files", and the dated notes in ``benchmarks/log/*.md`` are listed by their first heading.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+CURRENT_FILE = "current.json"
+LOG_FOLDER = "log"
+SHOWN_KINDS = ("bench", "batch")
+KIND_NAMES = {
+    "bench": "one sequence at a time (`scripts/bench.py`)",
+    "batch": "batches (`scripts/bench_batch.py`)",
+    "kernel": "tree-attention kernel (`scripts/bench_kernel.py`)",
+    "cost_curve": "verification cost curve (`scripts/cost_curve.py`)",
+    "vllm_check": "vLLM serving an exported drafter (`scripts/vllm_drafter_check.py`)",
+    "other": "other",
+}
+METHOD_NAMES = {  # bench.py / bench_batch.py method -> what it is
+    "hf": "HF `generate`",
+    "hf_prompt_lookup": "HF prompt lookup",
+    "hf_assisted": "HF assisted generation (draft model)",
+    "vllm": "vLLM CPU build",
+    "vllm_ngram": "vLLM CPU build, n-gram speculation",
+    "baseline": "treespec, plain loop (no drafter)",
+    "baseline_sdpa": "treespec, plain loop, SDPA attention",
+    "plain": "treespec, plain steps (no drafter)",
+    "treespec": "treespec, heads + static tree",
+    "treespec_sdpa": "treespec, heads + static tree, SDPA attention",
+    "treespec_auto": 'treespec, heads, `plain_above="auto"`',
+    "treespec_lookup": "treespec, heads + static tree + prompt lookup",
+    "lookup": "treespec, prompt lookup only",
+    "dynamic": "treespec, dynamic trees (heads + prompt lookup)",
+    "eagle": "treespec, EAGLE-style drafter",
+    "eagle_lookup": "treespec, EAGLE-style drafter + prompt lookup",
+    "eagle_dynamic": "treespec, dynamic trees over the EAGLE-style drafter",
+    "draft_model": "treespec, draft model",
+    "draft_model_tree": "treespec, draft model + runner-up leaves",
+    "self_spec": "treespec, self-speculative (exit head)",
+}
+REFERENCE = "hf"
+
+
+def run_kind(data: object) -> str:
+    """'bench', 'batch', 'kernel', 'cost_curve' or 'other', from the fields a benchmark wrote."""
+    if not isinstance(data, dict):
+        return "other"
+    if isinstance(data.get("config"), dict) and isinstance(data.get("summary"), list):
+        if "prompts" in data:
+            return "bench"
+        if "records" in data:
+            return "batch"
+    if "kernel" in data and "targets" in data:
+        return "kernel"
+    if data.get("format") == "treespec.cost_curve":
+        return "cost_curve"
+    if "vllm_speculative_equals_vllm_plain" in data:
+        return "vllm_check"
+    return "other"
+
+
+def load_runs(folder: Path) -> dict[str, dict]:
+    """Every ``*.json`` directly in ``folder`` (current.json excepted): name -> {kind, data}."""
+    runs = {}
+    for path in sorted(folder.glob("*.json")):
+        if path.name == CURRENT_FILE:
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: not valid JSON ({error}); fix or remove the file") from None
+        runs[path.name] = {"kind": run_kind(data), "data": data}
+    return runs
+
+
+def _started(name: str, data: object) -> str:
+    config = data.get("config") if isinstance(data, dict) else None
+    started = config.get("started") if isinstance(config, dict) else None
+    return started or name[:10]
+
+
+def current_runs(folder: Path, runs: dict[str, dict]) -> list[dict]:
+    """The entries of benchmarks/current.json, or the newest run of each shown kind without it."""
+    listing = folder / CURRENT_FILE
+    if not listing.exists():
+        newest = {}
+        order = sorted(runs, key=lambda name: (_started(name, runs[name]["data"]), name))
+        for name in order:
+            if runs[name]["kind"] in SHOWN_KINDS:
+                newest[runs[name]["kind"]] = {"file": name}
+        return [newest[kind] for kind in SHOWN_KINDS if kind in newest]
+    entries = json.loads(listing.read_text()).get("runs", [])
+    for entry in entries:
+        name = entry.get("file")
+        if name not in runs:
+            raise ValueError(f"{listing}: lists {name!r}, which is not a JSON file in {folder}")
+        if runs[name]["kind"] not in SHOWN_KINDS:
+            raise ValueError(
+                f"{listing}: {name} is a {runs[name]['kind']} file; only bench.py and bench_batch.py "
+                "results can be shown as current"
+            )
+    return entries
+
+
+def _method(name: str) -> str:
+    return f"{METHOD_NAMES[name]} (`{name}`)" if name in METHOD_NAMES else f"`{name}`"
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "" if value is None else f"{format(value, spec)}{suffix}"
+
+
+def bench_table(data: dict) -> list[str]:
+    """Markdown table of a bench.py run's overall results: one row per method."""
+    overall = next((row for row in data["summary"] if row.get("category") == "overall"), data["summary"][-1])
+    methods = [m for m in data["config"].get("methods", overall["methods"]) if m in overall["methods"]]
+    prompts = overall.get("prompts", len(data["prompts"]))
+    reference = overall["methods"].get(REFERENCE)
+    lines = [
+        "| method | tokens/s | x HF generate | accepted / step | nodes / step | outputs equal to HF greedy |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in methods:
+        entry = overall["methods"][name]
+        speed = entry["tokens_per_second"]
+        ratio = entry.get("speedup")
+        if ratio is None and reference:
+            ratio = speed / reference["tokens_per_second"]
+        same = entry.get("identical_to_hf")
+        cells = [
+            _method(name),
+            _fmt(speed, ".1f"),
+            _fmt(ratio, ".2f", "x"),
+            _fmt(entry.get("accept_length"), ".2f"),
+            _fmt(entry.get("nodes_per_step"), ".1f"),
+            "reference" if name == REFERENCE else ("" if same is None else f"{same}/{prompts}"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def batch_table(data: dict) -> list[str]:
+    """Markdown table of a bench_batch.py run: one row per method, tokens/s (x HF) per batch size."""
+    rows = {(row["batch"], row["method"]): row for row in data["summary"]}
+    sizes = sorted({size for size, _ in rows})
+    methods = [m for m in data["config"].get("methods", []) if any((s, m) in rows for s in sizes)]
+    methods += sorted({m for _, m in rows} - set(methods))
+    lines = [
+        "| method | "
+        + " | ".join(f"B = {size}" for size in sizes)
+        + " | rows equal to the same method at B = 1 |",
+        "|---|" + "---|" * len(sizes) + "---|",
+    ]
+    footnote = False
+    for name in methods:
+        cells, same = [_method(name)], {}
+        for size in sizes:
+            row = rows.get((size, name))
+            if row is None:
+                cells.append("")
+                continue
+            repeated = row.get("measured_at", size) != size  # one run at another B, compared here
+            footnote = footnote or repeated
+            ratio = row.get("vs_hf")
+            cells.append(
+                f"{row['tokens_per_second']:.1f}"
+                + (f" ({ratio:.2f}x)" if ratio is not None else "")
+                + ("*" if repeated else "")
+            )
+            if row.get("same_as_single") and not repeated and size != 1:  # B = 1 is the reference
+                same[size] = tuple(row["same_as_single"])
+        cells.append(_same_cell(same))
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("Tokens/s over all prompts at each batch size B (x HF batched `generate` at the same B).")
+    if footnote:
+        lines.append(
+            "\\* decodes one prompt at a time: measured once at B = 1 and compared with HF at each B."
+        )
+    return lines
+
+
+def _same_cell(same: dict[int, tuple[int, int]]) -> str:
+    """'16/16 at each B' when every batch size agrees, else the count per B ('' without B = 1 to compare)."""
+    if not same:
+        return ""
+    if len(set(same.values())) == 1:
+        ((equal, total),) = set(same.values())
+        return f"{equal}/{total}" + (" at each B" if len(same) > 1 else "")
+    return ", ".join(f"{equal}/{total} at B = {size}" for size, (equal, total) in same.items())
+
+
+def _settings(entry: dict, data: dict, kind: str) -> str:
+    """One line: machine, device, dtype, threads, sizes, tree, versions, date."""
+    get = data["config"].get
+    prompts = len(data["prompts"]) if kind == "bench" else get("num_prompts", "?")
+    parts = [
+        f"Machine: {entry['machine']}" if entry.get("machine") else f"Platform: {get('platform', '?')}",
+        ", ".join(str(x) for x in (get("device"), get("dtype", "?")) if x)
+        + f", {get('threads', '?')} threads",
+        f"{prompts} Spec-Bench prompts, {get('max_new_tokens', '?')} new tokens, greedy",
+        "compiled steps" if get("compile") else "eager steps",
+    ]
+    if get("tree_choices"):
+        parts.append(f"the heads' tree: {len(get('tree_choices')) + 1} nodes")
+    versions = get("versions") or {}
+    parts += [f"{k} {v}" for k, v in versions.items() if k in ("torch", "transformers")]
+    if get("started"):
+        parts.append(f"started {get('started')}")
+    return "; ".join(parts) + "."
+
+
+def run_section(entry: dict, data: dict, kind: str, link: str) -> list[str]:
+    """The page's section for one current run: heading, settings, command, table, notes, links."""
+    name = entry["file"]
+    lines = [f"### {entry.get('title') or KIND_NAMES[kind].capitalize() + ': ' + name}", ""]
+    lines.append(_settings(entry, data, kind))
+    lines.append("")
+    command = data["config"].get("command")
+    if command:
+        lines += ["```", command, "```", ""]
+    lines += bench_table(data) if kind == "bench" else batch_table(data)
+    lines.append("")
+    for note in entry.get("notes", []):
+        lines.append(f"- {note}")
+    if entry.get("notes"):
+        lines.append("")
+    wall = data.get("wall_seconds")
+    where = f"JSON: [{link}/{name}]({link}/{name})" + (f" (wall time {wall:.0f} s)" if wall else "")
+    if entry.get("log"):
+        where += f"; notes: [{link}/{LOG_FOLDER}/{entry['log']}]({link}/{LOG_FOLDER}/{entry['log']})"
+    lines += [where + ".", ""]
+    return lines
+
+
+def _describe(kind: str, data: object) -> str:
+    """A few words on an older run for the list."""
+    if kind in SHOWN_KINDS:
+        config = data["config"]
+        size = (
+            f"{len(data['prompts'])} prompts"
+            if kind == "bench"
+            else "B = "
+            + ",".join(str(b) for b in config.get("batch_sizes", []))
+            + f", {config.get('num_prompts')} prompts"
+        )
+        compiled = ", compiled" if config.get("compile") else ""
+        return f"{size}, {config.get('dtype')}{compiled}: " + ", ".join(config.get("methods", []))
+    if kind == "kernel":
+        return f"{data.get('threads')} thread(s)" + (", end to end" if "e2e" in data else "")
+    if kind == "vllm_check":
+        return (
+            f"{data.get('prompts')} prompts, {data.get('draft_tokens')} draft tokens; vLLM's output with the "
+            f"drafter equals its plain output on {data.get('vllm_speculative_equals_vllm_plain')}"
+        )
+    if kind == "cost_curve":
+        return f"{data.get('dtype')}, paths: " + ", ".join(data.get("verify_ms", {}))
+    return ", ".join(list(data)[:6]) if isinstance(data, dict) else type(data).__name__
+
+
+def older_runs(runs: dict[str, dict], current: list[dict], link: str) -> list[str]:
+    """The list of every other JSON file, newest first, with its kind and a few words."""
+    shown = {entry["file"] for entry in current}
+    lines = ["| file | kind | what |", "|---|---|---|"]
+    for name in sorted(runs, reverse=True):
+        if name in shown:
+            continue
+        kind = runs[name]["kind"]
+        lines.append(
+            f"| [{name}]({link}/{name}) | {KIND_NAMES[kind]} | {_describe(kind, runs[name]['data'])} |"
+        )
+    return lines
+
+
+def log_entries(folder: Path, link: str) -> list[str]:
+    """benchmarks/log/*.md, newest first, each linked under its first heading."""
+    lines = []
+    for path in sorted((folder / LOG_FOLDER).glob("*.md"), reverse=True):
+        if path.name == "README.md":
+            continue
+        first = next((ln for ln in path.read_text().splitlines() if ln.startswith("#")), path.stem)
+        lines.append(f"- [{first.lstrip('#').strip()}]({link}/{LOG_FOLDER}/{path.name})")
+    return lines
+
+
+def render(folder: str | Path, page: str | Path) -> str:
+    """The text of the results page at ``page`` for the benchmark files in ``folder``."""
+    folder, page = Path(folder), Path(page)
+    link = Path(os.path.relpath(folder.resolve(), page.resolve().parent)).as_posix()
+    runs = load_runs(folder)
+    current = current_runs(folder, runs)
+    how = f"`{link}/{CURRENT_FILE}`" if (folder / CURRENT_FILE).exists() else "the newest run of each kind"
+    lines = [
+        "# Benchmarks",
+        "",
+        "<!-- Generated by `python scripts/benchmarks_page.py` from the JSON files in "
+        f"{link}/ (treespec/tools/benchmarks_page.py); do not edit by hand. -->",
+        "",
+        "Each benchmark runs every method in the same process on the same prompt token ids, interleaved per",
+        "prompt with a rotating order, and writes one JSON file (settings, per-prompt records, summary). The",
+        "machines are shared with other work, so absolute tokens/s move from day to day: compare the ratios",
+        "within one run. Speed is wall clock per call, prefill included, after a warm-up call per method.",
+        "",
+        "## Current results",
+        "",
+        f"The runs shown here are chosen by {how}; regenerate this page with",
+        "`python scripts/benchmarks_page.py` after adding a run.",
+        "",
+    ]
+    for entry in current:
+        run = runs[entry["file"]]
+        lines += run_section(entry, run["data"], run["kind"], link)
+    lines += ["## Older runs and other files", ""]
+    lines += older_runs(runs, current, link)
+    folders = sorted(p.name for p in folder.iterdir() if p.is_dir() and p.name != LOG_FOLDER)
+    if folders:
+        lines += ["", "Folders: " + ", ".join(f"[{name}/]({link}/{name}/)" for name in folders) + "."]
+    lines += ["", f"## Dated notes ([{link}/{LOG_FOLDER}/]({link}/{LOG_FOLDER}/))", ""]
+    lines += log_entries(folder, link) or ["(none yet)"]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def write_page(folder: str | Path, page: str | Path) -> bool:
+    """Rewrite ``page`` from ``folder``; True when its text changed."""
+    text = render(folder, page)
+    page = Path(page)
+    if page.exists() and page.read_text() == text:
+        return False
+    page.write_text(text)
+    return True
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """Command line: rewrite the page, or with --check report whether it is up to date."""
+    root = Path.cwd()
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--benchmarks", default=str(root / "benchmarks"), help="folder of JSON files (default ./benchmarks)"
+    )
+    p.add_argument("--out", default=str(root / "BENCHMARKS.md"), help="the page (default ./BENCHMARKS.md)")
+    p.add_argument("--check", action="store_true", help="change nothing; exit 1 when the page is out of date")
+    args = p.parse_args(argv)
+    if args.check:
+        page = Path(args.out)
+        fresh = page.exists() and page.read_text() == render(args.benchmarks, page)
+        print(
+            f"{args.out} is {'up to date' if fresh else 'out of date: run python scripts/benchmarks_page.py'}"
+        )
+        return 0 if fresh else 1
+    changed = write_page(args.benchmarks, args.out)
+    print(f"{'wrote' if changed else 'unchanged:'} {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
