@@ -24,6 +24,10 @@ generated in batches sorted by token length, so batches pad little.
 The answers come from HF `generate` in padded batches, or from another engine that answers a whole shard
 in one call (`answer=`; `scripts/make_distill_data.py --engine vllm` uses vLLM's CPU build).
 
+`make_distill_data` runs three steps: `plan_distill_data` (which shards remain), `generate_answers` (the
+model's answers to one shard's prompts, through `training.reference.hf_generate` or the engine) and
+`write_answers` (the shard file, then meta.json, each written atomically).
+
 Generation is resumable: each shard appears atomically (`treespec.io.atomic_write`) and `meta.json` is
 rewritten atomically after each one; a rerun keeps every valid shard and redoes only missing ones. It
 refuses a folder made for another model, other settings, or another prompts file.
@@ -39,6 +43,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -46,7 +51,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
-from tqdm import tqdm
 from transformers import GenerationConfig
 
 from ..core.generate import encode_prompt
@@ -54,6 +58,7 @@ from ..core.tokens import eos_token_ids
 from ..drafters.heads import fingerprints_match, model_identity
 from ..io import atomic_write, atomic_write_json, remove_temps
 from .batching import length_batches
+from .reference import hf_generate, trim_response
 
 FORMAT = "treespec.distill_data"
 VERSION = 1
@@ -160,30 +165,61 @@ def stop_token_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def trim_response(tokens: list[int], eos_ids: list[int]) -> list[int]:
-    """Generated tokens up to and including the first eos (what follows it is padding)."""
-    for i, t in enumerate(tokens):
-        if t in eos_ids:
-            return tokens[: i + 1]
-    return tokens
-
-
-@torch.no_grad()
 def generate_batch(
     model, prompts: list[list[int]], config: GenerationConfig, eos_ids: list[int]
 ) -> list[list[int]]:
-    """Responses to several prompts in one left-padded `model.generate` call."""
-    device = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), config.pad_token_id, dtype=torch.long)  # [B, W]
-    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, W]
-    for row, ids in enumerate(prompts):  # left padding: every prompt ends at column W-1
-        input_ids[row, width - len(ids) :] = torch.tensor(ids)
-        attention_mask[row, width - len(ids) :] = 1
-    out = model.generate(
-        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config
-    )  # [B, W + T]
-    return [trim_response(row, eos_ids) for row in out[:, width:].tolist()]
+    """Responses to several prompts in one left-padded `model.generate` call (`reference.hf_generate`)."""
+    return hf_generate(model, prompts, eos_ids=eos_ids, generation_config=config)
+
+
+def generation_config(settings: dict, pad_id: int | None = None) -> GenerationConfig:
+    """HF generation settings of a dataset: greedy at temperature 0, else plain sampling (no top-k/p).
+    pad_id: the tokenizer's pad token (default: the first eos)."""
+    temperature = settings["temperature"]
+    return GenerationConfig(
+        max_new_tokens=settings["max_new_tokens"],
+        do_sample=temperature > 0,
+        temperature=temperature if temperature > 0 else None,
+        top_k=0 if temperature > 0 else None,  # None would let generate fill in top_k=50
+        top_p=None,
+        eos_token_id=settings["eos_token_ids"],
+        pad_token_id=settings["eos_token_ids"][0] if pad_id is None else pad_id,
+    )
+
+
+def generate_answers(
+    model,
+    prompts: list[list[int]],
+    config: GenerationConfig,
+    *,
+    batch_size: int = 16,
+    answer: ShardAnswerer | None = None,
+    seed: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[list[int]]:
+    """The model's responses to one shard's prompts (n x [P_i] ids), each cut after its first eos.
+
+    answer: another engine, called once with every prompt; default HF `generate` in batches of at most
+    `batch_size` prompts of similar length. progress(prompts, new tokens) is called after each batch.
+    """
+    eos_ids, max_new = list(config.eos_token_id), config.max_new_tokens
+    if answer is not None:  # the whole shard at once: the engine batches it
+        temperature = config.temperature if config.do_sample else 0.0
+        answered = answer(prompts, max_new, temperature, seed, eos_ids)
+        if len(answered) != len(prompts):
+            raise RuntimeError(f"the engine gave {len(answered)} answers to {len(prompts)} prompts")
+        responses = [trim_response(list(r)[:max_new], eos_ids) for r in answered]
+        if progress is not None:
+            progress(len(prompts), sum(len(r) for r in responses))
+        return responses
+    responses: list[list[int]] = [[] for _ in prompts]
+    for rows in length_batches([len(p) for p in prompts], max_rows=batch_size):
+        batch = generate_batch(model, [prompts[r] for r in rows], config, eos_ids)
+        for row, response in zip(rows, batch, strict=True):
+            responses[row] = response
+        if progress is not None:
+            progress(len(rows), sum(len(r) for r in batch))
+    return responses
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -359,6 +395,213 @@ def _reusable(
     return shard
 
 
+def distill_settings(
+    model,
+    tokenizer,
+    *,
+    max_new_tokens: int = 256,
+    max_prompt_chars: int = 1500,
+    temperature: float = 0.0,
+    seed: int = 0,
+    shard_size: int = 64,
+    eval_fraction: float = 0.05,
+) -> dict:
+    """The settings a dataset records in meta.json (a resume must match them), checked first."""
+    if max_new_tokens < 1 or max_prompt_chars < 1:
+        raise ValueError("max_new_tokens, max_prompt_chars and batch_size must be >= 1")
+    if not 0.0 <= eval_fraction < 1.0:
+        raise ValueError("eval_fraction must be in [0, 1)")
+    if temperature < 0:
+        raise ValueError("temperature must be >= 0")
+    eos_ids = stop_token_ids(model, tokenizer)
+    if not eos_ids:
+        raise ValueError("the model and tokenizer define no eos token: responses could not stop")
+    return {
+        "max_new_tokens": max_new_tokens,
+        "max_prompt_chars": max_prompt_chars,
+        "temperature": temperature,
+        "seed": seed if temperature > 0 else None,
+        "dtype": _dtype_name(model),
+        "chat_template": getattr(tokenizer, "chat_template", None) is not None,
+        "eos_token_ids": eos_ids,
+        "shard_size": shard_size,
+        "eval_fraction": eval_fraction,
+    }
+
+
+@dataclass
+class DistillPlan:
+    """What one run of make_distill_data does (`plan_distill_data`): the folder, the shards on disk that
+    stay, the shards still to make, and the meta.json being written."""
+
+    folder: Path
+    prompts: dict[str, Prompt]  # id -> prompt
+    vocab_size: int
+    settings_hash: str  # stored in every shard: what it was made with
+    full_plan: list[ShardPlan]  # every shard of the unlimited plan, train first
+    entries: dict[str, dict]  # file name -> meta.json record of each valid shard
+    pending: list[ShardPlan]  # shards to (re)make, eval first
+    total: int  # prompts this run's limit covers
+    meta: dict
+
+
+def _data_record(prompts_path: Path, prompts: list[Prompt], skipped: list[str], source: str | None) -> dict:
+    return {
+        "file": prompts_path.name,
+        "source": source,
+        "sha256": _sha256_file(prompts_path),
+        "prompts": len(prompts),
+        "skipped": skipped,  # ids of items without a non-blank human turn
+    }
+
+
+def _scan_shards(
+    folder: Path,
+    full_plan: list[ShardPlan],
+    limited: dict[str, ShardPlan],
+    old_entries: dict[str, dict],
+    settings_hash: str,
+    vocab_size: int,
+    splits: Sequence[str],
+) -> tuple[dict[str, dict], list[ShardPlan]]:
+    """(records of the valid shards on disk, shards of `splits` still to make under the limit: eval first)."""
+    entries: dict[str, dict] = {}
+    pending: list[ShardPlan] = []
+    for plan in full_plan:
+        path = folder / plan.name
+        old = old_entries.get(plan.name)
+        shard = _reusable(path, plan, settings_hash, old, vocab_size)
+        if shard is not None:
+            entries[plan.name] = _shard_entry(plan, shard, path, (old or {}).get("seconds"))
+        wanted = limited.get(plan.name)
+        if wanted is not None and (shard is None or len(shard.prompt_ids) < len(wanted.prompt_ids)):
+            if wanted.split in splits:
+                pending.append(wanted)
+    pending.sort(key=lambda plan: plan.split != "eval")  # held-out data first: small, needed early
+    return entries, pending
+
+
+def plan_distill_data(
+    out: str | os.PathLike,
+    model,
+    prompts_path: str | os.PathLike,
+    settings: dict,
+    *,
+    limit: int | None = None,
+    splits: Sequence[str] = SPLITS,
+    data_source: str | None = None,
+    batch_size: int = 16,
+) -> DistillPlan:
+    """Which shards remain: reads the prompts and the folder `out` (created if missing; refused if made
+    for another model, other settings or another prompts file), keeps every valid shard and lists the
+    missing or short ones. Removes temporary files a killed run left; writes nothing else."""
+    folder, prompts_path = Path(out), Path(prompts_path)
+    prompts, skipped = load_prompts(prompts_path)
+    identity = model_identity(model)
+    data = _data_record(prompts_path, prompts, skipped, data_source)
+    settings_hash = _settings_hash(settings, identity, data)
+
+    folder.mkdir(parents=True, exist_ok=True)
+    old_meta = _read_meta(folder) if (folder / META_NAME).exists() else None
+    if old_meta is not None:
+        _check_meta(old_meta, settings, identity, data, folder)
+    remove_temps(folder)  # left by a killed run
+    for stale in folder.glob(".*.tmp-*"):  # the same, from treespec versions before treespec.io
+        stale.unlink()
+
+    shard_size, eval_fraction = settings["shard_size"], settings["eval_fraction"]
+    full_plan = plan_shards(prompts, shard_size, eval_fraction)
+    limited = {p.name: p for p in plan_shards(prompts, shard_size, eval_fraction, limit)}
+    old_entries = {e["file"]: e for e in (old_meta or {}).get("shards", [])}
+    vocab = identity["vocab_size"]
+    entries, pending = _scan_shards(folder, full_plan, limited, old_entries, settings_hash, vocab, splits)
+    now = _now()
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "model": identity,
+        "settings": settings,
+        "data": data,
+        "split_rule": SPLIT_RULE,
+        "order_rule": ORDER_RULE,
+        "created": (old_meta or {}).get("created", now),
+        "updated": now,
+        "last_run": {"limit": limit, "batch_size": batch_size, "started": now, "finished": None},
+    }
+    total = sum(len(p.prompt_ids) for p in limited.values())
+    by_id = {p.id: p for p in prompts}
+    return DistillPlan(folder, by_id, vocab, settings_hash, full_plan, entries, pending, total, meta)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def save_meta(plan: DistillPlan) -> None:
+    """Rewrite meta.json atomically from the shards recorded so far, with per-split totals."""
+    shards = [plan.entries[p.name] for p in plan.full_plan if p.name in plan.entries]
+    meta = plan.meta
+    meta["shards"] = shards
+    meta["totals"] = {
+        split: {
+            "shards": sum(1 for s in shards if s["split"] == split),
+            "prompts": sum(s["prompts"] for s in shards if s["split"] == split),
+            "tokens": sum(s["tokens"] for s in shards if s["split"] == split),
+            "response_tokens": sum(s["response_tokens"] for s in shards if s["split"] == split),
+        }
+        for split in SPLITS
+    }
+    meta["complete"] = len(shards) == len(plan.full_plan) and all(s["complete"] for s in shards)
+    meta["updated"] = _now()
+    _write_meta(plan.folder, meta)
+
+
+def write_answers(
+    plan: DistillPlan,
+    shard: ShardPlan,
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    seconds: float | None = None,
+) -> None:
+    """Write one shard (prompt + response ids, atomically), check that it reads back, and record it in
+    meta.json (rewritten atomically)."""
+    path = plan.folder / shard.name
+    sequences = [p + r for p, r in zip(prompts, responses, strict=True)]
+    write_shard(path, list(shard.prompt_ids), sequences, [len(p) for p in prompts], plan.settings_hash)
+    stored = read_shard(path, plan.vocab_size)
+    full = next(p for p in plan.full_plan if p.name == shard.name)  # the unlimited plan's shard
+    plan.entries[shard.name] = _shard_entry(full, stored, path, seconds)
+    save_meta(plan)
+
+
+class _Progress:
+    """The prompts bar of one run and its rate of new tokens."""
+
+    def __init__(self, total: int, done: int, enabled: bool):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, initial=done, unit="prompt", disable=not enabled, dynamic_ncols=True)
+        self.tokens, self.start = 0, time.perf_counter()
+
+    def rate(self) -> float:
+        return self.tokens / max(time.perf_counter() - self.start, 1e-9)
+
+    def advance(self, prompts: int, tokens: int, shard: str) -> None:
+        self.tokens += tokens
+        self.bar.update(prompts)
+        self.bar.set_postfix(tok_s=f"{self.rate():.1f}", shard=shard)
+
+
+def _seed_shard(seed: int, temperature: float, name: str) -> int | None:
+    """Sampling: seed torch with the shard's own seed (a redone shard samples the same tokens) and
+    return it; greedy: None."""
+    if temperature <= 0:
+        return None
+    shard_seed = seed * 1_000_003 + int(_unit_hash(name) * 2**31)
+    torch.manual_seed(shard_seed)
+    return shard_seed
+
+
 def make_distill_data(
     out: str | os.PathLike,
     model,
@@ -392,161 +635,49 @@ def make_distill_data(
     per shard with all its prompts; default: HF `generate` in padded batches of `batch_size`.
     batch_size, limit and the engine are not checked on resume (batching and kernels can change rounding,
     so rarely a token; the data stays the model's own output); every other setting must match.
+    The three parts: `plan_distill_data`, `generate_answers`, `write_answers`.
     """
-    if max_new_tokens < 1 or max_prompt_chars < 1 or batch_size < 1:
+    if batch_size < 1:
         raise ValueError("max_new_tokens, max_prompt_chars and batch_size must be >= 1")
-    if not 0.0 <= eval_fraction < 1.0:
-        raise ValueError("eval_fraction must be in [0, 1)")
-    if temperature < 0:
-        raise ValueError("temperature must be >= 0")
-    folder = Path(out)
-    prompts_path = Path(prompts_path)
-    prompts, skipped = load_prompts(prompts_path)
-    by_id = {p.id: p for p in prompts}
-
-    identity = model_identity(model)
-    eos_ids = stop_token_ids(model, tokenizer)
-    if not eos_ids:
-        raise ValueError("the model and tokenizer define no eos token: responses could not stop")
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    settings = {
-        "max_new_tokens": max_new_tokens,
-        "max_prompt_chars": max_prompt_chars,
-        "temperature": temperature,
-        "seed": seed if temperature > 0 else None,
-        "dtype": _dtype_name(model),
-        "chat_template": getattr(tokenizer, "chat_template", None) is not None,
-        "eos_token_ids": eos_ids,
-        "shard_size": shard_size,
-        "eval_fraction": eval_fraction,
-    }
-    data = {
-        "file": prompts_path.name,
-        "source": data_source,
-        "sha256": _sha256_file(prompts_path),
-        "prompts": len(prompts),
-        "skipped": skipped,  # ids of items without a non-blank human turn
-    }
-    settings_hash = _settings_hash(settings, identity, data)
-
-    folder.mkdir(parents=True, exist_ok=True)
-    old_meta = _read_meta(folder) if (folder / META_NAME).exists() else None
-    if old_meta is not None:
-        _check_meta(old_meta, settings, identity, data, folder)
-    old_entries = {e["file"]: e for e in (old_meta or {}).get("shards", [])}
-    remove_temps(folder)  # left by a killed run
-    for stale in folder.glob(".*.tmp-*"):  # the same, from treespec versions before treespec.io
-        stale.unlink()
-
-    full_plan = plan_shards(prompts, shard_size, eval_fraction)
-    full_by_name = {p.name: p for p in full_plan}
-    limited = {p.name: p for p in plan_shards(prompts, shard_size, eval_fraction, limit)}
-    entries: dict[str, dict] = {}
-    pending: list[ShardPlan] = []
-    for plan in full_plan:
-        path = folder / plan.name
-        shard = _reusable(path, plan, settings_hash, old_entries.get(plan.name), identity["vocab_size"])
-        wanted = limited.get(plan.name)
-        if shard is not None:
-            old = old_entries.get(plan.name, {})
-            entries[plan.name] = _shard_entry(plan, shard, path, old.get("seconds"))
-        if wanted is not None and (shard is None or len(shard.prompt_ids) < len(wanted.prompt_ids)):
-            if wanted.split in splits:
-                pending.append(wanted)
-    pending.sort(key=lambda plan: plan.split != "eval")  # held-out data first: small, needed early
-
-    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    meta = {
-        "format": FORMAT,
-        "version": VERSION,
-        "model": identity,
-        "settings": settings,
-        "data": data,
-        "split_rule": SPLIT_RULE,
-        "order_rule": ORDER_RULE,
-        "created": (old_meta or {}).get("created", now),
-        "updated": now,
-        "last_run": {"limit": limit, "batch_size": batch_size, "started": now, "finished": None},
-    }
-
-    def save_meta() -> None:
-        shards = [entries[p.name] for p in full_plan if p.name in entries]
-        meta["shards"] = shards
-        meta["totals"] = {
-            split: {
-                "shards": sum(1 for s in shards if s["split"] == split),
-                "prompts": sum(s["prompts"] for s in shards if s["split"] == split),
-                "tokens": sum(s["tokens"] for s in shards if s["split"] == split),
-                "response_tokens": sum(s["response_tokens"] for s in shards if s["split"] == split),
-            }
-            for split in SPLITS
-        }
-        meta["complete"] = len(shards) == len(full_plan) and all(s["complete"] for s in shards)
-        meta["updated"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        _write_meta(folder, meta)
-
-    save_meta()
-    config = GenerationConfig(
+    settings = distill_settings(
+        model,
+        tokenizer,
         max_new_tokens=max_new_tokens,
-        do_sample=temperature > 0,
-        temperature=temperature if temperature > 0 else None,
-        top_k=0 if temperature > 0 else None,  # None would let generate fill in top_k=50
-        top_p=None,
-        eos_token_id=eos_ids,
-        pad_token_id=pad_id,
+        max_prompt_chars=max_prompt_chars,
+        temperature=temperature,
+        seed=seed,
+        shard_size=shard_size,
+        eval_fraction=eval_fraction,
     )
-    total = sum(len(p.prompt_ids) for p in limited.values())
-    bar = tqdm(
-        total=total,
-        initial=total - sum(len(p.prompt_ids) for p in pending),
-        unit="prompt",
-        disable=not progress,
-        dynamic_ncols=True,
+    plan = plan_distill_data(
+        out,
+        model,
+        prompts_path,
+        settings,
+        limit=limit,
+        splits=splits,
+        data_source=data_source,
+        batch_size=batch_size,
     )
-    new_tokens, start = 0, time.perf_counter()
-    for plan in pending:
+    save_meta(plan)
+    config = generation_config(settings, tokenizer.pad_token_id)
+    meter = _Progress(plan.total, plan.total - sum(len(s.prompt_ids) for s in plan.pending), progress)
+    for shard in plan.pending:
         shard_start = time.perf_counter()
-        shard_seed = seed * 1_000_003 + int(_unit_hash(plan.name) * 2**31) if temperature > 0 else None
-        if shard_seed is not None:
-            torch.manual_seed(shard_seed)
-        encoded = [
-            encode_prompt(by_id[i].text[:max_prompt_chars], tokenizer) for i in plan.prompt_ids
-        ]  # n x [P_i]
-        responses: list[list[int]] = [[] for _ in encoded]
-        if answer is not None:  # the whole shard at once: the engine batches it
-            answered = answer(encoded, max_new_tokens, temperature, shard_seed, eos_ids)
-            if len(answered) != len(encoded):
-                raise RuntimeError(f"the engine gave {len(answered)} answers to {len(encoded)} prompts")
-            responses = [trim_response(list(r)[:max_new_tokens], eos_ids) for r in answered]
-            new_tokens += sum(len(r) for r in responses)
-            bar.update(len(encoded))
-            bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.1f}", shard=plan.name)
-        else:
-            for rows in length_batches([len(e) for e in encoded], max_rows=batch_size):
-                batch = generate_batch(model, [encoded[r] for r in rows], config, eos_ids)
-                for row, response in zip(rows, batch, strict=True):
-                    responses[row] = response
-                new_tokens += sum(len(responses[r]) for r in rows)
-                bar.update(len(rows))
-                bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.1f}", shard=plan.name)
-        path = folder / plan.name
-        write_shard(
-            path,
-            list(plan.prompt_ids),
-            [e + r for e, r in zip(encoded, responses, strict=True)],
-            [len(e) for e in encoded],
-            settings_hash,
+        shard_seed = _seed_shard(seed, temperature, shard.name)
+        texts = [plan.prompts[i].text[:max_prompt_chars] for i in shard.prompt_ids]
+        encoded = [encode_prompt(text, tokenizer) for text in texts]  # n x [P_i]
+        advance = partial(meter.advance, shard=shard.name)
+        responses = generate_answers(
+            model, encoded, config, batch_size=batch_size, answer=answer, seed=shard_seed, progress=advance
         )
-        shard = read_shard(path, identity["vocab_size"])
-        seconds = round(time.perf_counter() - shard_start, 1)
-        entries[plan.name] = _shard_entry(full_by_name[plan.name], shard, path, seconds)
-        save_meta()
-    bar.close()
-    meta["last_run"]["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    meta["last_run"]["new_tokens"] = new_tokens
-    meta["last_run"]["tokens_per_s"] = round(new_tokens / max(time.perf_counter() - start, 1e-9), 2)
-    save_meta()
-    return meta
+        write_answers(plan, shard, encoded, responses, round(time.perf_counter() - shard_start, 1))
+    meter.bar.close()
+    plan.meta["last_run"].update(
+        finished=_now(), new_tokens=meter.tokens, tokens_per_s=round(meter.rate(), 2)
+    )
+    save_meta(plan)
+    return plan.meta
 
 
 # ---------------------------------------------------------------------------------------------------------
