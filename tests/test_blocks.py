@@ -94,9 +94,9 @@ def test_a_model_with_block_weights_decodes_exactly_through_them():
             acceptance="greedy",
             linears=linears,
         )
-        out = [decoder.prefill(prompt, max_new_tokens=30)]
+        out = decoder.prefill(prompt, max_new_tokens=30)
         while len(out) < 30:
-            out += decoder.step().committed
+            out += decoder.step().committed[0]
         outs[linears] = out[:30]
         kinds = linear_kinds(model)
         assert set(kinds) == ({"blocks-q4_1"} if linears == "auto" else {"onednn"}), kinds

@@ -23,9 +23,9 @@ def decode(model, heads, tree_size: int, prompt: list[int], new: int, compile: b
     decoder = treespec.Decoder(model, drafter, acceptance="greedy", linears=linears, compile=compile)
     if compile:
         decoder.scorer.progress = None
-    out = [decoder.prefill(prompt, max_new_tokens=new)]
+    out = decoder.prefill(prompt, max_new_tokens=new)
     while len(out) < new:
-        out += decoder.step().committed
+        out += decoder.step().committed[0]
     return out[:new], decoder
 
 

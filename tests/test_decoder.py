@@ -39,12 +39,13 @@ def test_steps_reproduce_generate_and_hf_greedy():
     prompt = [3, 17, 5, 9, 22]
     drafter = treespec.make_drafter(heads, treespec.default_tree(16, 4), model)
     decoder = treespec.Decoder(model, drafter, acceptance="greedy", kernel="sdpa")
-    out = [decoder.prefill(prompt, max_new_tokens=40)]
+    out = decoder.prefill(prompt, max_new_tokens=40)
     while len(out) < 40:
         step = decoder.step()
-        assert step.path[0] == 0 and step.committed[-1] == step.bonus
-        assert step.committed == [step.tokens[i] for i in step.path[1:]] + [step.bonus]
-        out += step.committed
+        path, committed, bonus = step.paths[0], step.committed[0], step.bonuses[0]
+        assert path[0] == 0 and committed[-1] == bonus
+        assert committed == [step.tokens[0][i] for i in path[1:]] + [bonus]
+        out += committed
     assert out[:40] == hf_greedy(model, prompt, 40)
     assert decoder.cache.committed == len(prompt) + len(out) - 1  # the last bonus is not in the cache yet
 
@@ -73,11 +74,11 @@ def test_two_decoders_on_one_model_keep_their_own_attention_settings():
         model, treespec.make_drafter(heads, treespec.default_tree(16, 4), model), kernel="sdpa"
     )
     b = treespec.Decoder(model, None, kernel="reference")
-    outs = [[a.prefill([7, 8, 9], 30)], [b.prefill([4, 4, 2], 30)]]
+    outs = [a.prefill([7, 8, 9], 30), b.prefill([4, 4, 2], 30)]
     while min(len(o) for o in outs) < 30:
         for decoder, out in zip((a, b), outs, strict=True):
             if len(out) < 30:
-                out += decoder.step().committed
+                out += decoder.step().committed[0]
             assert model.config._attn_implementation == before
     assert outs[0][:30] == hf_greedy(model, [7, 8, 9], 30)
     assert outs[1][:30] == hf_greedy(model, [4, 4, 2], 30)
@@ -120,18 +121,24 @@ def test_step_before_prefill_says_what_to_do():
 def test_bad_prompts_get_a_clear_error(prompt, message):
     model = tiny_model("llama")
     with pytest.raises(ValueError, match=message):
-        treespec.generate(model, None, prompt, max_new_tokens=4)
+        treespec.generate(model, prompt, max_new_tokens=4)
 
 
-def test_drafter_and_heads_together_are_refused():
-    model = tiny_model("llama")
+def test_the_old_call_form_warns_and_decodes_as_the_new_one():
+    model = tiny_model("llama", dtype=torch.float32)
     heads = random_heads(model)
-    with pytest.raises(ValueError, match="either drafter= or heads"):
-        treespec.generate(model, heads, [1, 2], drafter=treespec.RootOnlyDrafter(), max_new_tokens=4)
-    with pytest.raises(ValueError, match="either drafter= or heads"):
+    tree = treespec.default_tree(8, 4)
+    with pytest.warns(DeprecationWarning, match="deprecated"):
+        old = treespec.generate(model, heads, [1, 2], tree=tree, lookup=2, temperature=0.0, max_new_tokens=9)
+    drafter = treespec.LookupDrafter(treespec.make_drafter(heads, tree, model), 2)
+    new = treespec.generate(model, [1, 2], drafter, max_new_tokens=9)
+    assert old.token_ids == new.token_ids == hf_greedy(model, [1, 2], 9)[: len(new.token_ids)]
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="either drafter= or heads"):
         treespec.generate(
-            model, None, [1, 2], drafter=treespec.RootOnlyDrafter(), tree=treespec.default_tree(8, 4)
+            model, None, heads=heads, prompt_or_input_ids=[1, 2], drafter=treespec.RootOnlyDrafter()
         )
+    with pytest.raises(ValueError, match="tree= needs heads"):
+        treespec.as_drafter(model, treespec.RootOnlyDrafter(), tree)
 
 
 def test_the_heads_own_tree_is_the_default_and_an_explicit_tree_wins():

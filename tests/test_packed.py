@@ -79,8 +79,8 @@ def test_greedy_output_with_packed_linears_equals_hf_and_the_unpacked_decoder(ar
     for linears in ("auto", "onednn", "torch"):
         drafter = treespec.make_drafter(heads, treespec.default_tree(16, 4), model)
         decoder = treespec.Decoder(model, drafter, acceptance="greedy", linears=linears)
-        out = [decoder.prefill(prompt, max_new_tokens=40)]
+        out = decoder.prefill(prompt, max_new_tokens=40)
         while len(out) < 40:
-            out += decoder.step().committed
+            out += decoder.step().committed[0]
         outs[linears] = out[:40]
     assert outs["auto"] == outs["onednn"] == outs["torch"] == hf_greedy(model, prompt, 40)

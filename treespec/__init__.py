@@ -7,11 +7,18 @@ from .core.attention import (
     tree_attention_reference,
     tree_attention_sdpa,
 )
-from .core.batch import BatchDecoder, BatchStep
-from .core.batch_cache import BatchKVCache
 from .core.cache import CacheCapacityError, KVCacheBase, TreeKVCache
-from .core.decoder import Decoder, StepResult
-from .core.generate import GenerationResult, encode_prompt, generate, generate_baseline, generate_batch
+from .core.decoder import Decoder, DecodeStep
+from .core.generate import (
+    DecodeOptions,
+    GenerationResult,
+    as_drafter,
+    encode_prompt,
+    generate,
+    generate_baseline,
+    generate_batch,
+)
+from .core.pricer import StepPricer
 from .core.spec_cache import SpeculativeKVCache
 from .core.stats import GenerationStats
 from .core.tree import DEFAULT_TREE_SIZES, Tree, default_tree
@@ -32,9 +39,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AttentionPlan",
     "BaseDrafter",
-    "BatchDecoder",
-    "BatchKVCache",
-    "BatchStep",
+    "DecodeOptions",
+    "DecodeStep",
     "Decoder",
     "Drafter",
     "DrafterReport",
@@ -42,7 +48,7 @@ __all__ = [
     "KVCacheBase",
     "Proposal",
     "SequenceStart",
-    "StepResult",
+    "StepPricer",
     "CacheCapacityError",
     "DEFAULT_TREE_SIZES",
     "DraftModelDrafter",
@@ -50,6 +56,7 @@ __all__ = [
     "AcceptanceCalibration",
     "EagleDraftModel",
     "EagleDrafter",
+    "as_drafter",
     "EagleLoadError",
     "GenerationResult",
     "GenerationStats",

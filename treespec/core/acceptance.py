@@ -37,13 +37,20 @@ def draw_device(generator: torch.Generator | None) -> torch.device:
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How the base model turns logits into a next-token distribution (as in HF generate)."""
+    """How tokens are chosen (as in HF generate): the base model's next-token distribution (temperature,
+    top-k, top-p; temperature 0 is greedy), the rule that accepts drafted tokens (`RULES`: "sampling" is
+    lossless, and greedy when temperature is 0; "typical" is Medusa's, not lossless; "greedy") and the
+    seed of the random draws (None: torch's default generator)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    acceptance: str = "sampling"
+    seed: int | None = None
 
     def __post_init__(self):
+        if self.acceptance not in RULES:
+            raise ValueError(f"unknown acceptance rule {self.acceptance!r}; choose one of {RULES}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -47,7 +47,7 @@ class AttentionPlan:
     mask: [n, n] bool (node i sees node j) or None for a causal block (prefill, a chain, one token);
     bits: the same mask packed as [n, ceil(n / 64)] int64 words (the compiled kernel reads these).
     rows, prefix_lens: int64 [A] CPU tensors for a forward over some rows of a batch whose rows have
-    their own committed lengths (`BatchKVCache`): query row a is cache row rows[a] and sees that row's
+    their own committed lengths (`TreeKVCache`): query row a is cache row rows[a] and sees that row's
     keys [0, prefix_lens[a] + n) only. None: every row's prefix is L - n (one sequence).
     """
 

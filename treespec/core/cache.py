@@ -1,28 +1,32 @@
-"""TreeKVCache: a preallocated KV cache with a committed prefix and one speculative tree block.
+"""TreeKVCache: the target's preallocated KV cache, B rows, each with its own committed length.
 
-Layout per layer (gpt-fast style, written by position index):
+Layout per layer (gpt-fast style, written by position index; B = 1 is a batch of one):
 
     keys/values: [B, Hkv, max_len, D]
-                  [0, c)       committed prefix, shared by every branch of the tree
-                  [c, c + n)   the block written by the last forward (n tree nodes, or n prompt tokens)
+                  row b: [0, c_b)          its committed prefix, shared by every branch of its tree
+                         [c_b, c_b + n)    the block its last forward wrote (n tree nodes or prompt tokens)
 
-`commit(path)` keeps the accepted nodes of the block: node path[i] moves to slot c + i (copied only
-where path[i] != i) and c advances by len(path). Everything past c is dropped by pointer (rollback):
-the next forward simply overwrites it. The copies of all layers go through one call of the fused op
-`treespec.ops.commit_kv` when the compiled extension is available (`fused_commit`), else through
-the torch reference (`_commit_reference`, two index copies per layer). It plugs into transformers as
-a `Cache`, so any HF decoder model writes its K/V here through `cache.update(...)` without
-modification.
+A forward starts one way: `begin(rows, n)` (the rows still decoding, or one row's prefill); each of them
+writes its n new tokens at its own committed end. A forward that was not begun (a plain HF call on the
+cache) begins over every row. `commit(paths)` keeps each row's accepted nodes (node path[i] of row b
+moves to c_b + i where path[i] != i) and advances that row alone; the rest of the block is rolled back by
+pointer. The copies go through the fused op `treespec.ops.commit_kv` (one call per row that moves
+anything, all layers at once) when the compiled extension is available (`fused_commit`), else through
+the torch reference. Rows never see each other: attention reads row b's keys [0, c_b + n) only
+(`AttentionPlan.rows` and `prefix_lens`, which `attention_plan` fills for the forward). It plugs into
+transformers as a `Cache`, so any HF decoder model writes its K/V here through `cache.update(...)`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .. import ops
+from .attention import AttentionPlan
 
 
 class CacheCapacityError(ValueError):
@@ -140,20 +144,27 @@ class KVCacheBase(Cache):
 
 
 class TreeKVLayer(PreallocatedLayer):
-    """The target's layer: each forward (over a tree block or prompt tokens) writes at the committed end."""
+    """One layer's K/V for all rows; a forward writes the new tokens of its rows at their own offsets."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        # key_states, value_states: [B, Hkv, n, D] for the n new tokens
-        start, n = self.owner.committed, key_states.shape[2]
-        end = self.owner._reserve(n)
-        self.owner.length = end
-        self.keys[:, :, start:end] = key_states
-        self.values[:, :, start:end] = value_states
-        return self.keys[:, :, :end], self.values[:, :, :end]  # [B, Hkv, c + n, D] views, no copy
+        # key_states, value_states: [A, Hkv, n, D] for the A rows of this forward
+        owner = self.owner
+        if not owner.rows:  # a forward nobody began (a plain HF call): every row
+            owner.begin(range(owner.num_rows), key_states.shape[2])
+        rows, dst = owner._write_index  # [A, 1] and [A, n], or (start, end) slices for one row
+        if owner._one_block:
+            self.keys[:, :, rows:dst] = key_states
+            self.values[:, :, rows:dst] = value_states
+        else:  # index_put with the head dim between the advanced indices: values go as [A, n, Hkv, D]
+            self.keys[rows, :, dst] = key_states.transpose(1, 2)
+            self.values[rows, :, dst] = value_states.transpose(1, 2)
+        end = owner._write_end
+        # [B, Hkv, end, D] views of every row (no copy); attention takes the rows it needs
+        return self.keys[:, :, :end], self.values[:, :, :end]
 
 
 class TreeKVCache(KVCacheBase):
-    """Preallocated per-layer K/V for one decoding run: committed prefix + speculative block."""
+    """Preallocated per-layer K/V for B sequences (B = 1: one); per-row committed lengths."""
 
     def __init__(
         self,
@@ -170,48 +181,147 @@ class TreeKVCache(KVCacheBase):
         True requires it, False always uses the torch reference."""
         shape = (batch_size, num_kv_heads, max_len, head_dim)
         super().__init__(zeroed_layers(self, TreeKVLayer, num_layers, shape, dtype, device), max_len)
+        self.num_rows = batch_size
+        self.device = torch.device(device)
         self.fused_commit = fused_commit
+        self.lengths = [0] * batch_size  # committed tokens per row
+        self.rows: list[int] = []  # the rows of the current forward
+        self.block = 0  # n: tokens the current forward writes per row
+        self._write_index: tuple | None = None
+        self._write_end = 0
+        self._one_block = False  # the forward covers every row from one start: a slice write
+        self._rows_host = self._starts_host = torch.zeros(0, dtype=torch.long)
 
     @classmethod
     def for_model(cls, model, max_len: int, batch_size: int = 1, spec_reserve: int = 0) -> TreeKVCache:
-        """A cache shaped for `model` (a transformers causal LM) holding up to `max_len` tokens."""
+        """A cache shaped for `model` (a transformers causal LM): `batch_size` rows of `max_len` tokens."""
         num_layers, num_kv_heads, head_dim, dtype, device = kv_layout(model)
         cache = cls(num_layers, batch_size, num_kv_heads, head_dim, max_len, dtype, device)
         cache.spec_reserve = spec_reserve
         return cache
 
+    # -- one forward -----------------------------------------------------------------------------
+    def begin(self, rows: Sequence[int], n: int) -> None:
+        """Prepare a forward over `rows` (indices into the batch) writing n tokens each at their
+        committed ends; checks every row's capacity first."""
+        rows = [int(r) for r in rows]
+        if not rows or any(not 0 <= r < self.num_rows for r in rows) or len(set(rows)) != len(rows):
+            raise ValueError(f"rows {rows} are not distinct rows of a batch of {self.num_rows}")
+        starts = [self.lengths[r] for r in rows]
+        end = max(starts) + n
+        if end > self.max_len:
+            row = rows[starts.index(max(starts))]
+            raise CacheCapacityError(
+                f"row {row} has {self.lengths[row]} committed tokens and the forward needs positions up to "
+                f"{end}, but the TreeKVCache holds {self.max_len}: create it with a larger max_len "
+                "(longest prompt + max_new_tokens + speculation size)"
+            )
+        self.rows, self.block, self._write_end = rows, n, end
+        # [A] each, on the CPU (the kernels read them on the host): the rows and their committed lengths
+        self._rows_host = torch.tensor(rows, dtype=torch.long)
+        self._starts_host = torch.tensor(starts, dtype=torch.long)
+        self._one_block = rows == list(range(self.num_rows)) and len(set(starts)) == 1
+        if self._one_block:  # every row from the same start (one sequence): a slice [start, end)
+            self._write_index = (starts[0], end)
+        else:
+            dst = self._starts_host.to(self.device)[:, None] + torch.arange(n, device=self.device)  # [A, n]
+            self._write_index = (self._rows_host.to(self.device)[:, None], dst)  # [A, 1], [A, n]
+        self.length = end
+
+    def positions(self, depth: torch.Tensor) -> torch.Tensor:
+        """Positions of the current forward's tokens: c_row + depth, [A, n] (depth [n])."""
+        return self._starts_host.to(depth.device)[:, None] + depth[None]
+
+    def attention_plan(self, plan: AttentionPlan) -> AttentionPlan:
+        """`plan` (the tree's visibility) with this forward's rows and their committed lengths; unchanged
+        for a forward over every row from one start (one sequence): its prefix is every key before the
+        block."""
+        if self._one_block:
+            return plan
+        return replace(plan, rows=self._rows_host, prefix_lens=self._starts_host)
+
     def _write_start(self) -> int:
-        return self.committed
+        return max(self.lengths[r] for r in self.rows) if self.rows else max(self.lengths)
+
+    def _reserve(self, n: int) -> int:
+        """The end of the current forward's block (begun here over every row when nobody began it)."""
+        if not self.rows:
+            self.begin(range(self.num_rows), n)
+        if n != self.block:
+            raise RuntimeError(f"TreeKVCache.begin() prepared a block of {self.block} tokens, got {n}")
+        return self._write_end
 
     @property
     def pending(self) -> int:
-        """n: tokens [c, c + n) written by the last forward, not committed yet."""
-        return self.length - self.committed
+        """n: tokens each row of the current forward wrote past its committed end (0 between forwards)."""
+        return self.block
 
-    # -- writing ---------------------------------------------------------------------------------
-    def commit(self, path: Sequence[int] | torch.Tensor) -> None:
-        """Keep pending nodes `path` (indices into the block, in order) as the next committed tokens.
+    # -- after a forward -------------------------------------------------------------------------
+    def commit(self, paths: Sequence[Sequence[int]] | Sequence[int] | torch.Tensor) -> None:
+        """Keep, for each row of the forward, the pending nodes `paths[a]` (indices into its block, in
+        order) as its next committed tokens; the rest of each block is rolled back by pointer. A forward
+        over one row also takes its path alone (a list of ints or a [m] tensor)."""
+        if isinstance(paths, torch.Tensor):
+            paths = paths.tolist()
+        if len(self.rows) == 1 and len(paths) and isinstance(paths[0], int):
+            paths = [paths]
+        if len(paths) != len(self.rows):
+            raise ValueError(f"commit got {len(paths)} paths for a forward over {len(self.rows)} rows")
+        moves: dict[int, tuple[list[int], list[int]]] = {}  # row -> (src, dst) slots
+        for row, path in zip(self.rows, paths, strict=True):
+            path = [int(p) for p in path]
+            if not path or any(p < 0 or p >= self.block for p in path):
+                raise ValueError(
+                    f"commit path {path} indexes outside the pending block of {self.block} tokens"
+                )
+            c = self.lengths[row]
+            for i, p in enumerate(path):
+                if p != i:  # a prefix of a chain is already in place
+                    src, dst = moves.setdefault(row, ([], []))
+                    src.append(c + p)
+                    dst.append(c + i)
+            self.lengths[row] = c + len(path)
+        for row, (src, dst) in moves.items():
+            self._copy_slots(row, src, dst)
+        self._end_forward()
 
-        Node path[i] is copied to slot c + i only where path[i] != i (a prefix of a chain is already in
-        place); everything else in the block is rolled back by pointer.
-        """
-        path = [int(p) for p in (path.tolist() if isinstance(path, torch.Tensor) else path)]
-        if any(p < 0 or p >= self.pending for p in path):
-            raise ValueError(f"commit path {path} indexes outside the pending block of {self.pending} tokens")
-        c = self.committed
-        moves = [(i, p) for i, p in enumerate(path) if p != i]
-        if moves:
-            device = self.layers[0].keys.device
-            dst = torch.tensor([c + i for i, _ in moves], device=device)
-            src = torch.tensor([c + p for _, p in moves], device=device)
-            if self._use_fused(device):
-                # one call for all layers; in-order moves equal gather-then-scatter here because
-                # dst increases and src[i] >= dst[i] (a path only moves nodes towards the prefix)
-                keys = [layer.keys for layer in self.layers]
-                ops.commit_kv(keys, [layer.values for layer in self.layers], src, dst)
-            else:
-                self._commit_reference(src, dst)
-        self.committed = self.length = c + len(path)
+    def commit_all(self) -> None:
+        """Accept every row's whole block as written (a prefill, plain decoding)."""
+        for row in self.rows:
+            self.lengths[row] += self.block
+        self._end_forward()
+
+    def rollback_rows(self, rows: Sequence[int], lengths: Sequence[int]) -> None:
+        """Roll `rows` back to committed `lengths` (no longer than they are): the entries after them are
+        dropped by pointer, nothing is copied or cleared."""
+        for row, length in zip(rows, lengths, strict=True):
+            if not 0 <= length <= self.lengths[row]:
+                raise ValueError(
+                    f"row {row} has {self.lengths[row]} committed tokens: cannot roll back to {length}"
+                )
+            self.lengths[row] = int(length)
+        self._end_forward()
+
+    def rollback(self, length: int) -> None:
+        """Forget everything from position `length` on in every row (pointer only, nothing is cleared)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length}: {self.length} tokens are held")
+        self.lengths = [min(n, length) for n in self.lengths]
+        self._end_forward()
+
+    def _copy_slots(self, row: int, src: list[int], dst: list[int]) -> None:
+        """Slot src[i] -> dst[i] of one row in every layer. In-order moves equal gather-then-scatter
+        here: dst increases and src[i] >= dst[i] (a path only moves nodes towards the prefix)."""
+        s = torch.tensor(src, dtype=torch.long, device=self.device)
+        d = torch.tensor(dst, dtype=torch.long, device=self.device)
+        keys = [layer.keys[row : row + 1] for layer in self.layers]  # [1, Hkv, max_len, D] views
+        values = [layer.values[row : row + 1] for layer in self.layers]
+        if self._use_fused(self.device):
+            ops.commit_kv(keys, values, s, d)  # one call for all layers
+            return
+        for k, v in zip(keys, values, strict=True):  # the torch reference: gather first, then scatter
+            k[:, :, d] = k[:, :, s]
+            v[:, :, d] = v[:, :, s]
 
     def _use_fused(self, device: torch.device) -> bool:
         if self.fused_commit is False:
@@ -225,28 +335,41 @@ class TreeKVCache(KVCacheBase):
             )
         return True
 
-    def _commit_reference(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """The torch reference of the commit copies: slot src[i] -> dst[i] in every layer."""
-        for layer in self.layers:
-            # gather first (src and dst may overlap), then scatter: [B, Hkv, m, D]
-            layer.keys[:, :, dst] = layer.keys[:, :, src]
-            layer.values[:, :, dst] = layer.values[:, :, src]
+    def _end_forward(self) -> None:
+        self.rows, self.block, self._write_index = [], 0, None
+        self.length = self.committed = max(self.lengths)
 
-    def commit_all(self) -> None:
-        """Accept the whole pending block as written (prefill, plain decoding)."""
-        self.committed = self.length
+    def reset(self) -> None:
+        super().reset()
+        self.lengths = [0] * self.num_rows
+        self._end_forward()
 
     # -- reading ---------------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.committed
+        return self._write_start()
+
+    def row_kv(self, row: int, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of one row's committed K/V in one layer: [Hkv, c_row, D] each."""
+        layer, n = self.layers[layer_idx], self.lengths[row]
+        return layer.keys[row, :, :n], layer.values[row, :, :n]
 
     def committed_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of the committed K/V of one layer: [B, Hkv, c, D] each."""
+        """Views of the committed K/V of one layer over every row: [B, Hkv, c, D] each (c = the longest
+        row's length)."""
         layer = self.layers[layer_idx]
         return layer.keys[:, :, : self.committed], layer.values[:, :, : self.committed]
 
     def bytes_per_token(self) -> int:
-        """K + V bytes that one token occupies across all layers."""
+        """K + V bytes that one token of one row occupies across all layers."""
         keys = self.layers[0].keys
-        per_layer = 2 * keys.shape[0] * keys.shape[1] * keys.shape[3] * keys.element_size()
-        return per_layer * len(self.layers)
+        return 2 * keys.shape[1] * keys.shape[3] * keys.element_size() * len(self.layers)
+
+    def memory_bytes(self) -> dict[str, int]:
+        per_token = self.bytes_per_token()
+        return {
+            "per_token": per_token,
+            "committed": sum(self.lengths) * per_token,
+            "speculative": self.spec_reserve * self.num_rows * per_token,
+            "allocated": self.max_len * self.num_rows * per_token,
+        }
+

@@ -91,7 +91,7 @@ class CompiledForward:
         cache._reserve(n)  # the capacity check, outside the graph (its guard may be skipped)
         # committed lengths 0 and 1 would be specialised (dynamo's 0/1 rule): those calls keep all guards
         feature_layers = tuple(feature_layers)
-        # a batch of rows (`BatchKVCache`) traces other code: its own graphs, one row apart from several
+        # rows with their own committed lengths (`TreeKVCache.attention_plan`) trace other code: its own graphs, one row apart from several
         rows = None if plan.rows is None else len(plan.rows) > 1
         key = (size_class(n), plan.kernel, self.linears, cache.committed > 1, feature_layers, rows)
         forward = _compiled()

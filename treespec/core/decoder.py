@@ -1,61 +1,75 @@
-"""The decoder core: prefill a sequence once, then `step()`: propose a tree, verify it, commit a branch.
+"""The decoder core: one decoder over B rows (B = 1 is a batch of one).
 
-    prefill(prompt) -> hidden at the last prompt token -> root (the base model's own first token)
+    prefill(prompts)   each prompt alone into its cache row (no padding); the first token of every row
     step():
-        proposal = drafter.propose(hidden, root)                   # [B, N] candidate tree tokens
-        hidden_tree = scorer(tokens, positions c + depth, plan)    # [B, N, H], K/V written at [c, c+N)
-        path, bonus = acceptance rule over lm_head(hidden_tree)    # accepted nodes, base's next token
-        cache.commit(path)                                         # c += len(path), the rest rolled back
-        drafter.observe(committed tokens); root = bonus; hidden = hidden_tree[path[-1]]
+        proposal = drafter.propose(hidden [A, H], roots [A])          # [A, N] one tree per live row
+        hidden_tree = scorer(tokens, positions c_row + depth, plan)   # [A, N, H], K/V at each row's end
+        per row: path, bonus = acceptance rule over its logits         # rows accept different lengths
+        cache.commit(paths)                                            # each row advances by its own count
+        drafter.observe(committed per row, features); roots = bonuses; hidden = hidden at the last node
+    drop_rows(rows)    rows that stopped leave the batch: later forwards run over the live rows only
 
-`Decoder` owns the model, the drafter, the KV cache, the acceptance rule and the attention kernel; every
-caller (generate, streaming, calibration, tuning, the benchmarks) goes through `prefill` and `step`, and
-nothing outside `core` touches the cache's pointers. Shapes are batch-shaped ([B, N] tokens, [B, H]
-hidden); B = 1 for now.
+`Decoder` owns the model, the drafter, the target's KV cache (`TreeKVCache`), the acceptance rule, the
+attention kernel, the scorer and the plain-step pricer; every caller (generate, streaming, calibration,
+tuning, the benchmarks) goes through `prefill` and `step`, and nothing outside `core` touches the
+cache's pointers. Row a of a forward reads only its own cache row, so a row's tokens are what it would
+get decoded alone (greedy; in float32 up to the rounding of batched matrix products).
+
+`plain_above` sets the live-row count above which steps verify the root alone (plain batched decoding);
+"auto" lets a `StepPricer` time both kinds of step on this machine for batches of several rows.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
-from ..drafters.base import Drafter, RootOnlyDrafter, SequenceStart
+from ..drafters.base import Drafter, Proposal, RootOnlyDrafter, SequenceStart
 from .acceptance import RULES, SamplingConfig, verify
 from .attention import KERNELS, AttentionPlan, auto_kernel, tree_attention_enabled
 from .cache import CacheCapacityError, TreeKVCache
 from .compiled import CompiledForward
 from .packed import MODES as LINEAR_MODES
 from .packed import packed_linears
+from .pricer import StepPricer
 from .stats import GenerationStats
 from .tree import Tree
 
 
 @dataclass
-class StepResult:
-    """One decoding step of row 0: the verified tree, the accepted branch, and the phase timings."""
+class DecodeStep:
+    """One step over the live rows: per row, its cache row, the verified tree's tokens, the accepted
+    nodes and the committed tokens; the phase timings of the step."""
 
-    tokens: list[int]  # [N] the candidate tree's tokens
-    draft_probs: list[float] | None  # [N] the drafter's probability of each node's token
-    tree: Tree  # the step's tree (the drafter's static one, or this step's dynamic one)
+    rows: list[int]  # cache rows (= prompt indices) that took part
+    tokens: list[list[int]]  # per row: [N] the candidate tree's tokens
+    draft_probs: list[list[float]] | None  # per row: [N] the drafter's probability of each node's token
+    tree: Tree  # the step's tree (the drafter's static one, this step's dynamic one, or the root alone)
     expected_accept: float | None  # the drafter's predicted accepted length, if it made one
-    path: list[int]  # accepted nodes, root first
-    committed: list[int]  # tokens committed: the accepted nodes after the root, then the bonus
-    bonus: int  # the base model's own token after the last accepted node (the next root)
+    paths: list[list[int]]  # per row: accepted nodes, root first
+    committed: list[list[int]]  # per row: the accepted nodes' tokens after the root, then the bonus
+    bonuses: list[int]  # per row: the base model's own token after the last accepted node (next root)
     seconds_draft: float
     seconds_verify: float
     seconds_commit: float
 
-    def as_trace(self) -> dict:
-        """The step as a trace entry (`treespec.tools.trace`)."""
+    @property
+    def nodes(self) -> int:
+        """Tree nodes verified per row (1: a plain step)."""
+        return self.tree.num_nodes
+
+    def as_trace(self, row: int = 0) -> dict:
+        """Row `row`'s part of the step as a trace entry (`treespec.tools.trace`)."""
         entry = {
-            "tokens": self.tokens,
-            "draft_probs": self.draft_probs,
-            "path": self.path,
-            "bonus": self.bonus,
+            "tokens": self.tokens[row],
+            "draft_probs": None if self.draft_probs is None else self.draft_probs[row],
+            "path": self.paths[row],
+            "bonus": self.bonuses[row],
         }
         if self.expected_accept is not None:
             entry["expected_accept"] = self.expected_accept
@@ -97,7 +111,7 @@ def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def check_settings(linears: str, acceptance: str, kernel: str) -> None:
-    """Refuse an unknown linear mode, acceptance rule or attention kernel (Decoder, BatchDecoder)."""
+    """Refuse an unknown linear mode, acceptance rule or attention kernel."""
     if linears not in LINEAR_MODES:
         raise ValueError(f"unknown linears mode {linears!r}; choose one of {LINEAR_MODES}")
     if acceptance not in RULES:
@@ -136,148 +150,219 @@ def decoding_mode(model, linears: str):
         yield
 
 
-def device_clock(device: torch.device) -> float:
-    """Wall time; synchronises CUDA so phases are not mis-attributed."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter()
+def synchronized_clock(device: torch.device) -> Callable[[], float]:
+    """Wall time that waits for the device first (CUDA), so phases are not mis-attributed."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def clock() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return clock
 
 
 class Decoder:
-    """Tree-speculative decoding of one sequence at a time over a preallocated cache."""
+    """Tree-speculative decoding of B sequences at once (B = 1: one) over one preallocated cache."""
 
     def __init__(
         self,
         model,
         drafter: Drafter | None = None,
         *,
-        acceptance: str = "sampling",
         sampling: SamplingConfig | None = None,
-        kernel: str = "auto",
+        acceptance: str | None = None,
         seed: int | None = None,
+        kernel: str = "auto",
         linears: str = "auto",
         compile: bool = False,
+        plain_above: int | str | None = None,
+        pricer: StepPricer | None = None,
+        clock: Callable[[], float] | None = None,
     ):
-        """linears: how the model's linear layers run during prefill and steps (`core.packed`): "auto"
-        (exact block weights where the weights are such, else oneDNN prepacked), "onednn" or "torch"
-        (as the model is); CPU only (float32, or bf16 where oneDNN has it), ignored elsewhere.
-        compile: run the verification forward through torch.compile (`core.compiled`; the first step of
-        each node count compiles, about a minute on a small CPU); drafters with their own scorer keep it."""
-        check_settings(linears, acceptance, kernel)
+        """sampling: how tokens are chosen (temperature, top-k/p, the acceptance rule, the seed);
+        acceptance / seed override its `acceptance` / `seed`. linears: how the model's linear layers run
+        (`core.packed`): "auto" (exact block weights where the weights are such, else oneDNN prepacked),
+        "onednn" or "torch"; CPU only. compile: verify through torch.compile (`core.compiled`; the first
+        step of each size class compiles); drafters with their own scorer keep it. plain_above: verify the
+        root alone while more rows than this are live; None: always speculate; "auto": a batch of several
+        rows takes the kind of step a `StepPricer` measured to pay at its row count (`pricer`, default
+        the process's shared one for this model and drafter setting). clock: the step timer (default:
+        wall time, synchronising CUDA only where a pricer reads the timings)."""
+        self.sampling = sampling or SamplingConfig()
+        self.acceptance = acceptance or self.sampling.acceptance
+        check_settings(linears, self.acceptance, kernel)
+        _check_plain_above(plain_above)
         param = next(model.parameters())
-        self.model, self.device = model, param.device
+        self.model, self.device, self.linears = model, param.device, linears
         self.drafter = drafter or RootOnlyDrafter()
-        self.tree = self.drafter.tree
-        self.acceptance, self.sampling = acceptance, sampling or SamplingConfig()
+        self.tree, self.root_tree = self.drafter.tree, Tree.from_choices([])
         self.kernel = auto_kernel(self.device, param.dtype) if kernel == "auto" else kernel
         self.plan = AttentionPlan.for_tree(self.tree, self.kernel, self.device)
-        self.children = [self.tree.children(i) for i in range(self.tree.num_nodes)]
-        self.depth = self.tree.depth.to(self.device)  # [N]
-        self._layouts: dict[Tree, tuple] = {}  # per-step trees seen: (plan, children, depth), bounded
-        # the target's hidden states the drafter reads (an EAGLE-style drafter); () = none
-        self.feature_layers = tuple(getattr(self.drafter, "feature_layers", ()))
+        self._layouts: dict[Tree, tuple] = {}  # tree -> (plan, children, depth [N]), bounded
+        self.feature_layers = tuple(self.drafter.feature_layers)  # the target's states the drafter reads
         default_scorer = CompiledForward(model, linears) if compile else partial(full_forward, model)
-        self.scorer = self.drafter.scorer() or default_scorer
+        own_scorer = self.drafter.scorer()
+        if own_scorer is not None and self.feature_layers:
+            raise ValueError("a drafter that reads the target's features cannot bring its own scorer")
+        self.scorer = own_scorer or default_scorer
         if self.feature_layers:
-            if self.drafter.scorer() is not None:
-                raise ValueError("a drafter that reads the target's features cannot bring its own scorer")
             self.scorer = partial(self.scorer, feature_layers=self.feature_layers)
+        self.plain_above, self.pricer = plain_above, None
+        if plain_above == "auto" and self.tree.num_nodes > 1:
+            key = (type(self.drafter).__name__, self.tree, self.kernel, compile, linears)
+            self.pricer = pricer or StepPricer.shared(model, key)
+        self.clock = clock or synchronized_clock(self.device if self.pricer else torch.device("cpu"))
+        seed = self.sampling.seed if seed is None else seed
         self.generator = None if seed is None else torch.Generator(self.device).manual_seed(seed)
-        self.linears = linears
         self.cache: TreeKVCache | None = None
-        self.stats = GenerationStats()
-        self.hidden: torch.Tensor | None = None  # [B, H] at the last committed token
-        self.roots: torch.Tensor | None = None  # [B] the next root token
+        self.live: list[int] = []  # cache rows still decoding, in the drafter's row order
+        self.hidden: torch.Tensor | None = None  # [A, H] at each live row's last committed token
+        self.roots: torch.Tensor | None = None  # [A] each live row's next root token
+        self.stats: list[GenerationStats] = []  # per cache row
 
     def running(self):
         """The model's mode for treespec's forwards (`decoding_mode`)."""
         return decoding_mode(self.model, self.linears)
 
-    def clock(self) -> float:
-        return device_clock(self.device)
-
     def capacity(self, prompt_tokens: int, max_new_tokens: int, max_length: int | None = None) -> int:
-        """Cache positions a sequence needs (`positions_needed`)."""
+        """Cache positions one sequence needs (`positions_needed`)."""
         return positions_needed(
             self.model, prompt_tokens, max_new_tokens, self.tree.num_nodes, max_length, "the prompt"
         )
 
     @torch.inference_mode()
-    def prefill(self, prompt_ids: list[int], max_new_tokens: int, max_length: int | None = None) -> int:
-        """Start a sequence: encode the prompt, sample the first token, start the drafter. The cache is
-        allocated here (reused when large enough), never inside `step`."""
-        needed = self.capacity(len(prompt_ids), max_new_tokens, max_length)
-        if self.cache is None or self.cache.max_len < needed:
-            self.cache = TreeKVCache.for_model(self.model, needed, spec_reserve=self.tree.num_nodes)
+    def prefill(
+        self, prompts: list[list[int]] | list[int], max_new_tokens: int, max_length: int | None = None
+    ) -> list[int]:
+        """Start B sequences: encode each prompt alone into its cache row (no padding), sample each row's
+        first token, start the drafter row by row. Returns the first token of every row. One prompt (a
+        list of ints) is a batch of one. The cache is allocated here (reused when it fits), never in
+        `step`."""
+        prompts = [prompts] if prompts and isinstance(prompts[0], int) else prompts
+        if not prompts:
+            raise ValueError("prefill needs at least one prompt")
+        B = len(prompts)
+        if B > 1 and not self.drafter.batched:
+            raise ValueError(
+                f"{type(self.drafter).__name__} drafts for one sequence at a time (it keeps a cache or a "
+                "verification of its own): decode a batch with heads, prompt lookup, EAGLE or plain "
+                "decoding, or decode these prompts one by one"
+            )
+        names = ["the prompt"] if B == 1 else [f"prompt {i}" for i in range(B)]
+        needed = max(
+            positions_needed(self.model, len(p), max_new_tokens, self.tree.num_nodes, max_length, name)
+            for p, name in zip(prompts, names, strict=True)
+        )
+        if self.cache is None or self.cache.max_len < needed or self.cache.num_rows != B:
+            self.cache = TreeKVCache.for_model(self.model, needed, B, spec_reserve=self.tree.num_nodes)
             # "compiled" includes the fused commit (when the extension is there); the others use torch
             self.cache.fused_commit = None if self.kernel == "compiled" else False
         self.cache.reset()
-        self.stats = GenerationStats(prompt_tokens=len(prompt_ids), max_depth=self.tree.max_depth)
-        t0 = self.clock()
-        ids = torch.tensor([prompt_ids], device=self.device)  # [1, P]
-        positions = torch.arange(len(prompt_ids), device=self.device)[None]  # [1, P]
+        self.stats = [GenerationStats(prompt_tokens=len(p), max_depth=self.tree.max_depth) for p in prompts]
+        hidden, roots = [], []
+        for row, prompt in enumerate(prompts):
+            t0 = self.clock()
+            state, root = self._prefill_row(row, prompt, needed)
+            hidden.append(state)
+            roots.append(root)
+            self.stats[row].time_prefill = self.clock() - t0
+        self.live = list(range(B))
+        self.hidden = torch.stack(hidden)  # [B, H]
+        self.roots = torch.tensor(roots, device=self.device)  # [B]
+        return roots
+
+    def _prefill_row(self, row: int, prompt: list[int], capacity: int) -> tuple[torch.Tensor, int]:
+        """One prompt into cache row `row`: (hidden [H] at its last token, its first token)."""
+        ids = torch.tensor([prompt], device=self.device)  # [1, P]
+        positions = torch.arange(len(prompt), device=self.device)[None]  # [1, P]
+        self.cache.begin([row], len(prompt))
+        plan = self.cache.attention_plan(AttentionPlan(self.kernel))
         features = None  # [1, P, F] for a drafter that reads the target's features
         with self.running():
-            hidden = full_forward(
-                self.model, ids, positions, self.cache, AttentionPlan(self.kernel), self.feature_layers
-            )
+            out = full_forward(self.model, ids, positions, self.cache, plan, self.feature_layers)
             if self.feature_layers:
-                hidden, features = hidden
-            logits = output_logits(self.model, hidden[0, -1])  # [V]
+                out, features = out
+            logits = output_logits(self.model, out[0, -1])  # out [1, P, H] -> [V]
         self.cache.commit_all()
-        self.hidden = hidden[:, -1]  # [1, H]
         root = self.sampling.sample(logits, self.generator)
-        self.roots = torch.tensor([root], device=self.device)  # [1]
-        start = SequenceStart(list(prompt_ids) + [root], needed, self.cache, self.kernel, features)
-        self.drafter.start(start)
-        self.stats.time_prefill = self.clock() - t0
-        return root
+        rows = self.cache.num_rows
+        self.drafter.start(
+            SequenceStart(list(prompt) + [root], capacity, self.cache, self.kernel, features, row, rows)
+        )
+        return out[0, -1], root
+
+    def _speculate(self, rows: int) -> bool:
+        """Whether the next step over `rows` live rows verifies a tree (else the root alone)."""
+        if self.pricer is not None and self.cache.num_rows > 1:
+            return self.pricer.speculate(rows)
+        return not isinstance(self.plain_above, int) or rows <= self.plain_above
 
     @torch.inference_mode()
-    def step(self) -> StepResult:
-        """One speculative step: propose, verify every node in one forward, commit the accepted branch."""
-        if self.cache is None or self.hidden is None:
-            raise RuntimeError(
-                "Decoder.step() needs a sequence: call prefill(prompt_ids, max_new_tokens) first"
-            )
+    def step(self) -> DecodeStep:
+        """One step over the live rows: propose a tree per row, verify all of them in one forward, commit
+        each row's accepted branch."""
+        if not self.live:
+            raise RuntimeError("Decoder.step() needs live rows: call prefill(prompts, max_new_tokens) first")
+        rows, speculate = list(self.live), self._speculate(len(self.live))
         with self.running():
             t0 = self.clock()
-            proposal = self.drafter.propose(self.hidden, self.roots)  # tokens [1, N]
-            tree = proposal.tree or self.tree
+            if speculate:
+                proposal = self.drafter.propose(self.hidden, self.roots, None)  # tokens [A, N]
+            else:
+                proposal = Proposal(self.roots[:, None])  # [A, 1]
+            tree = proposal.tree or (self.tree if speculate else self.root_tree)
             plan, children, depth = self.layout(tree)
             t1 = self.clock()
-            positions = (self.cache.committed + depth)[None]  # [1, N]
-            hidden_tree = self.scorer(proposal.tokens, positions, self.cache, plan)  # [1, N, H]
-            features = None
-            if self.feature_layers:
-                hidden_tree, features = hidden_tree  # features [1, N, F]
-            logits = output_logits(self.model, hidden_tree[0])  # [N, V]
-            tokens = proposal.tokens[0].tolist()
-            path, bonus = verify(self.acceptance, tokens, children, logits, self.sampling, self.generator)
+            hidden_tree, features = self._forward(rows, proposal.tokens, plan, depth)  # [A, N, H]
+            logits = output_logits(self.model, hidden_tree)  # [A, N, V]
+            tokens = proposal.tokens.tolist()
+            verified = [
+                verify(self.acceptance, tokens[a], children, logits[a], self.sampling, self.generator)
+                for a in range(len(rows))
+            ]
+            paths, bonuses = [v[0] for v in verified], [v[1] for v in verified]
             t2 = self.clock()
-            self.cache.commit(path)
-            self.hidden = hidden_tree[:, path[-1]]  # [1, H]
-            self.roots = torch.tensor([bonus], device=self.device)  # [1]
+            self.cache.commit(paths)
+            last = torch.tensor([p[-1] for p in paths], device=self.device)  # [A]
+            self.hidden = hidden_tree[torch.arange(len(rows), device=self.device), last]  # [A, H]
+            self.roots = torch.tensor(bonuses, device=self.device)  # [A]
             t3 = self.clock()
-        committed = [tokens[i] for i in path[1:]] + [bonus]
-        if self.feature_layers:  # the features of the accepted nodes: the positions just committed
-            self.drafter.observe([committed], features[:, path])
-        else:
-            self.drafter.observe([committed])
-        # what the drafter does in observe (e.g. an EAGLE layer's pass over the committed tokens) counts
-        # as drafting
+        committed = [[tokens[a][i] for i in p[1:]] + [bonuses[a]] for a, p in enumerate(paths)]
+        self.drafter.observe(committed, self._accepted_features(features, paths))
+        # what the drafter does in observe (e.g. an EAGLE layer's pass) counts as drafting
         t_draft = (t1 - t0) + (self.clock() - t3)
-        self.stats.record_step(len(path), t_draft, t2 - t1, t3 - t2, proposal.expected_accept, tree.num_nodes)
-        probs = None if proposal.probs is None else proposal.probs[0].float().tolist()
-        return StepResult(
-            tokens, probs, tree, proposal.expected_accept, path, committed, bonus, t_draft, t2 - t1, t3 - t2
-        )
+        if self.pricer is not None and self.cache.num_rows > 1:
+            self.pricer.record(len(rows), speculate, t_draft + (t3 - t1), sum(map(len, paths)) / len(paths))
+        for row, path in zip(rows, paths, strict=True):
+            self.stats[row].record_step(
+                len(path), t_draft, t2 - t1, t3 - t2, proposal.expected_accept, tree.num_nodes
+            )
+        probs = None if proposal.probs is None or not speculate else proposal.probs.float().tolist()
+        return DecodeStep(
+            rows, tokens, probs, tree, proposal.expected_accept, paths, committed, bonuses,
+            t_draft, t2 - t1, t3 - t2,
+        )  # fmt: skip
+
+    def _forward(self, rows: list[int], tokens: torch.Tensor, plan: AttentionPlan, depth: torch.Tensor):
+        """The scorer over tokens [A, N] at each row's committed end: (hidden [A, N, H], features
+        [A, N, F] or None); the nodes' K/V stay pending in the cache."""
+        self.cache.begin(rows, tokens.shape[1])
+        positions = self.cache.positions(depth)  # [A, N]
+        out = self.scorer(tokens, positions, self.cache, self.cache.attention_plan(plan))
+        return out if self.feature_layers else (out, None)
+
+    def _accepted_features(self, features: torch.Tensor | None, paths: list[list[int]]):
+        """Each row's features at its accepted nodes, padded to the longest path: [A, m, F] (or None)."""
+        if features is None:
+            return None
+        longest = max(len(p) for p in paths)
+        index = torch.tensor([p + [p[-1]] * (longest - len(p)) for p in paths], device=self.device)
+        return features[torch.arange(len(paths), device=self.device)[:, None], index]  # [A, m, F]
 
     def layout(self, tree: Tree) -> tuple[AttentionPlan, list[list[int]], torch.Tensor]:
         """(attention plan, children of each node, depth [N] on the device) of a step's tree; a dynamic
         tree is checked against the cache's speculative block and its layout kept for the next time."""
-        if tree is self.tree:
-            return self.plan, self.children, self.depth
         cached = self._layouts.get(tree)
         if cached is None:
             if tree.num_nodes > self.tree.num_nodes or tree.max_depth > self.tree.max_depth:
@@ -288,37 +373,61 @@ class Decoder:
                 )
             if len(self._layouts) >= 512:
                 self._layouts.clear()
-            plan = AttentionPlan.for_tree(tree, self.kernel, self.device)
+            plan = self.plan if tree is self.tree else AttentionPlan.for_tree(tree, self.kernel, self.device)
             children = [tree.children(i) for i in range(tree.num_nodes)]
             cached = self._layouts[tree] = (plan, children, tree.depth.to(self.device))
         return cached
 
     @torch.inference_mode()
     def score(self, tokens: torch.Tensor, scorer=None) -> torch.Tensor:
-        """Verification logits of a candidate tree without committing anything (for measurements):
-        tokens [B, N] in the tree's node order -> logits [B, N, V]; the block is rolled back after.
-        scorer: the forward to use (default: the decoder's own)."""
-        if self.cache is None:
+        """Verification logits of the live rows' candidate trees without committing anything (for
+        measurements): tokens [A, N] in the drafter tree's node order -> logits [A, N, V]; the block is
+        rolled back after. scorer: the forward to use (default: the decoder's own)."""
+        if not self.live:
             raise RuntimeError(
-                "Decoder.score() needs a sequence: call prefill(prompt_ids, max_new_tokens) first"
+                "Decoder.score() needs a sequence: call prefill(prompts, max_new_tokens) first"
             )
-        c = self.cache.committed
+        rows = list(self.live)
+        lengths = [self.cache.lengths[r] for r in rows]
+        _, _, depth = self.layout(self.tree)
         with self.running():
+            self.cache.begin(rows, tokens.shape[1])
+            positions = self.cache.positions(depth)  # [A, N]
             hidden = (scorer or self.scorer)(
-                tokens, (c + self.depth)[None], self.cache, self.plan
-            )  # [B, N, H]
+                tokens, positions, self.cache, self.cache.attention_plan(self.plan)
+            )
             if isinstance(hidden, tuple):  # (hidden, features) for a drafter that reads features
                 hidden = hidden[0]
-            logits = output_logits(self.model, hidden)  # [B, N, V]
-        self.cache.rollback(c)
+            logits = output_logits(self.model, hidden)  # [A, N, V]
+        self.cache.rollback_rows(rows, lengths)
         return logits
 
-    def finish(self, new_tokens: int, started: float) -> GenerationStats:
-        """Close the sequence's statistics: tokens, total time since `started`, memory, drafter report."""
-        stats = self.stats
+    def drop_rows(self, rows: list[int]) -> None:
+        """Rows (cache rows) that stopped: they leave the batch and cost no more work."""
+        done = set(rows)
+        keep = [a for a, row in enumerate(self.live) if row not in done]
+        if len(keep) == len(self.live):
+            return
+        self.live = [self.live[a] for a in keep]
+        if self.live:
+            index = torch.tensor(keep, dtype=torch.long, device=self.device)
+            self.hidden, self.roots = self.hidden[index], self.roots[index]
+            self.drafter.keep_rows(keep)
+
+    def close_row(self, row: int, new_tokens: int, started: float) -> GenerationStats:
+        """Close one row's statistics: its tokens, the time since `started` (a `clock()` reading), the
+        cache memory and the drafter's report."""
+        stats = self.stats[row]
         stats.new_tokens = new_tokens
         stats.time_total = self.clock() - started
         stats.cache_memory = self.cache.memory_bytes() if self.cache is not None else {}
         report = self.drafter.report()
         stats.draft_cache_memory, stats.drafter = report.cache_memory, report.stats
         return stats
+
+
+def _check_plain_above(plain_above) -> None:
+    if plain_above not in ("auto", None) and (
+        isinstance(plain_above, bool) or not isinstance(plain_above, int) or plain_above < 0
+    ):
+        raise ValueError(f'plain_above must be a row count >= 0, None or "auto", got {plain_above!r}')

@@ -1,18 +1,17 @@
 """`generate`: the Python API over the decoder core (prompt encoding, drafter choice, stopping, streaming).
 
-    prompt -> ids -> Decoder.prefill -> first token
-    until a stop: Decoder.step() -> committed tokens -> stop conditions -> streamer
+    prompts -> ids -> Decoder.prefill -> first token of every row
+    until every row stops: Decoder.step() -> committed tokens per row -> stop conditions -> streamers
 
-With heads=None and no drafter the tree is the root alone: the same loop is plain one-token-at-a-time
-decoding on the same cache and attention (the baseline that benchmarks compare against).
+One prompt is a batch of one. With drafter=None the tree is the root alone: the same loop is plain
+one-token-at-a-time decoding on the same cache and attention (the baseline benchmarks compare against).
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
+import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -21,7 +20,6 @@ from ..drafters.heads import MedusaHeads
 from ..drafters.lookup import LookupDrafter
 from ..drafters.medusa import make_drafter
 from .acceptance import SamplingConfig
-from .batch import BatchDecoder
 from .decoder import Decoder
 from .stats import GenerationStats
 from .stopping import StopCondition
@@ -31,16 +29,155 @@ from .tree import Tree, default_tree
 
 @dataclass
 class GenerationResult:
-    """What `generate` returns: the new token ids, their text, and per-step statistics."""
+    """What `generate` returns per prompt: the new token ids, their text, and per-step statistics."""
 
     token_ids: list[int]
     text: str | None
     prompt_ids: list[int]
     stats: GenerationStats
-    tree: Tree | None = None  # the candidate tree used (root-only for plain decoding)
-    trace: list[dict] = field(
-        default_factory=list
-    )  # with trace=True: per step tokens, draft_probs, path, bonus
+    tree: Tree | None = None  # the drafter's candidate tree (root-only for plain decoding)
+    trace: list[dict] = field(default_factory=list)  # with trace=True: per step tokens, probs, path, bonus
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How treespec runs the model (none of these change the text a greedy decode produces).
+
+    kernel: tree attention: "auto" ("compiled" when the extension builds for the model's dtype and device,
+    else "sdpa"), "compiled", "sdpa" or "reference". linears: "auto", "onednn" or "torch" (`core.packed`).
+    compile: verify through torch.compile (the first call per size class compiles). plain_above: in a
+    batch, plain one-token steps while more rows than this are live; "auto" times both kinds of step as
+    the batch runs; None: always speculate. max_length: cache capacity (default: the model's
+    max_position_embeddings). chat: a string prompt goes through the chat template (None: when the
+    tokenizer has one)."""
+
+    kernel: str = "auto"
+    linears: str = "auto"
+    compile: bool = False
+    plain_above: int | str | None = "auto"
+    max_length: int | None = None
+    chat: bool | None = None
+
+
+@torch.inference_mode()
+def generate(
+    model,
+    prompts,
+    drafter: Drafter | MedusaHeads | None = None,
+    /,
+    tokenizer=None,
+    *,
+    max_new_tokens: int = 128,
+    sampling: SamplingConfig | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    stop: str | Sequence[str] | None = None,
+    streamer=None,
+    options: DecodeOptions | None = None,
+    trace: bool = False,
+    **keywords,
+) -> GenerationResult | list[GenerationResult]:
+    """Generate up to `max_new_tokens` tokens per prompt with tree speculation.
+
+    prompts: one prompt (a string, an id list or a [1, T] tensor) -> a `GenerationResult`; a list of them
+    or a [B, T] tensor -> a list of results, decoded together. drafter: None (plain decoding), MedusaHeads
+    (drafting into their tree.json, else a 32-node tree) or any `Drafter`. sampling: `SamplingConfig`
+    (default greedy: the output equals the base model's greedy output). eos_token_id: default from the
+    model's generation config; stop: strings that end a row; streamer: HF-style (`put`, `end`), a list of
+    one per prompt for a batch. options: `DecodeOptions`. trace: keep every step's tree (one prompt).
+    keywords: drafter= (the drafter by keyword); the old form generate(model, heads, prompt, tokenizer,
+    temperature=..., lookup=..., ...) still works for one release, with a DeprecationWarning."""
+    old_form = prompts is None or isinstance(prompts, MedusaHeads)
+    if "drafter" in keywords and not old_form:
+        if drafter is not None:
+            raise TypeError("generate() got the drafter twice: pass it third or as drafter=")
+        drafter = keywords.pop("drafter")
+    if keywords or old_form:
+        prompts, drafter, sampling, options = _old_call(model, prompts, drafter, sampling, options, keywords)
+    options = options or DecodeOptions()
+    batch = is_batch(prompts)
+    if trace and batch:
+        raise ValueError("trace= takes one prompt; decode a batch without it")
+    rows = list(prompts) if batch else [prompts]
+    prompt_ids = [encode_prompt(p, tokenizer, options.chat, vocab_size=_vocab_size(model)) for p in rows]
+    streamers = _row_streamers(streamer, len(prompt_ids)) if batch else [streamer]
+    eos = eos_token_ids(model, tokenizer, eos_token_id)
+    stopping = [StopCondition(eos, stop, tokenizer, max_new_tokens) for _ in prompt_ids]
+    decoder = Decoder(
+        model,
+        as_drafter(model, drafter),
+        sampling=sampling,
+        kernel=options.kernel,
+        linears=options.linears,
+        compile=options.compile,
+        plain_above=options.plain_above,
+    )
+    results = decode(decoder, prompt_ids, stopping, streamers, options.max_length, trace)
+    return results if batch else results[0]
+
+
+def decode(
+    decoder: Decoder,
+    prompt_ids: list[list[int]],
+    stopping: list[StopCondition],
+    streamers: list,
+    max_length: int | None = None,
+    trace: bool = False,
+) -> list[GenerationResult]:
+    """The loop of `generate`: prefill every row, step until every row met its stop condition."""
+    for ids, s in zip(prompt_ids, streamers, strict=True):
+        if s is not None:
+            s.put(torch.tensor([ids]))
+    started = decoder.clock()
+    outs: list[list[int]] = [[] for _ in prompt_ids]
+    stats: list[GenerationStats | None] = [None] * len(prompt_ids)
+    steps: list[dict] = []
+    max_new_tokens = max(s.max_new_tokens for s in stopping)
+    # the model stays in treespec's mode for the whole call: each step's own `running()` then only counts
+    # itself in, instead of switching the attention implementation (a walk over every module) per step
+    with decoder.running():
+        firsts = decoder.prefill(prompt_ids, max_new_tokens, max_length)
+        done = [r for r, first in enumerate(firsts) if stopping[r].extend(outs[r], [first], streamers[r])]
+        while True:
+            for row in done:
+                stats[row] = decoder.close_row(row, len(outs[row]), started)
+                if streamers[row] is not None:
+                    streamers[row].end()
+            decoder.drop_rows(done)
+            if not decoder.live:
+                break
+            step = decoder.step()
+            if trace:
+                steps.append(step.as_trace(0))
+            done = [
+                row
+                for row, committed in zip(step.rows, step.committed, strict=True)
+                if stopping[row].extend(outs[row], committed, streamers[row])
+            ]
+    return [
+        GenerationResult(out, stopping[r].text(out), prompt_ids[r], stats[r], decoder.tree, steps)
+        for r, out in enumerate(outs)
+    ]
+
+
+def as_drafter(model, drafter: Drafter | MedusaHeads | None, tree: Tree | None = None) -> Drafter | None:
+    """The drafter `generate` runs: heads draft into `tree` (default: the heads' own calibrated tree,
+    else a 32-node tree); a drafter or None as given."""
+    if isinstance(drafter, MedusaHeads):
+        drafter.check_compatible(model)
+        tree = tree or drafter.tree or default_tree(32, drafter.num_heads)
+        return make_drafter(drafter, tree, model)
+    if tree is not None:
+        raise ValueError("tree= needs heads to fill it: pass MedusaHeads as the drafter")
+    return drafter
+
+
+def is_batch(prompts) -> bool:
+    """A batch of prompts: a list or tuple of strings or id sequences, or a [B, T] tensor with B > 1."""
+    if isinstance(prompts, torch.Tensor):
+        return prompts.dim() == 2 and prompts.shape[0] > 1
+    if isinstance(prompts, (list, tuple)) and prompts:
+        return all(isinstance(p, (str, list, tuple, torch.Tensor)) for p in prompts)
+    return False
 
 
 def encode_prompt(
@@ -53,9 +190,7 @@ def encode_prompt(
         return _encode_text(prompt, tokenizer, chat)
     if isinstance(prompt, torch.Tensor):
         if prompt.dim() == 2 and prompt.shape[0] != 1:
-            raise ValueError(
-                f"treespec.generate decodes one sequence at a time; got a batch of {prompt.shape[0]}"
-            )
+            raise ValueError(f"one prompt is a [T] or [1, T] tensor; got {tuple(prompt.shape)}")
         if prompt.is_floating_point() or prompt.is_complex():
             raise ValueError(f"token ids must be integers; got a {prompt.dtype} tensor")
         prompt = prompt.reshape(-1).tolist()
@@ -92,197 +227,6 @@ def _encode_text(prompt: str, tokenizer, chat: bool | None) -> list[int]:
     return [int(t) for t in ids]
 
 
-def choose_drafter(
-    model, heads: MedusaHeads | None, tree: Tree | None, drafter: Drafter | None, lookup: int
-) -> Drafter | None:
-    """The drafter that generate's arguments ask for: `drafter`, or one made from `heads` and `tree`
-    (default: the heads' own calibrated tree, else a 32-node tree), plus a prompt-lookup branch."""
-    if drafter is not None and (heads is not None or tree is not None):
-        raise ValueError("pass either drafter= or heads (with an optional tree=), not both")
-    if drafter is None and heads is not None:
-        heads.check_compatible(model)
-        tree = tree or getattr(heads, "tree", None) or default_tree(32, heads.num_heads)
-        drafter = make_drafter(heads, tree, model)
-    elif drafter is None and tree is not None:
-        raise ValueError("tree= needs heads to fill it: pass heads (or a drafter without tree=)")
-    return LookupDrafter(drafter, lookup) if lookup else drafter
-
-
-def accepts_batches(generate_one):
-    """`generate` on a batch of prompts (`is_batch`) calls `generate_batch` with the same arguments."""
-    signature = inspect.signature(generate_one)
-
-    @functools.wraps(generate_one)
-    def generate(*args, **kwargs):
-        arguments = dict(signature.bind(*args, **kwargs).arguments)
-        if not is_batch(arguments["prompt_or_input_ids"]):
-            return generate_one(*args, **kwargs)
-        if arguments.pop("trace", False):
-            raise ValueError("trace= takes one prompt; decode a batch without it")
-        arguments["prompts"] = arguments.pop("prompt_or_input_ids")
-        return generate_batch(**arguments)
-
-    return generate
-
-
-@accepts_batches
-@torch.inference_mode()
-def generate(
-    model,
-    heads: MedusaHeads | None,
-    prompt_or_input_ids,
-    tokenizer=None,
-    tree: Tree | None = None,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    eos_token_id: int | Sequence[int] | None = None,
-    stop: str | Sequence[str] | None = None,
-    streamer=None,
-    acceptance: str = "sampling",
-    seed: int | None = None,
-    kernel: str = "auto",
-    chat: bool | None = None,
-    max_length: int | None = None,
-    drafter: Drafter | None = None,
-    trace: bool = False,
-    lookup: int = 0,
-    compile: bool = False,
-    plain_above: int | str | None = "auto",
-) -> GenerationResult | list[GenerationResult]:
-    """Generate up to `max_new_tokens` tokens with tree speculation; returns a `GenerationResult`.
-
-    prompt_or_input_ids: a string (chat template when the tokenizer has one), ids or a [1, T] tensor.
-    heads: MedusaHeads (None: plain decoding), drafting into `tree` (default: the heads' tree.json, else
-    32 nodes); or drafter=: any `Drafter` (e.g. DraftModelDrafter, SelfSpeculativeDrafter) with heads=None.
-    lookup: an extra prompt-lookup branch of that length. temperature 0 is greedy (== the base model's
-    greedy output); > 0 samples losslessly (acceptance="sampling") or with Medusa's typical rule (not
-    lossless); top_k/top_p as in HF. eos_token_id: default from the model's generation config; stop:
-    strings that end generation; streamer: HF-style (`put`, `end`). kernel: "auto" ("compiled" when the
-    extension builds for the model's dtype and device, else "sdpa"), "compiled", "sdpa" or "reference".
-    max_length: cache capacity (default: max_position_embeddings). trace: keep every step's tree.
-    compile: verify through torch.compile (`Decoder(compile=True)`; the first call per tree size compiles).
-
-    A batch of prompts (a list of strings, a list of id lists, or a [B, T] tensor with B > 1) decodes them
-    together and returns one `GenerationResult` per prompt (`generate_batch`; plain_above is its option).
-    """
-    stopping = StopCondition(eos_token_ids(model, tokenizer, eos_token_id), stop, tokenizer, max_new_tokens)
-    prompt_ids = encode_prompt(prompt_or_input_ids, tokenizer, chat, vocab_size=_vocab_size(model))
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-    drafter = choose_drafter(model, heads, tree, drafter, lookup)
-    decoder = Decoder(
-        model, drafter, acceptance=acceptance, sampling=sampling, kernel=kernel, seed=seed, compile=compile
-    )
-    if streamer is not None:
-        streamer.put(torch.tensor([prompt_ids]))
-    started = decoder.clock()
-    out: list[int] = []
-    steps = []
-    # the model stays in treespec's mode for the whole call: each step's own `running()` then only counts
-    # itself in, instead of switching the attention implementation (a walk over every module) per step
-    with decoder.running():
-        first = decoder.prefill(prompt_ids, max_new_tokens, max_length)
-        finished = stopping.extend(out, [first], streamer)
-        while not finished:
-            step = decoder.step()
-            if trace:
-                steps.append(step.as_trace())
-            finished = stopping.extend(out, step.committed, streamer)
-    stats = decoder.finish(len(out), started)
-    if streamer is not None:
-        streamer.end()
-    text = stopping.text(out)
-    return GenerationResult(out, text, prompt_ids, stats, decoder.tree, steps)
-
-
-def is_batch(prompts) -> bool:
-    """A batch of prompts: a list or tuple of strings or id sequences, or a [B, T] tensor with B > 1."""
-    if isinstance(prompts, torch.Tensor):
-        return prompts.dim() == 2 and prompts.shape[0] > 1
-    if isinstance(prompts, (list, tuple)) and prompts:
-        return all(isinstance(p, (str, list, tuple, torch.Tensor)) for p in prompts)
-    return False
-
-
-@torch.inference_mode()
-def generate_batch(
-    model,
-    heads: MedusaHeads | None,
-    prompts,
-    tokenizer=None,
-    tree: Tree | None = None,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    eos_token_id: int | Sequence[int] | None = None,
-    stop: str | Sequence[str] | None = None,
-    streamer=None,
-    acceptance: str = "sampling",
-    seed: int | None = None,
-    kernel: str = "auto",
-    chat: bool | None = None,
-    max_length: int | None = None,
-    drafter: Drafter | None = None,
-    lookup: int = 0,
-    plain_above: int | str | None = "auto",
-    compile: bool = False,
-) -> list[GenerationResult]:
-    """Decode several prompts together (`BatchDecoder`); one `GenerationResult` per prompt, in order.
-
-    prompts: a list of strings or of id lists (any lengths), or a [B, T] tensor. Each row stops on its own
-    (EOS, stop strings, max_new_tokens) and then costs no more work. streamer: None, or a list with one
-    HF-style streamer (or None) per prompt. plain_above: plain one-token steps while more rows than this
-    are live; "auto" (default) times plain and speculative steps as the batch runs and takes the one
-    that pays at each row count; None: always speculate (`BatchDecoder`). Statistics are per row; a
-    step's time counts in every row that took part. compile: steps through torch.compile. Heads, lookup
-    and EAGLE batch; draft models, self-speculation and dynamic trees refuse. Others as in `generate`.
-    """
-    if isinstance(prompts, torch.Tensor):
-        prompts = list(prompts)
-    vocab = _vocab_size(model)
-    prompt_ids = [encode_prompt(p, tokenizer, chat, vocab_size=vocab) for p in prompts]
-    streamers = _row_streamers(streamer, len(prompt_ids))
-    eos = eos_token_ids(model, tokenizer, eos_token_id)
-    stopping = [StopCondition(eos, stop, tokenizer, max_new_tokens) for _ in prompt_ids]
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-    drafter = choose_drafter(model, heads, tree, drafter, lookup)
-    settings = dict(acceptance=acceptance, sampling=sampling, kernel=kernel, seed=seed, compile=compile)
-    decoder = BatchDecoder(model, drafter, plain_above=plain_above, **settings)
-    for ids, s in zip(prompt_ids, streamers, strict=True):
-        if s is not None:
-            s.put(torch.tensor([ids]))
-    started = decoder.clock()
-    outs: list[list[int]] = [[] for _ in prompt_ids]
-    stats: list[GenerationStats | None] = [None] * len(prompt_ids)
-    with decoder.running():  # one switch of the model's mode for the whole call (as in `generate`)
-        firsts = decoder.prefill(prompt_ids, max_new_tokens, max_length)
-        done = [
-            row
-            for row, first in enumerate(firsts)
-            if stopping[row].extend(outs[row], [first], streamers[row])
-        ]
-        while True:
-            for row in done:
-                stats[row] = decoder.close(row, len(outs[row]), started)
-                if streamers[row] is not None:
-                    streamers[row].end()
-            decoder.finish(done)
-            if not decoder.live:
-                break
-            step = decoder.step()
-            done = [
-                row
-                for row, committed in zip(step.rows, step.committed, strict=True)
-                if stopping[row].extend(outs[row], committed, streamers[row])
-            ]
-    return [
-        GenerationResult(out, stopping[row].text(out), prompt_ids[row], stats[row], decoder.tree)
-        for row, out in enumerate(outs)
-    ]
-
-
 def _row_streamers(streamer, rows: int) -> list:
     """One streamer (or None) per row of a batch: `streamer` must be None or a list of `rows` of them."""
     if streamer is None:
@@ -300,6 +244,61 @@ def _vocab_size(model) -> int | None:
     return None if embedding is None else int(embedding.weight.shape[0])
 
 
-def generate_baseline(model, prompt_or_input_ids, tokenizer=None, **kwargs) -> GenerationResult:
+def generate_baseline(model, prompts, tokenizer=None, **kwargs) -> GenerationResult | list[GenerationResult]:
     """Plain one-token-at-a-time decoding through the same cache, attention and loop (no drafting)."""
-    return generate(model, None, prompt_or_input_ids, tokenizer=tokenizer, **kwargs)
+    return generate(model, prompts, None, tokenizer, **kwargs)
+
+
+def generate_batch(model, heads, prompts, tokenizer=None, **kwargs) -> list[GenerationResult]:
+    """Deprecated (one release): `generate(model, prompts, drafter, ...)` decodes a list of prompts
+    together and returns one result per prompt."""
+    rows = list(prompts)
+    if not rows:
+        raise ValueError("generate_batch needs at least one prompt")
+    return generate(model, heads, prompts_batch(rows), tokenizer, **kwargs)
+
+
+def prompts_batch(rows: list) -> list:
+    """Rows as a batch for `generate` even when there is one row of token ids: [[ids]], never [ids]."""
+    return [r.reshape(-1).tolist() if isinstance(r, torch.Tensor) else r for r in rows]
+
+
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "acceptance", "seed")
+_OPTION_KEYS = ("kernel", "linears", "compile", "plain_above", "max_length", "chat")
+
+
+def _old_call(model, prompts, drafter, sampling, options, old: dict):
+    """The old call form generate(model, heads, prompt, tokenizer, tree=, lookup=, temperature=, ...) as
+    the new one's (prompts, drafter, sampling, options), with a DeprecationWarning."""
+    warnings.warn(
+        "generate(model, heads, prompt, ..., temperature=..., lookup=...) is deprecated and goes in the "
+        "next release: call generate(model, prompts, drafter, tokenizer, sampling=SamplingConfig(...), "
+        "options=DecodeOptions(...)) with the heads (or LookupDrafter(drafter, n)) as the drafter",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+    heads = old.pop("heads", None)
+    keyword_prompt = next((old.pop(k) for k in ("prompt_or_input_ids", "prompts") if k in old), None)
+    if prompts is None or isinstance(prompts, MedusaHeads):  # generate(model, heads, prompt, ...)
+        heads = heads if prompts is None else prompts
+        if keyword_prompt is None:  # the prompt came third, where the drafter comes now
+            keyword_prompt, drafter = drafter, old.pop("drafter", None)
+        prompts = keyword_prompt
+    elif keyword_prompt is not None:
+        raise TypeError("generate() got the prompt twice: pass it second (prompts)")
+    drafter = old.pop("drafter", drafter)
+    if heads is not None and drafter is not None:
+        raise ValueError("pass either drafter= or heads (with an optional tree=), not both")
+    tree, lookup = old.pop("tree", None), old.pop("lookup", 0)
+    drafter = as_drafter(model, heads if heads is not None else drafter, tree)
+    if lookup:
+        drafter = LookupDrafter(drafter, lookup)
+    picked = {k: old.pop(k) for k in _SAMPLING_KEYS if k in old}
+    if picked:
+        sampling = replace(sampling or SamplingConfig(), **picked)
+    picked = {k: old.pop(k) for k in _OPTION_KEYS if k in old}
+    if picked:
+        options = replace(options or DecodeOptions(), **picked)
+    if old:
+        raise TypeError(f"generate() got unexpected keyword arguments {sorted(old)}")
+    return prompts, drafter, sampling, options

@@ -14,7 +14,7 @@ root (the target's own token):
                       the drafted entries stay speculative and are dropped by pointer afterwards
 
 So one step runs the layer once over the newly committed positions and once per deeper tree level, and
-never runs the target. The drafter's cache is a `BatchKVCache` of one layer: a batch of sequences drafts
+never runs the target. The drafter's cache is a `TreeKVCache` of one layer: a batch of sequences drafts
 in the same calls, each row at its own committed length (rows that accept fewer tokens than others are
 padded in the catch-up pass, and the padding is dropped by pointer). `feature_layers` tells the decoder
 which of the target's hidden states to keep.
@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from ..core.batch_cache import BatchKVCache
+from ..core.cache import TreeKVCache
 from ..core.packed import packed_linears
 from ..core.tree import Tree
 from .base import BaseDrafter, DrafterReport, Proposal, SequenceStart, batch_rows
@@ -68,7 +68,7 @@ class EagleDrafter(BaseDrafter):
                     if ancestor in slot:
                         mask[row, slot[ancestor]] = True
             self.level_masks.append(mask.to(self.device))
-        self.cache: BatchKVCache | None = None
+        self.cache: TreeKVCache | None = None
         self.live: list[int] = []  # the cache rows still decoding, in the decoder's row order
         self.last_hidden: torch.Tensor | None = None  # [B, H] per cache row: the output at position T-1
         self.stats = {"catch_up_seconds": 0.0, "draft_seconds": 0.0, "steps": 0}
@@ -79,13 +79,13 @@ class EagleDrafter(BaseDrafter):
         if sequence.features is None:
             raise ValueError(
                 "the EAGLE drafter needs the target's features at the prompt: run it through treespec's "
-                "Decoder or BatchDecoder (they ask the verification forward for drafter.feature_layers)"
+                "Decoder (it asks the verification forward for drafter.feature_layers)"
             )
         if sequence.row == 0:
             d, rows = self.draft, sequence.rows
             if self.cache is None or self.cache.max_len < sequence.capacity or self.cache.num_rows != rows:
                 dtype = d.fc.weight.dtype
-                self.cache = BatchKVCache(
+                self.cache = TreeKVCache(
                     1, rows, d.num_kv_heads, d.head_dim, sequence.capacity, dtype, self.device
                 )
                 self.cache.spec_reserve = self.num_drafted
@@ -152,7 +152,7 @@ class EagleDrafter(BaseDrafter):
         _, roots = batch_rows(hidden, roots)  # the target's hidden is not used: the drafter keeps its own
         if self.cache is None or self.last_hidden is None:
             raise RuntimeError(
-                "EagleDrafter.propose() before start(): run it through treespec's Decoder or BatchDecoder"
+                "EagleDrafter.propose() before start(): run it through treespec's Decoder"
             )
         if roots.numel() != len(self.live):
             raise ValueError(f"propose got {roots.numel()} roots for {len(self.live)} live rows")

@@ -11,6 +11,11 @@ default `$TREESPEC_CACHE/costs/<model>-<dtype>.json`) for people and later tools
 `interpolate`). The tree choice (`price_trees`, `machine_tree`) reads it: a step of a tree costs its
 drafting (timed) plus the verification of its node count (from the curve); without a curve it times whole
 steps through `Decoder.step`.
+
+Dynamic trees (`verify_cost_model`) need the curve of the path they run: on first use, when the cache
+folder has none, `ensure_cost_curve` measures a quick one (`QUICK_NODES` x `QUICK_PREFIXES`, the shape
+`interpolate_rows` needs) and keeps it in `default_cost_file`; `scripts/cost_curve.py` measures a fuller
+one. A file that exists but cannot be read is refused, never overwritten.
 """
 
 from __future__ import annotations
@@ -19,12 +24,15 @@ import json
 import os
 import platform
 import statistics
-from collections.abc import Sequence
+import sys
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
 from ..core.decoder import Decoder
+from ..core.packed import BLOCK_ROWS_MAX
 from ..core.tree import Tree
 from ..drafters.base import BaseDrafter
 from ..io import atomic_write_json, cache_root
@@ -39,6 +47,13 @@ PATHS = {
     "blocks": {"linears": "auto"},
     "compiled": {"linears": "auto", "compile": True},
 }
+# the quick curve measured on first use (`ensure_cost_curve`): interpolation is linear between measured
+# node counts and flat beyond the last, so the counts span the largest trees drafters use (a 32-node tree
+# plus a lookup branch), bracket the block kernel's switch to a GEMM above BLOCK_ROWS_MAX rows, and double
+# in between; two prefixes (the nearest measured one prices a step) separate short from long contexts.
+QUICK_NODES = tuple(sorted({1, 4, 8, 16, BLOCK_ROWS_MAX, 32, 64}))
+QUICK_PREFIXES = (128, 1024)
+QUICK_REPEATS = 3
 
 
 def default_cost_file(model) -> Path:
@@ -160,24 +175,113 @@ def interpolate_monotone(curve: dict, path: str, prefix: int, n: int) -> float:
     return min([interpolate_rows(rows, prefix, n)] + [v for k, v in nearest_row(rows, prefix) if k > n])
 
 
-def verify_cost_model(model, compile: bool = False, curve_file: str | os.PathLike | None = None):
-    """(nodes, prefix) -> seconds of one verification on this machine, read from its cost curve
-    (`scripts/cost_curve.py`): the compiled path when `compile`, else the uncompiled step's ("blocks",
-    else "onednn", else "eager"). Refuses, saying what to run, when the curve lacks the path."""
-    path_file = Path(curve_file) if curve_file else default_cost_file(model)
-    if not path_file.is_file():
+def verify_path_choices(compile: bool) -> list[str]:
+    """The cost-curve paths that price the step `Decoder(compile=compile)` runs, best first."""
+    return ["compiled"] if compile else ["blocks", "onednn", "eager"]
+
+
+def measure_command(model, path: str) -> str:
+    """The command that measures the full cost curve of `path` for this model and dtype."""
+    name = getattr(model.config, "name_or_path", "") or ""
+    try:  # the default model lives in the cache folder: scripts/cost_curve.py loads it without --model
+        default = not name or Path(name).resolve().is_relative_to(cache_root().resolve())
+    except (OSError, ValueError):
+        default = False
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    where = "" if default else f" --model {name}"
+    return f"python scripts/cost_curve.py{where} --dtype {dtype} --paths {path}"
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def ensure_cost_curve(
+    model,
+    compile: bool = False,
+    curve_file: str | os.PathLike | None = None,
+    progress: Callable[[str], None] | None = _stderr,
+) -> tuple[dict, str, Path]:
+    """This machine's cost curve with a path that prices the step `Decoder(compile=compile)` runs
+    (`verify_path_choices`): returns (curve, path, file).
+
+    Without `curve_file` it is `default_cost_file(model)` (under `$TREESPEC_CACHE`); when that file is
+    missing, or lacks every path that would do, a quick curve of the path is measured now (`quick_curve`;
+    the compiled path compiles its three size classes, which the compiled step would do anyway) and kept
+    there, beside the paths the file already had. `progress` (default: one line on stderr) says what is
+    measured, where it goes and how to measure a fuller one. A `curve_file` given by the caller must exist
+    and have the path; a file that exists but is not a cost curve is refused (`load_cost_curve`), never
+    overwritten."""
+    wanted = verify_path_choices(compile)
+    file = Path(curve_file) if curve_file else default_cost_file(model)
+    remeasure = f"{measure_command(model, wanted[0])} --out {file}"
+    curve = load_cost_curve(file, remeasure) if file.is_file() else None
+    if curve is not None:
+        path = next((p for p in wanted if p in curve["verify_ms"]), None)
+        if path is not None:
+            return curve, path, file
+    if curve_file:  # the caller's own file: theirs to measure
+        if curve is None:
+            raise ValueError(
+                f"no cost curve at {file}: measure one with {remeasure}, or leave the file out to "
+                "use this machine's (measured on first use)"
+            )
         raise ValueError(
-            f"no cost curve for this model and dtype at {path_file}: measure one with "
-            f"python scripts/cost_curve.py --paths {'compiled' if compile else 'blocks'}"
+            f"{file} has no {wanted[0]!r} path (it has {sorted(curve['verify_ms'])}): {remeasure}"
         )
-    curve = load_cost_curve(path_file)
-    wanted = ["compiled"] if compile else ["blocks", "onednn", "eager"]
-    path = next((p for p in wanted if p in curve["verify_ms"]), None)
-    if path is None:
-        raise ValueError(
-            f"{path_file} has no {wanted[0]!r} path (it has {sorted(curve['verify_ms'])}): "
-            f"python scripts/cost_curve.py --paths {wanted[0]}"
+    path = "compiled" if compile else "blocks"
+    nodes, prefixes = quick_points(model)
+    if progress:
+        why = "no cost curve" if curve is None else f"no {path!r} path in the cost curve"
+        slow = " (compiling first: a few minutes)" if compile else ""
+        progress(
+            f"{why} for this model and dtype yet: measuring a quick one once{slow}, {path} verification at "
+            f"{len(nodes)} node counts x prefixes {', '.join(map(str, prefixes))}, kept in {file} "
+            f"(a fuller one: {measure_command(model, path)})"
         )
+    t0 = time.perf_counter()
+    measured = quick_curve(model, path, nodes, prefixes)
+    measured["quick"] = {path: {"seconds": round(time.perf_counter() - t0, 1)}}
+    if curve is not None:  # keep what the file had; add the path
+        curve["verify_ms"][path] = measured["verify_ms"][path]
+        curve["quick"] = {**curve.get("quick", {}), **measured["quick"]}
+    else:
+        curve = measured
+    save_cost_curve(file, curve)
+    return curve, path, file
+
+
+def quick_points(model) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(node counts, prefixes) of the quick curve: `QUICK_NODES` x `QUICK_PREFIXES`, cut to what the
+    model's positions (and sliding window) hold: a prefix, n + 1 new tokens and an n-node block."""
+    config = model.config
+    limits = [getattr(config, "max_position_embeddings", None)]
+    if getattr(config, "use_sliding_window", True):
+        limits.append(getattr(config, "sliding_window", None))
+    limit = min((x for x in limits if x), default=1 << 30)
+    nodes = tuple(n for n in QUICK_NODES if 2 * n + 2 <= limit) or (1,)
+    room = max(1, limit - 2 * max(nodes) - 1)  # prefix + (n + 1 new tokens) + an n-node block
+    return nodes, tuple(sorted({min(p, room) for p in QUICK_PREFIXES}))
+
+
+def quick_curve(
+    model, path: str, nodes: Sequence[int] = QUICK_NODES, prefixes: Sequence[int] = QUICK_PREFIXES
+) -> dict:
+    """`cost_curve` of one path at few points (`QUICK_REPEATS` timings each): what a dynamic tree needs."""
+    return cost_curve(model, nodes, prefixes, paths=(path,), repeats=QUICK_REPEATS)
+
+
+def verify_cost_model(
+    model,
+    compile: bool = False,
+    curve_file: str | os.PathLike | None = None,
+    progress: Callable[[str], None] | None = _stderr,
+) -> Callable[[int, int], float]:
+    """(nodes, prefix) -> seconds of one verification on this machine, read from its cost curve: the
+    compiled path when `compile`, else the uncompiled step's ("blocks", else "onednn", else "eager").
+    The curve is `curve_file`, else this machine's (`default_cost_file`), measured quickly on first use
+    (`ensure_cost_curve`, which says so through `progress`)."""
+    curve, path, _ = ensure_cost_curve(model, compile, curve_file, progress)
     rows = curve_rows(curve, path)
     return lambda nodes, prefix: interpolate_rows(rows, prefix, nodes) / 1e3
 
@@ -188,13 +292,46 @@ def save_cost_curve(path: str | os.PathLike, curve: dict) -> None:
     atomic_write_json(path, curve, indent=1)
 
 
-def load_cost_curve(path: str | os.PathLike) -> dict:
-    """Read a cost curve written by `save_cost_curve`; refuses other files with a clear message."""
-    with open(path, encoding="utf-8") as f:
-        curve = json.load(f)
-    if curve.get("format") != "treespec.cost_curve" or "verify_ms" not in curve:
-        raise ValueError(f"{path} is not a treespec cost curve (make one with scripts/cost_curve.py)")
+def load_cost_curve(path: str | os.PathLike, measure: str | None = None) -> dict:
+    """Read a cost curve written by `save_cost_curve`; refuses anything else (not JSON, another format,
+    rows that are not node count -> ms) with a message that names the file and how to measure it again
+    (`measure`: the command; default `scripts/cost_curve.py --out <path>`)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            curve = json.load(f)
+        problem = _curve_problem(curve)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        problem = f"unreadable: {error}"
+    if problem:
+        raise ValueError(
+            f"{path} is not a treespec cost curve ({problem}): measure it again with "
+            f"{measure or f'python scripts/cost_curve.py --out {path}'}, or delete it (a missing curve "
+            "in the cache folder is measured on first use)"
+        )
     return curve
+
+
+def _curve_problem(curve) -> str | None:
+    """What is wrong with a parsed cost curve (None: nothing)."""
+    if not isinstance(curve, dict) or curve.get("format") != "treespec.cost_curve":
+        return "no 'format': 'treespec.cost_curve'"
+    paths = curve.get("verify_ms")
+    if not isinstance(paths, dict):
+        return "no 'verify_ms' table"
+    for path, rows in paths.items():
+        if not isinstance(rows, dict) or not rows:
+            return f"path {path!r} has no prefix rows"
+        for prefix, row in rows.items():
+            if not isinstance(row, dict) or not row:
+                return f"path {path!r} prefix {prefix} has no node counts"
+            try:
+                int(prefix)
+                bad = [n for n, ms in row.items() if int(n) < 1 or not isinstance(ms, (int, float))]
+            except (TypeError, ValueError):
+                bad = [prefix]
+            if bad:
+                return f"path {path!r} prefix {prefix}: bad entries {bad[:3]}"
+    return None
 
 
 def read_acceptance(heads_folder: str | os.PathLike) -> list[list[float]] | None:
@@ -242,7 +379,7 @@ def step_costs(
         decoder = calibrate.timing_decoder(model, heads, tree, prefix, steps=repeats + 1)
         with decoder.running():  # the model's mode held, as `generate` holds it for a whole call
             decoder.step()  # warm-up
-            stats = decoder.stats
+            stats = decoder.stats[0]
             before = (stats.time_draft, stats.time_commit, stats.steps)
             for _ in range(repeats):
                 decoder.step()
