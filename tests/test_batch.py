@@ -12,10 +12,9 @@ from conftest import ARCHS, hf_greedy, random_eagle, random_heads, tiny_model
 import treespec
 from treespec import ops
 from treespec.core.attention import AttentionPlan, tree_attention_reference, treespec_attention
-from treespec.core.batch import BatchDecoder, StepPricer
-from treespec.core.batch_cache import BatchKVCache
-from treespec.core.cache import CacheCapacityError
+from treespec.core.cache import CacheCapacityError, TreeKVCache
 from treespec.core.decoder import Decoder
+from treespec.core.pricer import StepPricer
 from treespec.drafters.base import SequenceStart
 
 
@@ -49,7 +48,7 @@ def test_batched_eagle_drafts_what_each_row_drafts_alone():
     model = tiny_model("llama", dtype=torch.float32)
     draft = random_eagle(model, seed=5, draft_size=40, std=0.2)
     prompts = _prompts(model, [5, 61, 12], seed=21)
-    batch = BatchDecoder(model, treespec.EagleDrafter(draft, EAGLE_TREE, model), plain_above=None)
+    batch = Decoder(model, treespec.EagleDrafter(draft, EAGLE_TREE, model))
     batch.prefill(prompts, max_new_tokens=40)
     singles = [Decoder(model, treespec.EagleDrafter(draft, EAGLE_TREE, model)) for _ in prompts]
     for single, prompt in zip(singles, prompts, strict=True):
@@ -57,7 +56,7 @@ def test_batched_eagle_drafts_what_each_row_drafts_alone():
     live = [0, 1, 2]
     for step in range(6):
         if step == 3:
-            batch.finish([1])
+            batch.drop_rows([1])
             live = [0, 2]
         proposal = batch.drafter.propose(batch.hidden, batch.roots)  # [A, N]
         for a, row in enumerate(live):
@@ -66,7 +65,7 @@ def test_batched_eagle_drafts_what_each_row_drafts_alone():
             torch.testing.assert_close(proposal.probs[a], alone.probs[0], atol=1e-5, rtol=1e-4)
         result = batch.step()
         for row, path in zip(result.rows, result.paths, strict=True):
-            assert path == singles[row].step().path
+            assert path == singles[row].step().paths[0]
 
 
 def test_batched_eagle_catch_up_with_rows_committing_different_counts():
@@ -213,11 +212,11 @@ def test_plain_steps_above_the_row_limit():
     heads = random_heads(model, std=0.0)
     prompts = [[3] * 6, [5] * 9, [3] * 12]
     tree = treespec.default_tree(8, 4)
-    decoder = BatchDecoder(model, treespec.make_drafter(heads, tree, model), plain_above=2)
+    decoder = Decoder(model, treespec.make_drafter(heads, tree, model), plain_above=2)
     decoder.prefill(prompts, max_new_tokens=20)
     step = decoder.step()
     assert step.nodes == 1 and all(len(p) == 1 for p in step.paths)
-    decoder.finish([1])
+    decoder.drop_rows([1])
     step = decoder.step()
     assert step.rows == [0, 2] and step.nodes == tree.num_nodes
     full = treespec.generate(
@@ -285,7 +284,9 @@ def test_auto_fallback_keeps_the_output():
     model = tiny_model("llama", dtype=torch.float32)
     heads = random_heads(model)
     prompts = _prompts(model, [5, 9, 14, 3], seed=12)
-    decoder = BatchDecoder(model, treespec.make_drafter(heads, treespec.default_tree(16, 4), model))
+    decoder = Decoder(
+        model, treespec.make_drafter(heads, treespec.default_tree(16, 4), model), plain_above="auto"
+    )
     decoder.prefill(prompts, max_new_tokens=30)
     kinds = [decoder.step().nodes for _ in range(6)]
     # measures both kinds of step (after a warm-up step of each kind) before choosing
@@ -294,7 +295,7 @@ def test_auto_fallback_keeps_the_output():
     results = treespec.generate(model, heads, prompts, max_new_tokens=30, eos_token_id=[])
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 30) for p in prompts]
     with pytest.raises(ValueError, match="plain_above must be"):
-        BatchDecoder(model, None, plain_above="sometimes")
+        Decoder(model, None, plain_above="sometimes")
 
 
 def test_the_pricer_is_shared_per_model_and_drafter_setting(monkeypatch):
@@ -302,19 +303,20 @@ def test_the_pricer_is_shared_per_model_and_drafter_setting(monkeypatch):
     model = tiny_model("llama", dtype=torch.float32)
     heads = random_heads(model)
     tree = treespec.default_tree(16, 4)
-    first = BatchDecoder(model, treespec.make_drafter(heads, tree, model))
-    again = BatchDecoder(model, treespec.make_drafter(heads, tree, model))
-    other_tree = BatchDecoder(model, treespec.make_drafter(heads, treespec.default_tree(8, 4), model))
+    auto = {"plain_above": "auto"}
+    first = Decoder(model, treespec.make_drafter(heads, tree, model), **auto)
+    again = Decoder(model, treespec.make_drafter(heads, tree, model), **auto)
+    other_tree = Decoder(model, treespec.make_drafter(heads, treespec.default_tree(8, 4), model), **auto)
     own = StepPricer()
-    given = BatchDecoder(model, treespec.make_drafter(heads, tree, model), pricer=own)
+    given = Decoder(model, treespec.make_drafter(heads, tree, model), pricer=own, **auto)
     assert first.pricer is again.pricer and other_tree.pricer is not first.pricer and given.pricer is own
     assert (
-        BatchDecoder(
-            tiny_model("llama", dtype=torch.float32), treespec.make_drafter(heads, tree, model)
+        Decoder(
+            tiny_model("llama", dtype=torch.float32), treespec.make_drafter(heads, tree, model), **auto
         ).pricer
         is not first.pricer
     )
-    # generate hands compile= and the other settings to the batch decoder
+    # generate hands compile= and the other settings to the decoder
     made = []
 
     class Made(Exception):
@@ -324,7 +326,7 @@ def test_the_pricer_is_shared_per_model_and_drafter_setting(monkeypatch):
         made.append(kwargs)
         raise Made
 
-    monkeypatch.setattr(treespec.core.generate, "BatchDecoder", spy)
+    monkeypatch.setattr(treespec.core.generate, "Decoder", spy)
     prompts = _prompts(model, [4, 6], seed=30)
     with pytest.raises(Made):
         treespec.generate(
@@ -384,7 +386,7 @@ def test_batch_cache_rows_equal_single_sequence_caches():
     heads = random_heads(model, std=0.0)
     tree = treespec.default_tree(16, 4)
     prompts = [[3] * 5, _prompts(model, [40], seed=9)[0], [4, 4, 4]]
-    batch = BatchDecoder(model, treespec.make_drafter(heads, tree, model))
+    batch = Decoder(model, treespec.make_drafter(heads, tree, model), plain_above="auto")
     batch.prefill(prompts, max_new_tokens=20)
     for _ in range(4):
         batch.step()
@@ -402,7 +404,7 @@ def test_batch_cache_rows_equal_single_sequence_caches():
 
 
 def test_batch_cache_commit_moves_each_row_on_its_own():
-    cache = BatchKVCache(
+    cache = TreeKVCache(
         num_layers=2, batch_size=3, num_kv_heads=1, head_dim=2, max_len=16, dtype=torch.float64
     )
     cache.lengths = [2, 5, 0]
@@ -483,3 +485,59 @@ def test_compiled_batch_steps_equal_single_sequences():
         model, heads, prompts, max_new_tokens=16, eos_token_id=[], compile=True, kernel="compiled"
     )
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 16) for p in prompts]
+
+
+class _PerStepTrees(treespec.BaseDrafter):
+    """A batched drafter whose every step proposes another random subtree of its inner drafter's tree,
+    with the nodes' probabilities and a predicted accepted length (as a dynamic tree does)."""
+
+    batched = True
+
+    def __init__(self, inner, seed: int):
+        self.inner, self.tree = inner, inner.tree
+        self.gen = torch.Generator().manual_seed(seed)
+        self.trees: list[treespec.Tree] = []
+
+    def keep_rows(self, rows):
+        self.inner.keep_rows(rows)
+
+    def propose(self, hidden, roots, max_depth=None):
+        full = self.inner.propose(hidden, roots, max_depth)
+        choices = self.tree.choices
+        keep = set()
+        for c in choices:  # a random subset closed under prefixes
+            if (len(c) == 1 or c[:-1] in keep) and torch.rand(1, generator=self.gen).item() < 0.6:
+                keep.add(c)
+        sub = [c for c in choices if c in keep]
+        tree = treespec.Tree.from_choices(sub)
+        index = {(): 0} | {c: i + 1 for i, c in enumerate(choices)}
+        order = torch.tensor([index[()]] + [index[tuple(c)] for c in tree.choices])  # [n] inner nodes
+        self.trees.append(tree)
+        return treespec.Proposal(full.tokens[:, order], full.probs[:, order], tree, 1.0 + len(sub) / 10)
+
+    def observe(self, committed, features=None):
+        self.inner.observe(committed, features)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 5, 8])
+def test_per_step_trees_in_a_batch_equal_each_row_alone(batch):
+    """Proposal.tree, probs and expected_accept are honoured for every row: each row's greedy output is
+    HF's, every step verifies that step's tree, and the prediction reaches the statistics."""
+    model = tiny_model("llama", dtype=torch.float32)
+    heads = random_heads(model, std=0.0)
+    prompts = [[3 + i % 4] * (5 + 3 * i) for i in range(batch)]
+    drafter = _PerStepTrees(treespec.make_drafter(heads, treespec.default_tree(16, 4), model), seed=batch)
+    decoder = Decoder(model, drafter, acceptance="greedy")
+    outs = [[r] for r in decoder.prefill(prompts, max_new_tokens=24)]
+    while decoder.live:
+        step = decoder.step()
+        assert step.tree is drafter.trees[-1] and step.nodes == step.tree.num_nodes
+        assert len(step.draft_probs) == len(step.rows) and len(step.draft_probs[0]) == step.nodes
+        assert step.expected_accept == 1.0 + (step.nodes - 1) / 10
+        for row, committed in zip(step.rows, step.committed, strict=True):
+            outs[row] += committed
+        decoder.drop_rows([row for row in step.rows if len(outs[row]) >= 24])
+    assert len({t.num_nodes for t in drafter.trees}) > 1  # the trees did change from step to step
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out[:24] == hf_greedy(model, prompt, 24)
+    assert decoder.stats[0].predicted_accept[0] == 1.0 + (drafter.trees[0].num_nodes - 1) / 10

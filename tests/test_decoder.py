@@ -14,23 +14,72 @@ from treespec.drafters.draft_model import DraftModelDrafter
 from treespec.drafters.lookup import LookupDrafter
 from treespec.drafters.self_spec import SelfSpeculativeDrafter
 
-DRAFTER_CLASSES = [
-    treespec.RootOnlyDrafter,
-    treespec.MedusaDrafter,
-    treespec.SequentialDrafter,
-    LookupDrafter,
-    DraftModelDrafter,
-    SelfSpeculativeDrafter,
-]
-PROTOCOL_METHODS = ["start", "propose", "observe", "report", "scorer"]
+PROTOCOL_METHODS = ["start", "keep_rows", "propose", "observe", "report", "scorer"]
+PROTOCOL_ATTRIBUTES = ["tree", "feature_layers", "batched", "limits_depth", "node_levels"]
 
 
-@pytest.mark.parametrize("cls", DRAFTER_CLASSES, ids=lambda c: c.__name__)
+def _shipped_drafter_classes():
+    """Every drafter class the package exports (so a new one cannot skip this test)."""
+    exported = [getattr(treespec, name) for name in treespec.__all__]
+    return [c for c in exported if inspect.isclass(c) and issubclass(c, treespec.BaseDrafter)]
+
+
+def test_the_protocol_test_covers_every_shipped_drafter():
+    names = {c.__name__ for c in _shipped_drafter_classes()}
+    assert {
+        "RootOnlyDrafter", "MedusaDrafter", "SequentialDrafter", "LookupDrafter", "DraftModelDrafter",
+        "SelfSpeculativeDrafter", "EagleDrafter", "DynamicTreeDrafter",
+    } <= names  # fmt: skip
+
+
+@pytest.mark.parametrize("cls", _shipped_drafter_classes(), ids=lambda c: c.__name__)
 def test_every_drafter_implements_the_declared_interface_with_its_signatures(cls):
     for name in PROTOCOL_METHODS:
         declared = inspect.signature(getattr(Drafter, name))
         implemented = inspect.signature(getattr(cls, name))
         assert list(declared.parameters) == list(implemented.parameters), (cls.__name__, name)
+    for name in PROTOCOL_ATTRIBUTES:  # declared on the class (`tree` is set per instance)
+        assert name == "tree" or hasattr(cls, name), (cls.__name__, name)
+
+
+def _made_drafters(model):
+    """One instance of every shipped drafter on a tiny model."""
+    from conftest import random_eagle
+
+    heads, tree = random_heads(model), treespec.default_tree(8, 4)
+    exit_head = treespec.MedusaHeads.for_model(model, num_heads=1, exit_layer=1)
+    made = {
+        "RootOnlyDrafter": treespec.RootOnlyDrafter(),
+        "MedusaDrafter": treespec.make_drafter(heads, tree, model),
+        "SequentialDrafter": treespec.make_drafter(random_heads(model, sequential=True), tree, model),
+        "LookupDrafter": LookupDrafter(treespec.make_drafter(heads, tree, model), 3),
+        "DraftModelDrafter": DraftModelDrafter(tiny_model("llama", dtype=torch.float32, seed=1), gamma=3),
+        "EagleDrafter": treespec.EagleDrafter(random_eagle(model, seed=2, draft_size=40), tree, model),
+        "DynamicTreeDrafter": treespec.DynamicTreeDrafter(
+            treespec.make_drafter(heads, tree, model), lambda nodes, prefix: 1e-3 * (1 + 0.05 * nodes)
+        ),
+        "SelfSpeculativeDrafter": SelfSpeculativeDrafter(model, exit_head, gamma=3),
+    }
+    return made
+
+
+def test_every_drafter_answers_the_protocol_and_decodes_exactly_through_the_one_decoder():
+    """Each shipped drafter: its protocol attributes, keep_rows, and greedy steps equal to HF's."""
+    model = tiny_model("llama", dtype=torch.float32)
+    prompt = [5, 9, 14, 2, 33, 61]
+    want = hf_greedy(model, prompt, 16)
+    for name, drafter in _made_drafters(model).items():
+        levels = drafter.node_levels
+        assert levels.shape == (drafter.tree.num_nodes,) and int(levels[0]) == 0, name
+        assert isinstance(drafter.batched, bool) and isinstance(drafter.limits_depth, bool), name
+        assert isinstance(tuple(drafter.feature_layers), tuple), name
+        decoder = treespec.Decoder(model, drafter, acceptance="greedy")
+        out = decoder.prefill(prompt, max_new_tokens=16)
+        out += decoder.step().committed[0]
+        drafter.keep_rows([0])  # every drafter takes it: a batch whose only row goes on
+        while len(out) < 16:
+            out += decoder.step().committed[0]
+        assert out[:16] == want, name
 
 
 def test_steps_reproduce_generate_and_hf_greedy():
