@@ -243,19 +243,16 @@ def run_e2e(args) -> dict:
     heads = treespec.MedusaHeads.for_model(model, num_heads=4)  # untrained: identity blocks
     rows = [json.loads(line) for line in SPEC_BENCH.read_text().splitlines() if line.strip()]
     prompts = [encode_prompt(r["turns"][0], tokenizer) for r in rows[: args.e2e_prompts]]
+    def run(drafter, kernel):
+        options = treespec.DecodeOptions(kernel=kernel)
+        return lambda ids: treespec.generate(
+            model, ids, drafter, max_new_tokens=args.e2e_tokens, eos_token_id=[], options=options
+        )
+
     variants = {
-        ("treespec", "compiled"): lambda ids: treespec.generate(
-            model, heads, ids, max_new_tokens=args.e2e_tokens, eos_token_id=[], kernel="compiled"
-        ),
-        ("treespec", "sdpa"): lambda ids: treespec.generate(
-            model, heads, ids, max_new_tokens=args.e2e_tokens, eos_token_id=[], kernel="sdpa"
-        ),
-        ("baseline", "compiled"): lambda ids: treespec.generate_baseline(
-            model, ids, max_new_tokens=args.e2e_tokens, eos_token_id=[], kernel="compiled"
-        ),
-        ("baseline", "sdpa"): lambda ids: treespec.generate_baseline(
-            model, ids, max_new_tokens=args.e2e_tokens, eos_token_id=[], kernel="sdpa"
-        ),
+        (name, kernel): run(drafter, kernel)
+        for name, drafter in (("treespec", heads), ("baseline", None))
+        for kernel in ("compiled", "sdpa")
     }
     for fn in variants.values():  # warm-up
         fn(prompts[0][:16])

@@ -82,9 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     for seq, plen in list(zip(held_out.sequences, held_out.prompt_lengths, strict=True))[
         : args.measure_prompts
     ]:
-        res = treespec.generate(
-            model, heads, seq[:plen].tolist(), tree=tree, max_new_tokens=args.max_new_tokens
-        )
+        drafter = treespec.as_drafter(model, heads, tree)
+        res = treespec.generate(model, seq[:plen].tolist(), drafter, max_new_tokens=args.max_new_tokens)
         steps += res.stats.steps
         accepted += sum(res.stats.accept_lengths)
     measured = accepted / max(steps, 1)

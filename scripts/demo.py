@@ -66,16 +66,17 @@ def run_all(model, tokenizer, heads, tree, prompts, args) -> list[dict]:
         lookup, t_lookup = hf_generate(
             model, tokenizer, ids, args.max_new_tokens, prompt_lookup_num_tokens=10
         )
+        drafter = treespec.as_drafter(model, heads, tree)
+        if args.lookup:
+            drafter = treespec.LookupDrafter(drafter, args.lookup)
         t0 = time.perf_counter()
         res = treespec.generate(
             model,
-            heads,
             ids,
-            tokenizer=tokenizer,
-            tree=tree,
+            drafter,
+            tokenizer,
             max_new_tokens=args.max_new_tokens,
-            lookup=args.lookup,
-            compile=args.compile,
+            options=treespec.DecodeOptions(compile=args.compile),
         )
         t_ts = time.perf_counter() - t0
         runs.append(

@@ -60,9 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     treespec_outputs = []
     for prompt in ids:
         drafter = treespec.EagleDrafter(draft, chain(args.draft_tokens), model)
-        result = treespec.generate(
-            model, None, prompt, tokenizer=tokenizer, drafter=drafter, max_new_tokens=args.max_new_tokens
-        )
+        result = treespec.generate(model, prompt, drafter, tokenizer, max_new_tokens=args.max_new_tokens)
         treespec_outputs.append(list(result.token_ids))
         drafted += result.stats.steps * args.draft_tokens
         accepted += sum(result.stats.accept_lengths) - result.stats.steps

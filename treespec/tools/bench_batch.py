@@ -126,16 +126,11 @@ def make_runners(args, model, tokenizer, eos: set[int]) -> tuple[dict, dict]:
 
     def ours(make_drafter, plain_above):
         def run(prompts, max_new_tokens):
-            results = treespec.generate_batch(
-                model,
-                None,
-                prompts,
-                drafter=make_drafter(),
-                max_new_tokens=max_new_tokens,
-                eos_token_id=sorted(eos),
-                plain_above=plain_above,
-                compile=args.compile,
-            )
+            options = treespec.DecodeOptions(plain_above=plain_above, compile=args.compile)
+            results = treespec.generate(
+                model, prompts, make_drafter(), max_new_tokens=max_new_tokens, eos_token_id=sorted(eos),
+                options=options,
+            )  # fmt: skip
             return [r.token_ids for r in results]
 
         return run
