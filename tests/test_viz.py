@@ -202,7 +202,7 @@ def test_bad_picture_format(tmp_path):
 
 
 def test_import_treespec_leaves_the_viz_extra_unloaded():
-    """matplotlib and rich are the optional viz extra: importing treespec (and viz itself) must not load them."""
+    """matplotlib and rich are the optional viz extra: importing treespec (and viz) must not load them."""
     code = (
         "import sys, treespec, treespec.tools.viz, treespec.tools.cli; "
         "loaded = [m for m in ('matplotlib', 'rich') if m in sys.modules]; "
