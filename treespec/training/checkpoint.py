@@ -1,4 +1,4 @@
-"""Training checkpoints for the heads and draft-model trainers: atomic, safetensors + JSON, no pickle.
+"""Training checkpoints for every trainer (heads, EAGLE, draft models): atomic, safetensors + JSON, no pickle.
 
 A checkpoint is a folder that is replaced whole (`treespec.io.atomic_folder`), so a killed run leaves
 the previous checkpoint intact:

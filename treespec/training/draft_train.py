@@ -13,9 +13,10 @@ model is causal, so real tokens never see the padding; padding is outside the lo
 agreement of the draft's greedy token with the target's on the eval split's response positions, a proxy
 for how many tokens a chain of draft guesses gets accepted.
 
-Checkpoints (`training.checkpoint`) are atomic (a complete folder replaces the previous one) and hold
-the trained weights, the optimizer state and the step; `resume=True` continues from the last one with the
-same data order and refuses a checkpoint made with other settings or for another target.
+The optimizer steps run in the shared loop (`training.loop`). Checkpoints (`training.checkpoint`) are
+atomic (a complete folder replaces the previous one) and hold the trained weights, the optimizer state
+and the step; `resume=True` continues from the last one with the same data order and refuses a
+checkpoint made with other settings or for another target.
 """
 
 from __future__ import annotations
@@ -23,15 +24,12 @@ from __future__ import annotations
 import copy
 import json
 import re
-import time
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from ..drafters.heads import fingerprints_match, model_identity
@@ -39,7 +37,8 @@ from ..io import atomic_write_json
 from . import checkpoint
 from .batching import length_batches
 from .distill import META_NAME, load_distill_data
-from .schedule import lr_at
+from .loop import StepOutput, TrainLoop, evaluate_into, final_eval, resume_from
+from .loop import run as run_loop
 
 CHECKPOINT_DIR = "checkpoint"
 MODEL_DIR = "model"
@@ -277,6 +276,45 @@ def load_checkpoint(
 # -- the training loop -------------------------------------------------------------------------------
 
 
+def _draft_optimizer(
+    draft: PreTrainedModel, cfg: DraftTrainConfig
+) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
+    """Make the decoder layers and the final norm trainable (the rest frozen); AdamW with weight decay on
+    matrices only. Returns (trained parameters, optimizer)."""
+    draft.requires_grad_(False)
+    draft.model.layers.requires_grad_(True)
+    if getattr(draft.model, "norm", None) is not None:
+        draft.model.norm.requires_grad_(True)
+    params = list(_trainable(draft).values())
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]  # norms, biases
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+    )
+    return params, optimizer
+
+
+def _draft_forward(
+    cfg: DraftTrainConfig, draft: PreTrainedModel, sequences: list[Tensor], prompt_lengths: list[int]
+):
+    """forward(step) for the loop: next-token cross-entropy on the step-th batch of `BatchPlan`."""
+    plan = BatchPlan([len(s) for s in sequences], cfg.batch_tokens, cfg.seed)
+    device = next(draft.parameters()).device
+
+    def forward(step: int) -> StepOutput:
+        batch = plan.batch(step)
+        ids, targets = make_batch(
+            [sequences[i] for i in batch], [prompt_lengths[i] for i in batch]
+        )  # [B, W] each
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+            logits, y = response_logits(draft, ids.to(device), targets.to(device))  # [M, V], [M]
+            loss = F.cross_entropy(logits.float(), y)
+        return StepOutput(loss, postfix={"tokens": ids.numel()})
+
+    return forward
+
+
 def train_draft_model(cfg: DraftTrainConfig, target_model=None, resume: bool = False) -> dict:
     """Distill a truncated copy of the target (default: load cfg.extra['model'] or the embedded default,
     float32) on cfg.data; write <out>/model (safetensors) and <out>/training.json.
@@ -297,84 +335,47 @@ def train_draft_model(cfg: DraftTrainConfig, target_model=None, resume: bool = F
 
     if draft.dtype not in (torch.float32, torch.float64):
         draft = draft.float()  # float32 master weights; bf16 only inside autocast
-    device = next(draft.parameters()).device
-    draft.requires_grad_(False)
-    draft.model.layers.requires_grad_(True)
-    if getattr(draft.model, "norm", None) is not None:
-        draft.model.norm.requires_grad_(True)
-    params = _trainable(draft)
-    decay = [p for p in params.values() if p.dim() >= 2]
-    no_decay = [p for p in params.values() if p.dim() < 2]  # norms, biases
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr,
+    params, optimizer = _draft_optimizer(draft, cfg)
+    step, log = resume_from(
+        out / CHECKPOINT_DIR, resume, lambda: load_checkpoint(out, draft, optimizer, cfg, target), warn=True
     )
-    step, log = 0, []
-    if resume and checkpoint.exists(out / CHECKPOINT_DIR):
-        step, log = load_checkpoint(out, draft, optimizer, cfg, target)
-        print(f"resumed from {out / CHECKPOINT_DIR} at step {step}")
-    elif (out / CHECKPOINT_DIR).exists():
-        warnings.warn(
-            f"{out / CHECKPOINT_DIR} exists and is replaced; pass resume=True to continue it", stacklevel=2
-        )
     out.mkdir(parents=True, exist_ok=True)
 
-    def run_eval(at: int) -> dict:
-        result = evaluate_draft(draft, eval_seqs, eval_prompts, cfg.batch_tokens, cfg.bf16)
-        log.append({"step": at, "eval": result})
-        tqdm.write(f"step {at}: eval top-1 {result['top1']:.4f} loss {result['loss']:.4f}")
-        return result
+    def evaluate() -> dict:
+        return evaluate_draft(draft, eval_seqs, eval_prompts, cfg.batch_tokens, cfg.bf16)
+
+    def save(at: int, at_log: list) -> None:
+        save_checkpoint(out, draft, optimizer, at, cfg, at_log, target)
 
     if not any("eval" in e for e in log):
-        run_eval(step)  # the truncated model before training: the baseline
-    plan = BatchPlan([len(s) for s in train_seqs], cfg.batch_tokens, cfg.seed)
+        evaluate_into(log, step, evaluate, _describe)  # the truncated model before training: the baseline
+    forward = _draft_forward(cfg, draft, train_seqs, train_prompts)
     draft.train()
-    start, start_step, train_seconds = time.perf_counter(), step, 0.0
-    bar = tqdm(total=cfg.max_steps, initial=step, desc="train draft", unit="step", dynamic_ncols=True)
-    while step < cfg.max_steps:
-        step_start = time.perf_counter()
-        batch = plan.batch(step)
-        ids, targets = make_batch([train_seqs[i] for i in batch], [train_prompts[i] for i in batch])
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-            logits, y = response_logits(draft, ids.to(device), targets.to(device))  # [M, V], [M]
-            loss = F.cross_entropy(logits.float(), y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.grad_clip)
-        optimizer.step()
-        train_seconds += time.perf_counter() - step_start
-        step += 1
-        bar.update(1)
-        if step % 10 == 0 or step == 1:
-            log.append({"step": step, "loss": float(loss.detach()), "lr": lr_at(step - 1, cfg)})
-        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", tokens=ids.numel())
-        if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            run_eval(step)
-        if step % cfg.checkpoint_every == 0 or step == cfg.max_steps:
-            save_checkpoint(out, draft, optimizer, step, cfg, log, target)
-    bar.close()
-    seconds = time.perf_counter() - start
+    result = run_loop(
+        TrainLoop(cfg, optimizer, forward, evaluate, _describe, save, "train draft", params, cfg.grad_clip),
+        step,
+        log,
+    )
     draft.eval()
 
-    final_eval = next((e["eval"] for e in reversed(log) if "eval" in e and e["step"] == step), None)
-    if final_eval is None:  # e.g. a run resumed at its last step
-        final_eval = run_eval(step)
+    final = final_eval(result.log, result.step, evaluate, _describe)
     record = {
         "config": asdict(cfg),
         "target": target,
-        "steps": step,
-        "seconds_this_run": seconds,
-        "seconds_per_step": train_seconds / max(step - start_step, 1),  # optimizer steps only
+        "steps": result.step,
+        "seconds_this_run": result.seconds,
+        "seconds_per_step": result.seconds_per_step,  # optimizer steps only
         "train_sequences": len(train_seqs),
         "eval_sequences": len(eval_seqs),
-        "eval_top1": final_eval["top1"],
-        "eval_history": [{"step": e["step"], **e["eval"]} for e in log if "eval" in e],
-        "log": log,
+        "eval_top1": final["top1"],
+        "eval_history": [{"step": e["step"], **e["eval"]} for e in result.log if "eval" in e],
+        "log": result.log,
     }
     draft.requires_grad_(False)
     draft.to(save_dtype).save_pretrained(out / MODEL_DIR)  # transformers 5 writes safetensors only
     atomic_write_json(out / "training.json", record, indent=1)
     return record
+
+
+def _describe(result: dict) -> str:
+    return f"eval top-1 {result['top1']:.4f} loss {result['loss']:.4f}"

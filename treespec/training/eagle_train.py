@@ -15,14 +15,14 @@ Evaluation (held-out split, every `eval_every` steps): for every anchor, whether
 guess is the target's greedy token; per-position acceptance (step k right given steps < k were) and the
 expected accepted length of a chain as deep as `ttt_steps` (+1 for the target's own token).
 
-Runs under `accelerate launch` (DDP, each process its share of each batch); checkpoints are atomic and
-`resume=True` continues from the last one with the same batch order.
+The optimizer steps run in the shared loop (`training.loop`). Runs under `accelerate launch` (DDP, each
+process its share of each batch); checkpoints are atomic and `resume=True` continues from the last one
+with the same batch order.
 """
 
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor
-from tqdm import tqdm
 
 from ..drafters.eagle_model import EagleDraftModel, default_feature_layers
 from ..io import atomic_write, atomic_write_json
@@ -38,7 +37,8 @@ from . import checkpoint
 from .batching import length_batches
 from .distill import load_distill_data
 from .heads_train import draft_vocabulary
-from .schedule import lr_at
+from .loop import StepOutput, TrainLoop, final_eval, resume_from
+from .loop import run as run_loop
 
 CHECKPOINT_DIR = "checkpoint"
 FEATURES_VERSION = 1
@@ -104,6 +104,8 @@ def cached_features(
     }
     lm = model.get_output_embeddings()
     device = lm.weight.device
+    from tqdm import tqdm
+
     for batch in tqdm(length_batches(lengths, max_tokens=batch_tokens), desc=f"target features ({split})"):
         longest = max(lengths[i] for i in batch)
         ids = torch.zeros(len(batch), longest, dtype=torch.long)
@@ -233,6 +235,45 @@ def evaluate(draft: EagleDraftModel, store, embed, lm_draft, steps: int, batch_t
 # -- the training loop ---------------------------------------------------------------------------------
 
 
+def _feature_layers(cfg: EagleTrainConfig, model) -> list[int]:
+    """The target's hidden_states indices the draft fuses (checked)."""
+    num_layers = model.config.num_hidden_layers
+    layers = list(cfg.feature_layers or default_feature_layers(num_layers))
+    if any(not 0 <= k <= num_layers for k in layers):
+        raise ValueError(f"feature_layers must lie in 0..{num_layers} (hidden_states indices), got {layers}")
+    return layers
+
+
+def _features(cfg: EagleTrainConfig, model, layers: list[int], cache: Path, accelerator) -> tuple[dict, dict]:
+    """The train and eval feature stores (the main process computes and caches them first)."""
+    if accelerator.is_main_process:
+        for split in ("train", "eval"):
+            cached_features(model, cfg.data, cache, split, layers, cfg.max_length)
+    accelerator.wait_for_everyone()
+    train = cached_features(model, cfg.data, cache, "train", layers, cfg.max_length)
+    return train, cached_features(model, cfg.data, cache, "eval", layers, cfg.max_length)
+
+
+def _eagle_forward(
+    cfg: EagleTrainConfig, ddp_draft, draft, train: dict, lengths, layers, embed, lm_draft, accelerator
+):
+    """forward(step) for the loop: the step-th batch of sequences (the epoch's length batches in a seeded
+    order, so a resumed run continues the same sequence of batches), this process's share, and the loss."""
+    batches = length_batches(lengths, max_tokens=cfg.batch_tokens)
+    rank, world = accelerator.process_index, accelerator.num_processes
+
+    def forward(step: int) -> StepOutput:
+        epoch, offset = divmod(step, len(batches))
+        order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(cfg.seed + epoch))
+        rows = batches[int(order[offset])][rank::world] or batches[int(order[offset])][:1]
+        batch = make_batch(train, rows, layers, embed, lm_draft)
+        outputs = ddp_draft(batch["features"], batch["emb"], cfg.ttt_steps)  # ttt_steps x [b, T-1, H]
+        loss, agreement = eagle_loss(draft, outputs, batch, cfg)
+        return StepOutput(loss, {"agreement": agreement}, {"top1": f"{agreement[0]:.3f}"})
+
+    return forward
+
+
 def train_eagle(cfg: EagleTrainConfig, model=None, resume: bool = False, accelerator=None) -> dict:
     """Train a draft layer for `model` (default: cfg.extra['model'] or the embedded default, float32).
     Returns the training record (also <out>/training.json); the drafter is saved in <out>/drafter."""
@@ -243,108 +284,73 @@ def train_eagle(cfg: EagleTrainConfig, model=None, resume: bool = False, acceler
     if cfg.ttt_steps < 1:
         raise ValueError(f"ttt_steps must be >= 1, got {cfg.ttt_steps}")
     accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
-    out = Path(cfg.out)
+    out, ckpt = Path(cfg.out), Path(cfg.out) / CHECKPOINT_DIR
     if model is None:
         model, _ = load_model(cfg.extra.get("model"), dtype="float32")
     model.requires_grad_(False)
-    num_layers = model.config.num_hidden_layers
-    layers = list(cfg.feature_layers or default_feature_layers(num_layers))
-    if any(not 0 <= k <= num_layers for k in layers):
-        raise ValueError(f"feature_layers must lie in 0..{num_layers} (hidden_states indices), got {layers}")
-    cache = Path(cfg.cache) if cfg.cache else out / "cache"
-    if accelerator.is_main_process:
-        for split in ("train", "eval"):
-            cached_features(model, cfg.data, cache, split, layers, cfg.max_length)
-    accelerator.wait_for_everyone()
-    train = cached_features(model, cfg.data, cache, "train", layers, cfg.max_length)
-    held_out = cached_features(model, cfg.data, cache, "eval", layers, cfg.max_length)
+    layers = _feature_layers(cfg, model)
+    train, held_out = _features(
+        cfg, model, layers, Path(cfg.cache) if cfg.cache else out / "cache", accelerator
+    )
 
-    vocab = model.config.vocab_size
     torch.manual_seed(cfg.seed)
-    draft_vocab = draft_vocabulary(cfg.data, cfg.draft_vocab_size, vocab)
+    draft_vocab = draft_vocabulary(cfg.data, cfg.draft_vocab_size, model.config.vocab_size)
     draft = EagleDraftModel.for_model(model, draft_vocab, feature_layers=layers).float()
     embed = model.get_input_embeddings().weight.detach().float()  # [V, H]
     lm_draft = model.get_output_embeddings().weight.detach().float()[draft_vocab]  # [V', H]
     optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    step, log = 0, []
-    if resume and checkpoint.exists(out / CHECKPOINT_DIR):
-        step, log = checkpoint.load(
-            out / CHECKPOINT_DIR, draft.state_dict(), optimizer, cfg, (*checkpoint.RESUMABLE_CHANGES, "cache")
-        )
-        accelerator.print(f"resumed from {out / CHECKPOINT_DIR} at step {step}")
+    resumable = (*checkpoint.RESUMABLE_CHANGES, "cache")
+    step, log = resume_from(
+        ckpt,
+        resume,
+        lambda: checkpoint.load(ckpt, draft.state_dict(), optimizer, cfg, resumable),
+        accelerator,
+    )
     ddp_draft, optimizer = accelerator.prepare(draft, optimizer)
 
     count = len(train["starts"]) - 1
     if cfg.max_sequences:
         count = min(count, cfg.max_sequences)
     lengths = [int(train["starts"][i + 1] - train["starts"][i]) for i in range(count)]
-    rank, world = accelerator.process_index, accelerator.num_processes
-    start = time.perf_counter()
-    bar = tqdm(total=cfg.max_steps, initial=step, desc="train eagle", disable=not accelerator.is_main_process)
-    while step < cfg.max_steps:
-        # the epoch's batches in a seeded order: a resumed run continues the same sequence of batches
-        batches = length_batches(lengths, max_tokens=cfg.batch_tokens)
-        epoch, offset = divmod(step, len(batches))
-        order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(cfg.seed + epoch))
-        rows = batches[int(order[offset])][rank::world] or batches[int(order[offset])][:1]
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        batch = make_batch(train, rows, layers, embed, lm_draft)
-        outputs = ddp_draft(batch["features"], batch["emb"], cfg.ttt_steps)
-        loss, agreement = eagle_loss(draft, outputs, batch, cfg)
-        optimizer.zero_grad(set_to_none=True)
-        accelerator.backward(loss)
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        optimizer.step()
-        step += 1
-        bar.update(1)
-        if step % 10 == 0 or step == 1:
-            log.append(
-                {
-                    "step": step,
-                    "loss": float(loss.detach()),
-                    "agreement": agreement,
-                    "lr": lr_at(step - 1, cfg),
-                }
-            )
-            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", top1=f"{agreement[0]:.3f}")
-        if accelerator.is_main_process and (step % cfg.eval_every == 0 or step == cfg.max_steps):
-            result = evaluate(draft, held_out, embed, lm_draft, max(cfg.ttt_steps, 5))
-            log.append({"step": step, "eval": result})
-            accelerator.print(
-                f"step {step}: held-out acceptance {' '.join(f'{a:.3f}' for a in result['acceptance'])}, "
-                f"expected accepted length {result['expected_accept_length']:.2f}"
-            )
-        if accelerator.is_main_process and (step % cfg.checkpoint_every == 0 or step == cfg.max_steps):
-            checkpoint.save(out / CHECKPOINT_DIR, draft.state_dict(), optimizer, step, cfg, log)
-        accelerator.wait_for_everyone()
-    bar.close()
+
+    def evaluate_eagle(which: EagleDraftModel = draft) -> dict:
+        return evaluate(which, held_out, embed, lm_draft, max(cfg.ttt_steps, 5))
+
+    def save(at: int, at_log: list) -> None:
+        checkpoint.save(ckpt, draft.state_dict(), optimizer, at, cfg, at_log)
+
+    forward = _eagle_forward(cfg, ddp_draft, draft, train, lengths, layers, embed, lm_draft, accelerator)
+    params = list(draft.parameters())
+    loop = TrainLoop(
+        cfg, optimizer, forward, evaluate_eagle, _describe, save, "train eagle", params, 1.0, accelerator
+    )
+    result = run_loop(loop, step, log)
 
     record = {}
     if accelerator.is_main_process:
-        final = next((e["eval"] for e in reversed(log) if "eval" in e and e["step"] == step), None)
-        if final is None:
-            final = evaluate(draft, held_out, embed, lm_draft, max(cfg.ttt_steps, 5))
-            log.append({"step": step, "eval": final})
-        # what decoding on CPU runs: the weights rounded to Q8_0 blocks (`round_to_blocks`)
-        rounded = copy.deepcopy(draft).round_to_blocks()
-        final_rounded = evaluate(rounded, held_out, embed, lm_draft, max(cfg.ttt_steps, 5))
+        answer_positions = sum(max(n - int(train["prompt_lengths"][i]), 0) for i, n in enumerate(lengths))
         record = {
             "config": asdict(cfg),
             "feature_layers": layers,
-            "steps": step,
-            "processes": world,
-            "seconds_this_run": time.perf_counter() - start,
+            "steps": result.step,
+            "processes": accelerator.num_processes,
+            "seconds_this_run": result.seconds,
             "train_sequences": count,
-            "train_answer_positions": int(
-                sum(max(n - int(train["prompt_lengths"][i]), 0) for i, n in enumerate(lengths))
-            ),
-            "eval": final,
-            "eval_q8_0": final_rounded,
-            "log": log,
+            "train_answer_positions": int(answer_positions),
+            "eval": final_eval(result.log, result.step, evaluate_eagle, _describe),
+            # what decoding on CPU runs: the weights rounded to Q8_0 blocks (`round_to_blocks`)
+            "eval_q8_0": evaluate_eagle(copy.deepcopy(draft).round_to_blocks()),
+            "log": result.log,
         }
         draft.to(torch.bfloat16).save_pretrained(out / "drafter")
         draft.float()
         atomic_write_json(out / "training.json", record, indent=1)
     accelerator.wait_for_everyone()
     return record
+
+
+def _describe(result: dict) -> str:
+    return (
+        f"held-out acceptance {' '.join(f'{a:.3f}' for a in result['acceptance'])}, "
+        f"expected accepted length {result['expected_accept_length']:.2f}"
+    )

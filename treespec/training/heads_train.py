@@ -12,15 +12,14 @@ sequences) and cached on disk beside the output; training then only runs the hea
 output layer. The loop runs unchanged under `accelerate launch` (DDP across processes): every process
 reads the same cached states and trains on its own slice of each batch.
 
-Checkpoints (`training.checkpoint`) are atomic (a complete folder replaces the previous one) and
-`resume=True` continues from the last one with the same data order, so a killed run loses at most
-`checkpoint_every` steps.
+The optimizer steps run in the shared loop (`training.loop`). Checkpoints (`training.checkpoint`) are
+atomic (a complete folder replaces the previous one) and `resume=True` continues from the last one with
+the same data order, so a killed run loses at most `checkpoint_every` steps.
 """
 
 from __future__ import annotations
 
 import hashlib
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -28,7 +27,6 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor
-from tqdm import tqdm
 
 from ..drafters.heads import MedusaHeads, model_identity
 from ..drafters.self_spec import layer_hidden_states
@@ -36,7 +34,8 @@ from ..io import atomic_write, atomic_write_json
 from . import checkpoint
 from .batching import length_batches
 from .distill import load_distill_data
-from .schedule import lr_at
+from .loop import StepOutput, TrainLoop, final_eval, resume_from
+from .loop import run as run_loop
 
 HIDDEN_NAME = "hidden_states-v2.safetensors"  # v2: tokens from t+1 on
 CHECKPOINT_DIR = "checkpoint"
@@ -82,6 +81,8 @@ def last_hidden_states(
     out: list[Tensor | None] = [None] * len(sequences)
     batches = length_batches([len(s) for s in sequences], max_tokens=batch_tokens)
     base = model.base_model
+    from tqdm import tqdm
+
     for batch in tqdm(batches, desc=desc, unit="batch"):
         width = max(len(sequences[i]) for i in batch)
         ids = torch.zeros(len(batch), width, dtype=torch.long)  # right padding: causal, so it is never seen
@@ -223,6 +224,64 @@ def load_checkpoint(folder: Path, heads: MedusaHeads, optimizer, cfg: TrainConfi
 # -- the training loop -------------------------------------------------------------------------------
 
 
+def _examples(cfg: TrainConfig, model, cache: Path, accelerator) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Training and held-out examples, x [M, H] and y [M, K+1] each (the main process computes and
+    caches the hidden states first; the others then read them)."""
+    args = (cfg.num_heads, cfg.hidden_batch_tokens, cfg.exit_layer)
+    if accelerator.is_main_process:
+        for split in ("train", "eval"):
+            cached_examples(model, cfg.data, cache, split, *args)
+    accelerator.wait_for_everyone()
+    x, y = cached_examples(model, cfg.data, cache, "train", *args)
+    x_eval, y_eval = cached_examples(model, cfg.data, cache, "eval", *args)
+    if cfg.max_positions:
+        x, y = x[: cfg.max_positions], y[: cfg.max_positions]
+    return x, y, x_eval, y_eval
+
+
+def _new_heads(cfg: TrainConfig, model, vocab_size: int) -> MedusaHeads:
+    """Freshly initialised float32 heads for `model` (seeded), tagged with the model's identity."""
+    draft_vocab = (
+        draft_vocabulary(cfg.data, cfg.draft_vocab_size, vocab_size) if cfg.draft_vocab_size else None
+    )
+    torch.manual_seed(cfg.seed)
+    heads = MedusaHeads.for_model(
+        model,
+        num_heads=cfg.num_heads,
+        num_layers=cfg.num_layers,
+        sequential=cfg.sequential,
+        own_lm_head=cfg.own_lm_head,
+        draft_vocab=draft_vocab,
+        exit_layer=cfg.exit_layer,
+    ).float()
+    heads.base_model = model_identity(model)
+    return heads
+
+
+def _heads_forward(cfg: TrainConfig, ddp_heads, heads, x, y, lm_weight, embed_weight, accelerator):
+    """forward(step) for the loop: the step-th global batch of positions (a seeded permutation per
+    epoch, so a resumed run continues the same order), this process's slice of it, and the loss."""
+    targets_all = heads.draft_index(y[:, 1:])  # [M, K] draft-vocabulary indices, mapped once
+    M, rank, world = len(x), accelerator.process_index, accelerator.num_processes
+
+    def forward(step: int) -> StepOutput:
+        epoch, offset = divmod(step * cfg.batch_size, M)
+        perm = torch.randperm(M, generator=torch.Generator().manual_seed(cfg.seed + epoch))
+        idx = perm[offset : offset + cfg.batch_size][rank::world]  # this process's slice of the global batch
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16 and x.device.type == "cpu"):
+            tokens = y[idx]  # [b, K+1]: x_{t+1} .. x_{t+1+K}
+            embeddings = None
+            if cfg.sequential:
+                before = tokens[:, : cfg.num_heads].T  # [K, b]
+                embeddings = heads.embed_tokens(embed_weight, before)[:, None]  # [K, 1, b, H]
+            logits = ddp_heads(x[idx].float()[None], lm_weight, token_embeddings=embeddings)
+            logits = logits[:, 0]  # [K, b, V']
+            loss, per_head = heads_loss(logits, targets_all[idx], cfg.loss_decay)
+        return StepOutput(loss, {"per_head": per_head})
+
+    return forward
+
+
 def train_heads(cfg: TrainConfig, model=None, resume: bool = False, accelerator=None) -> dict:
     """Train heads for `model` (default: load cfg.extra['model'] or the embedded default) on cfg.data.
 
@@ -240,107 +299,52 @@ def train_heads(cfg: TrainConfig, model=None, resume: bool = False, accelerator=
     if model is None:
         model, _ = load_model(cfg.extra.get("model"), dtype="bfloat16" if cfg.bf16 else "float32")
     model.requires_grad_(False)
-    cache = out / "cache"
-    if accelerator.is_main_process:
-        for split in ("train", "eval"):
-            cached_examples(
-                model, cfg.data, cache, split, cfg.num_heads, cfg.hidden_batch_tokens, cfg.exit_layer
-            )
-    accelerator.wait_for_everyone()
-    x, y = cached_examples(
-        model, cfg.data, cache, "train", cfg.num_heads, cfg.hidden_batch_tokens, cfg.exit_layer
-    )
-    x_eval, y_eval = cached_examples(
-        model, cfg.data, cache, "eval", cfg.num_heads, cfg.hidden_batch_tokens, cfg.exit_layer
-    )
-    if cfg.max_positions:
-        x, y = x[: cfg.max_positions], y[: cfg.max_positions]
+    x, y, x_eval, y_eval = _examples(cfg, model, out / "cache", accelerator)
     weight_dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     lm_weight = model.get_output_embeddings().weight.detach().to(weight_dtype)  # [V, H]
     embed_weight = model.get_input_embeddings().weight.detach().to(weight_dtype)  # [V, H]
-    vocab_size = lm_weight.shape[0]
-    draft_vocab = (
-        draft_vocabulary(cfg.data, cfg.draft_vocab_size, vocab_size) if cfg.draft_vocab_size else None
-    )
-
-    torch.manual_seed(cfg.seed)
-    heads = MedusaHeads.for_model(
-        model,
-        num_heads=cfg.num_heads,
-        num_layers=cfg.num_layers,
-        sequential=cfg.sequential,
-        own_lm_head=cfg.own_lm_head,
-        draft_vocab=draft_vocab,
-        exit_layer=cfg.exit_layer,
-    ).float()
+    heads = _new_heads(cfg, model, lm_weight.shape[0])
     lm_weight = heads.output_weight(lm_weight)  # [V', H] gathered once
-    heads.base_model = model_identity(model)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    step, log = 0, []
-    if resume and checkpoint.exists(out / CHECKPOINT_DIR):
-        step, log = load_checkpoint(out, heads, optimizer, cfg)
-        accelerator.print(f"resumed from {out / CHECKPOINT_DIR} at step {step}")
+    step, log = resume_from(
+        out / CHECKPOINT_DIR, resume, lambda: load_checkpoint(out, heads, optimizer, cfg), accelerator
+    )
     ddp_heads, optimizer = accelerator.prepare(heads, optimizer)
-    targets_all = heads.draft_index(y[:, 1:])  # [M, K] draft-vocabulary indices, mapped once
 
-    M, rank, world = len(x), accelerator.process_index, accelerator.num_processes
-    start = time.perf_counter()
-    bar = tqdm(total=cfg.max_steps, initial=step, desc="train heads", disable=not accelerator.is_main_process)
-    while step < cfg.max_steps:
-        epoch, offset = divmod(step * cfg.batch_size, M)
-        perm = torch.randperm(M, generator=torch.Generator().manual_seed(cfg.seed + epoch))
-        idx = perm[offset : offset + cfg.batch_size][rank::world]  # this process's slice of the global batch
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16 and x.device.type == "cpu"):
-            tokens = y[idx]  # [b, K+1]: x_{t+1} .. x_{t+1+K}
-            embeddings = None
-            if cfg.sequential:
-                before = tokens[:, : cfg.num_heads].T  # [K, b]
-                embeddings = heads.embed_tokens(embed_weight, before)[:, None]  # [K, 1, b, H]
-            logits = ddp_heads(x[idx].float()[None], lm_weight, token_embeddings=embeddings)
-            logits = logits[:, 0]  # [K, b, V']
-            loss, per_head = heads_loss(logits, targets_all[idx], cfg.loss_decay)
-        optimizer.zero_grad(set_to_none=True)
-        accelerator.backward(loss)
-        optimizer.step()
-        step += 1
-        bar.update(1)
-        if step % 10 == 0 or step == 1:
-            log.append(
-                {"step": step, "loss": float(loss.detach()), "per_head": per_head, "lr": lr_at(step - 1, cfg)}
-            )
-            bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
-        if accelerator.is_main_process and (step % cfg.eval_every == 0 or step == cfg.max_steps):
-            acc = evaluate(heads, lm_weight, x_eval.float(), y_eval, embed_weight)
-            log.append({"step": step, "eval": acc})
-            accelerator.print(f"step {step}: eval top-1 {_fmt(acc['top1'])} top-5 {_fmt(acc['top5'])}")
-        if accelerator.is_main_process and (step % cfg.checkpoint_every == 0 or step == cfg.max_steps):
-            save_checkpoint(out, accelerator.unwrap_model(ddp_heads), optimizer, step, cfg, log)
-        accelerator.wait_for_everyone()
-    bar.close()
+    def evaluate_heads() -> dict:
+        return evaluate(heads, lm_weight, x_eval.float(), y_eval, embed_weight)
+
+    def save(at: int, at_log: list) -> None:
+        save_checkpoint(out, accelerator.unwrap_model(ddp_heads), optimizer, at, cfg, at_log)
+
+    forward = _heads_forward(cfg, ddp_heads, heads, x, y, lm_weight, embed_weight, accelerator)
+    loop = TrainLoop(
+        cfg, optimizer, forward, evaluate_heads, _describe, save, "train heads", accelerator=accelerator
+    )
+    result = run_loop(loop, step, log)
 
     heads = accelerator.unwrap_model(ddp_heads)
-    _write_rank_checksum(out, heads, rank, world)
+    world = accelerator.num_processes
+    _write_rank_checksum(out, heads, accelerator.process_index, world)
     record = {}
     if accelerator.is_main_process:
-        final_eval = next((e["eval"] for e in reversed(log) if "eval" in e and e["step"] == step), None)
-        if final_eval is None:  # e.g. a run resumed at its last step: evaluate what is saved
-            final_eval = evaluate(heads, lm_weight, x_eval.float(), y_eval, embed_weight)
-            log.append({"step": step, "eval": final_eval})
         record = {
             "config": asdict(cfg),
-            "steps": step,
+            "steps": result.step,
             "processes": world,
-            "seconds_this_run": time.perf_counter() - start,
-            "train_positions": M,
-            "eval": final_eval,
-            "log": log,
+            "seconds_this_run": result.seconds,
+            "train_positions": len(x),
+            "eval": final_eval(result.log, result.step, evaluate_heads, _describe),
+            "log": result.log,
         }
         heads.to(torch.bfloat16).save_pretrained(out / "heads")
         atomic_write_json(out / "training.json", record, indent=1)
     accelerator.wait_for_everyone()
     return record
+
+
+def _describe(acc: dict) -> str:
+    return f"eval top-1 {_fmt(acc['top1'])} top-5 {_fmt(acc['top5'])}"
 
 
 def _fmt(values: list[float]) -> str:

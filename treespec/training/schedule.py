@@ -1,4 +1,4 @@
-"""The learning-rate schedule both trainers use (heads and draft models)."""
+"""The learning-rate schedule of the training loop (`training.loop`): heads, EAGLE layer, draft models."""
 
 from __future__ import annotations
 
