@@ -29,6 +29,7 @@ from treespec.training.distill import (
     read_shard,
     trim_response,
 )
+from treespec.training.reference import hf_generate
 
 EOS = 2
 SETTINGS = dict(max_new_tokens=6, max_prompt_chars=300, batch_size=3, shard_size=2, eval_fraction=0.3)
@@ -110,6 +111,14 @@ def test_load_prompts_skips_items_without_human_text(prompts_file):
     prompts, skipped = load_prompts(prompts_file)
     assert [p.id for p in prompts] == [f"p{i:02d}" for i in range(len(TEXTS))]
     assert skipped == ["empty", "banner"]
+
+
+def test_hf_generate_on_a_padded_batch_equals_each_prompt_alone(model, tokenizer):
+    prompts = [encode_prompt(text, tokenizer)[:40] for text in TEXTS[:4]]  # 4 lengths: left padding
+    assert len({len(p) for p in prompts}) > 1
+    got = hf_generate(model, prompts, 5, eos_ids=[EOS], pad_id=EOS)
+    assert got == [unbatched_greedy(model, p, 5) for p in prompts]
+    assert hf_generate(model, [], 5) == []
 
 
 def test_shards_hold_prompt_plus_unbatched_greedy_response(made, model, tokenizer):
