@@ -24,9 +24,7 @@ no state is hung on the HF modules and two decoders on one model never see each 
 from __future__ import annotations
 
 import contextlib
-import threading
 import warnings
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -35,6 +33,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from .. import ops
+from .runtime import TargetRuntime
 from .tree import Tree, pack_bits
 
 ATTN_IMPLEMENTATION = "treespec"
@@ -241,28 +240,22 @@ def _rows_attention(
 AttentionInterface.register(ATTN_IMPLEMENTATION, treespec_attention)
 
 
-_users: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> [previous impl, users]
-_users_lock = threading.Lock()
-
-
 @contextlib.contextmanager
 def tree_attention_enabled(model) -> Iterator[None]:
-    """Run `model` with treespec attention inside the block. Counted per model: nested or overlapping
-    users (two decoders on one model) keep it on until the last one leaves, and the model's previous
-    implementation comes back then."""
-    with _users_lock:
-        entry = _users.get(model)
-        if entry is None:
-            entry = _users[model] = [model.config._attn_implementation, 0]
-            if entry[0] != ATTN_IMPLEMENTATION:
+    """Run `model` with treespec attention inside the block. Counted in the model's `TargetRuntime`:
+    nested or overlapping users (two decoders on one model) keep it on until the last one leaves, and
+    the model's previous implementation comes back then."""
+    runtime = TargetRuntime.of(model)
+    with runtime.lock:
+        if runtime.attention_users == 0:
+            runtime.attention_before = model.config._attn_implementation
+            if runtime.attention_before != ATTN_IMPLEMENTATION:
                 model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        entry[1] += 1
+        runtime.attention_users += 1
     try:
         yield
     finally:
-        with _users_lock:
-            entry[1] -= 1
-            if entry[1] == 0:
-                del _users[model]
-                if entry[0] != ATTN_IMPLEMENTATION:
-                    model.set_attn_implementation(entry[0])
+        with runtime.lock:
+            runtime.attention_users -= 1
+            if runtime.attention_users == 0 and runtime.attention_before != ATTN_IMPLEMENTATION:
+                model.set_attn_implementation(runtime.attention_before)

@@ -28,20 +28,18 @@ traces the model again, and the first call of each size class says so on stderr.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
-import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from ..io import cache_root
 from .packed import BLOCK_ROWS_MAX
-
-_compiled_forward = None  # one torch.compile wrapper per process: its graphs live on full_forward's code
-# model -> keys whose first call ran with every guard checked (weak: a new model never inherits them)
-_seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+from .runtime import TargetRuntime
 
 
 def cache_dir() -> Path:
@@ -55,18 +53,31 @@ def cache_dir() -> Path:
     return cache_root() / "inductor"
 
 
-def _compiled():
-    """The process-wide compiled `full_forward` (created on first use)."""
-    global _compiled_forward
-    if _compiled_forward is None:
+@contextlib.contextmanager
+def compile_settings() -> Iterator[None]:
+    """What a compiled call needs, for the call only: inductor's cache folder (`cache_dir`; inductor reads
+    the variable at every cache access) and room for a few graphs per model and attention kernel (more
+    than dynamo's default of 8 in one process). The process's own settings come back after."""
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir())
+    limit = max(torch._dynamo.config.cache_size_limit, 64)
+    try:
+        with torch._dynamo.config.patch(cache_size_limit=limit):
+            yield
+    finally:
+        if before is None:
+            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+
+
+def compiled_forward(runtime: TargetRuntime):
+    """The runtime's compiled `full_forward` (created on first use)."""
+    if runtime.compiled is None:
         from .decoder import full_forward
 
-        # torch sets the variable to its /tmp default on import; inductor reads it at every cache access
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir())
-        # a few graphs per model and attention kernel: more than dynamo's default of 8 in one process
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        _compiled_forward = torch.compile(full_forward, dynamic=True)
-    return _compiled_forward
+        runtime.compiled = torch.compile(full_forward, dynamic=True)
+    return runtime.compiled
 
 
 def size_class(n: int) -> str:
@@ -91,14 +102,15 @@ class CompiledForward:
         cache._reserve(n)  # the capacity check, outside the graph (its guard may be skipped)
         # committed lengths 0 and 1 would be specialised (dynamo's 0/1 rule): those calls keep all guards
         feature_layers = tuple(feature_layers)
-        # rows with their own committed lengths (`TreeKVCache.attention_plan`) trace other code: its own graphs, one row apart from several
+        # rows with their own committed lengths (`TreeKVCache.attention_plan`) trace other code: its own
+        # graphs, one row apart from several
         rows = None if plan.rows is None else len(plan.rows) > 1
         key = (size_class(n), plan.kernel, self.linears, cache.committed > 1, feature_layers, rows)
-        forward = _compiled()
-        seen = _seen.setdefault(self.model, set())
+        runtime = TargetRuntime.of(self.model)
+        forward, seen = compiled_forward(runtime), runtime.compiled_keys
         if key in seen:
             try:
-                with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                with compile_settings(), torch.compiler.set_stance(skip_guard_eval_unsafe=True):
                     return forward(self.model, ids, positions, cache, plan, feature_layers)
             except RuntimeError as error:  # a graph split `size_class` did not foresee: compile it, guarded
                 if "skip_guard_eval_unsafe" not in str(error):
@@ -111,7 +123,8 @@ class CompiledForward:
                 flush=True,
             )
         t0 = time.perf_counter()
-        hidden = forward(self.model, ids, positions, cache, plan, feature_layers)
+        with compile_settings():
+            hidden = forward(self.model, ids, positions, cache, plan, feature_layers)
         seen.add(key)
         if self.progress is not None:
             print(f"treespec: compiled in {time.perf_counter() - t0:.0f} s", file=self.progress, flush=True)

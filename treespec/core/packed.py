@@ -14,17 +14,16 @@ Two fast forms, chosen per weight (`mode="auto"`):
 Results equal `F.linear` to float rounding (summation order), not bitwise.
 
 `packed_linears(model)` switches a model to the fast path inside a `with` block and back after it,
-counted per model like `tree_attention_enabled`, so HF's own `generate` on the same model object
-outside the block runs stock. The fast weights are built on first use (a one-time cost of seconds,
-memory beside the model's own weights) and rebuilt when a weight tensor changes (its storage or
-version), so a model trained between two uses never runs on stale weights.
+counted per model like `tree_attention_enabled` (in the model's `TargetRuntime`), so HF's own `generate`
+on the same model object outside the block runs stock. The fast weights are built on first use (a
+one-time cost of seconds, memory beside the model's own weights, `TargetRuntime.memory_bytes`) and
+rebuilt when a weight tensor changes (its storage or version), so a model trained between two uses
+never runs on stale weights.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
-import weakref
 from collections.abc import Iterator
 
 import torch
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from .blocks import BlockMatrix, recover_blocks
+from .runtime import TargetRuntime
 
 MODES = ("auto", "onednn", "torch")
 # rows up to which the block kernel beats a GEMM on the same weight. Whole-model linears of SmolLM2 (AVX2,
@@ -83,6 +83,14 @@ class PackedMatrix:
             with torch.no_grad():
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
         return self.packed
+
+    def memory_bytes(self) -> int:
+        """Bytes of the fast copies beside the weight itself (blocks, the oneDNN reorder)."""
+        held = (
+            [] if self.blocks is None else [self.blocks.blocks.q, self.blocks.blocks.d, self.blocks.blocks.m]
+        )
+        held += [] if self.packed is None else [self.packed]
+        return sum(t.numel() * t.element_size() for t in held)
 
     @property
     def kind(self) -> str:
@@ -139,16 +147,15 @@ class _ModelPacking:
         self.linears = [_PackedLinear(m, mode) for m in model.modules() if isinstance(m, torch.nn.Linear)]
         self.users = 0
 
+    def memory_bytes(self) -> int:
+        return sum(linear.matrix.memory_bytes() for linear in self.linears)
+
     def kinds(self) -> dict[str, int]:
         """How many linears run in each form ("blocks-q4_1": 210, ...)."""
         counts: dict[str, int] = {}
         for linear in self.linears:
             counts[linear.matrix.kind] = counts.get(linear.matrix.kind, 0) + 1
         return counts
-
-
-_packings: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _ModelPacking
-_lock = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -161,14 +168,15 @@ def packed_linears(model, enabled: bool = True, mode: str = "auto") -> Iterator[
     if not enabled or mode == "torch" or not packing_supported(model):
         yield
         return
-    with _lock:
-        packing = _packings.get(model)
+    runtime = TargetRuntime.of(model)  # the packing lives in the model's runtime
+    with runtime.lock:
+        packing = runtime.packing
         if packing is not None and packing.mode != mode:
             if packing.users:
                 raise RuntimeError(f"the model's linears are in use in mode {packing.mode!r}, not {mode!r}")
             packing = None
         if packing is None:
-            packing = _packings[model] = _ModelPacking(model, mode)
+            packing = runtime.packing = _ModelPacking(model, mode)
         if packing.users == 0:
             for linear in packing.linears:
                 linear.refresh()
@@ -177,7 +185,7 @@ def packed_linears(model, enabled: bool = True, mode: str = "auto") -> Iterator[
     try:
         yield
     finally:
-        with _lock:
+        with runtime.lock:
             packing.users -= 1
             if packing.users == 0:
                 for linear in packing.linears:
@@ -186,5 +194,5 @@ def packed_linears(model, enabled: bool = True, mode: str = "auto") -> Iterator[
 
 def linear_kinds(model) -> dict[str, int]:
     """How the model's linears ran in its last `packed_linears` block ({} before any)."""
-    packing = _packings.get(model)
+    packing = TargetRuntime.of(model).packing
     return packing.kinds() if packing is not None else {}

@@ -7,9 +7,10 @@ The decoder's `plain_above="auto"` asks a pricer before each step of a batch.
 
 from __future__ import annotations
 
-import weakref
 from collections import deque
 from collections.abc import Hashable
+
+from .runtime import TargetRuntime
 
 
 class StepPricer:
@@ -32,15 +33,13 @@ class StepPricer:
     now, so the estimates follow the machine and the text. A recheck that confirms the choice by a
     clear margin (`margin`) doubles the wait (up to `max_recheck`); otherwise the wait starts again.
 
-    `StepPricer.shared(model, key)` keeps one pricer per model and drafter setting for the process, so a
-    batch starts from what earlier batches measured instead of exploring again."""
-
-    _shared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: StepPricer}
+    `StepPricer.shared(model, key)` keeps one pricer per model and drafter setting in the model's
+    `TargetRuntime`, so a batch starts from what earlier batches measured instead of exploring again."""
 
     @classmethod
     def shared(cls, model, key: Hashable) -> StepPricer:
-        """The process's pricer for `model` and `key` (the drafter's kind and tree, kernel, compile ...)."""
-        return cls._shared.setdefault(model, {}).setdefault(key, cls())
+        """The model's pricer for `key` (the drafter's kind and tree, kernel, compile ...)."""
+        return TargetRuntime.of(model).pricer(key, cls)
 
     def __init__(
         self,

@@ -7,11 +7,10 @@ for a batch of rows at once.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from ..core.packed import PackedMatrix, packed_linears, weight_key
+from ..core.runtime import TargetRuntime
 from ..core.tree import Tree
 from .base import BaseDrafter, Proposal, batch_rows
 from .heads import ExitHead, MedusaHeads
@@ -111,9 +110,6 @@ class SequentialDrafter(BaseDrafter):
         return Proposal(tokens, probs)  # [B, N] each
 
 
-_outputs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # heads -> (key, weight, matrix)
-
-
 def shared_output(heads: MedusaHeads, lm_head) -> tuple[torch.Tensor | None, PackedMatrix | None]:
     """The heads' shared output rows [V', H] (`MedusaHeads.output_weight`) and their fast form, built once
     per heads and output layer: finding a weight's exact blocks took 0.1-0.7 s for SmolLM2's 4,096 draft
@@ -126,10 +122,11 @@ def shared_output(heads: MedusaHeads, lm_head) -> tuple[torch.Tensor | None, Pac
         return heads.output_weight(lm_head), None  # raises the error that says what to pass
     vocab = heads.draft_vocab
     key = (weight_key(source), None if vocab is None else weight_key(vocab))
-    cached = _outputs.get(heads)
+    outputs = TargetRuntime.of(heads).outputs  # kept in the heads' runtime, per output layer
+    cached = outputs.get(lm_head)
     if cached is None or cached[0] != key:
         weight = heads.output_weight(lm_head)
-        cached = _outputs[heads] = (key, weight, PackedMatrix(weight))
+        cached = outputs[lm_head] = (key, weight, PackedMatrix(weight))
     return cached[1], cached[2]
 
 

@@ -1,0 +1,87 @@
+"""TargetRuntime: one owner per model for treespec's per-model state, with a lifetime and a memory report."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import hf_greedy, random_heads, tiny_model
+
+import treespec
+from treespec.core.packed import packed_linears, packing_supported
+from treespec.core.runtime import TargetRuntime
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_one_runtime_per_model_holds_the_state_and_close_gives_the_model_back():
+    model = tiny_model("llama", dtype=torch.float32)
+    other = tiny_model("llama", dtype=torch.float32, seed=1)
+    heads = random_heads(model)
+    before = model.config._attn_implementation
+    runtime = TargetRuntime.of(model)
+    assert TargetRuntime.of(model) is runtime and TargetRuntime.of(other) is not runtime
+    prompts = [[3, 4, 5], [9, 8, 7, 6]]
+    results = treespec.generate(
+        model,
+        prompts,
+        heads,
+        max_new_tokens=8,
+        eos_token_id=[],
+        options=treespec.DecodeOptions(linears="auto"),
+    )
+    assert [r.token_ids for r in results] == [hf_greedy(model, p, 8) for p in prompts]
+    assert runtime.pricers and runtime.attention_users == 0  # a batch priced its steps here
+    assert model.config._attn_implementation == before  # the mode is held only during a call
+    if packing_supported(model):
+        assert runtime.packing is not None and runtime.memory_bytes()["packed_linears"] > 0
+    assert TargetRuntime.of(other).pricers == {}  # another model keeps its own
+    with treespec.tree_attention_enabled(model), pytest.raises(RuntimeError, match="is decoding"):
+        runtime.close()
+    runtime.close()
+    assert runtime.closed and not runtime.pricers and runtime.packing is None
+    assert "forward" not in vars(model.lm_head)  # the linears run stock
+    fresh = TargetRuntime.of(model)
+    assert fresh is not runtime and fresh.memory_bytes()["total"] == 0
+    with fresh:
+        again = treespec.generate(model, prompts[0], heads, max_new_tokens=8, eos_token_id=[])
+    assert again.token_ids == results[0].token_ids and fresh.closed
+
+
+def test_heads_keep_their_output_matrix_in_their_own_runtime():
+    model = tiny_model("llama", dtype=torch.float32)
+    heads = random_heads(model)
+    a = treespec.make_drafter(heads, treespec.default_tree(8, 4), model)
+    b = treespec.make_drafter(heads, treespec.default_tree(16, 4), model)
+    assert a.output is b.output  # built once per heads and output layer
+    assert TargetRuntime.of(heads).memory_bytes()["output_matrices"] > 0
+    TargetRuntime.of(heads).close()
+    c = treespec.make_drafter(heads, treespec.default_tree(8, 4), model)
+    assert c.output is not a.output
+
+
+def test_packing_is_counted_in_the_runtime():
+    model = tiny_model("llama", dtype=torch.float32)
+    if not packing_supported(model):
+        pytest.skip("oneDNN packing is not available here")
+    with packed_linears(model, mode="onednn"), packed_linears(model, mode="onednn"):
+        assert TargetRuntime.of(model).packing.users == 2
+        with pytest.raises(RuntimeError, match="in use in mode"):
+            with packed_linears(model, mode="auto"):
+                pass
+    assert TargetRuntime.of(model).packing.users == 0
+
+
+def test_no_module_keeps_process_wide_state_keyed_on_models():
+    """The runtime is the owner: no module-level dictionaries of models in core or drafters."""
+    offenders = []
+    for path in sorted((ROOT / "treespec" / "core").glob("*.py")) + sorted(
+        (ROOT / "treespec" / "drafters").glob("*.py")
+    ):
+        for node in ast.parse(path.read_text()).body:
+            value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+            if value is not None and "WeakKeyDictionary" in ast.unparse(value):
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert not offenders

@@ -1,0 +1,96 @@
+"""TargetRuntime: everything treespec keeps for one module it runs, in one object with a lifetime.
+
+A target model (or a drafter's module: heads, an EAGLE layer) that treespec decodes with carries state
+between calls: how many users hold it in treespec's attention mode and what its implementation was
+before, the fast copies of its linear layers (`core.packed`), the compiled verification forward and the
+keys whose guards were checked (`core.compiled`), the step pricers of batches (`core.pricer`), and the
+heads' shared output matrices (`drafters.medusa`). All of it lives here, one runtime per module, reached
+through `TargetRuntime.of(module)`; nothing is kept process-wide.
+
+    runtime = TargetRuntime.of(model)      # made on first use, kept on the module (one attribute)
+    runtime.memory_bytes()                 # what its copies hold beside the model's own weights
+    runtime.close()                        # the model back to stock; the next use starts a fresh one
+
+`with TargetRuntime.of(model):` closes it at the end of the block.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+
+ATTRIBUTE = "_treespec_runtime"
+
+
+class TargetRuntime:
+    """The per-module state of treespec's runtime (see the module docstring)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.lock = threading.RLock()
+        # attention mode: the implementation before treespec's, and the users holding treespec's now
+        self.attention_before: str | None = None
+        self.attention_users = 0
+        self.packing: Any = None  # `packed._ModelPacking` of the module's linears, built on first use
+        self.compiled: Any = None  # the module's torch.compile wrapper of `decoder.full_forward`
+        self.compiled_keys: set[tuple] = set()  # keys whose first call checked every guard
+        self.pricers: dict[Hashable, Any] = {}  # drafter setting -> `pricer.StepPricer`
+        # heads -> (weight key, output rows [V', H], their fast matrix): the heads' shared output matrix
+        self.outputs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.closed = False
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> TargetRuntime:
+        """The module's runtime (a fresh one after `close()`)."""
+        runtime = module.__dict__.get(ATTRIBUTE)
+        if runtime is None or runtime.closed:
+            runtime = cls(module)
+            module.__dict__[ATTRIBUTE] = runtime  # a plain attribute: not a submodule, not saved
+        return runtime
+
+    def pricer(self, key: Hashable, make):
+        """The step pricer for a drafter setting `key` (made by `make()` on first use)."""
+        with self.lock:
+            if key not in self.pricers:
+                self.pricers[key] = make()
+            return self.pricers[key]
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this runtime holds beside the module's own weights: fast linear copies, output matrices."""
+        linears = 0 if self.packing is None else self.packing.memory_bytes()
+        outputs = sum(
+            _tensor_bytes(matrix) + _tensor_bytes(weight) for _, weight, matrix in self.outputs.values()
+        )
+        return {"packed_linears": linears, "output_matrices": outputs, "total": linears + outputs}
+
+    def close(self) -> None:
+        """Drop everything and give the module back as it was. Refused while a decode holds it."""
+        with self.lock:
+            if self.attention_users or (self.packing is not None and self.packing.users):
+                raise RuntimeError("the model is decoding (a treespec call holds it): close it afterwards")
+            self.packing = self.compiled = None
+            self.compiled_keys.clear()
+            self.pricers.clear()
+            self.outputs.clear()
+            self.closed = True
+            if self.module.__dict__.get(ATTRIBUTE) is self:
+                del self.module.__dict__[ATTRIBUTE]
+
+    def __enter__(self) -> TargetRuntime:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _tensor_bytes(value) -> int:
+    """Bytes of the tensors a fast matrix or a weight holds (0 for None)."""
+    if value is None:
+        return 0
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    return int(value.memory_bytes()) if hasattr(value, "memory_bytes") else 0
