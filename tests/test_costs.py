@@ -122,9 +122,119 @@ def test_verify_cost_model_reads_the_curve_of_the_path_that_runs(tmp_path):
     assert seconds(4, 100) == pytest.approx((10.0 + 16.0 * 3 / 7) / 1e3)  # linear between 1 and 8
     assert seconds(8, 900) == pytest.approx(0.060)  # the nearest measured prefix
     with pytest.raises(ValueError, match="--paths compiled"):
-        verify_cost_model(model, compile=True, curve_file=curve)
+        verify_cost_model(model, compile=True, curve_file=curve)  # a file the caller names: not measured
     with pytest.raises(ValueError, match="no cost curve"):
         verify_cost_model(model, curve_file=tmp_path / "missing.json")
+
+
+def test_a_missing_curve_is_measured_once_on_first_use_then_read(tmp_path, monkeypatch):
+    """No curve in an empty cache folder: verify_cost_model measures a quick one of the uncompiled path,
+    says so, keeps it where default_cost_file looks and prices from it; the next call only reads it."""
+    from treespec.training import costs
+
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path / "cache"))
+    model = tiny_model("llama", dtype=torch.float32)  # 512 positions: the 1024 prefix is cut to fit
+    file = costs.default_cost_file(model)
+    assert file.is_relative_to(tmp_path / "cache") and not file.exists()
+    measured, messages = [], []
+    verify_ms = costs.verify_ms
+
+    def counted(model, n, prefix, *args, **kwargs):
+        measured.append((n, prefix, kwargs.get("linears"), kwargs.get("compile", False)))
+        return verify_ms(model, n, prefix, *args, **kwargs)
+
+    monkeypatch.setattr(costs, "verify_ms", counted)
+    seconds = costs.verify_cost_model(model, progress=messages.append)
+    nodes, prefixes = costs.quick_points(model)
+    assert nodes == costs.QUICK_NODES and prefixes[0] == 128 and max(prefixes) + 2 * max(nodes) < 512
+    # every point (and again any that noise priced above a costlier one)
+    assert set(measured) == {(n, p, "auto", False) for n in nodes for p in prefixes}
+    assert len(messages) == 1 and str(file) in messages[0] and "scripts/cost_curve.py" in messages[0]
+    assert "--dtype float32 --paths blocks" in messages[0]
+    saved = costs.load_cost_curve(file)
+    assert set(saved["verify_ms"]) == {"blocks"} and saved["model"] == model.config.name_or_path
+    assert all(set(map(int, row)) == set(nodes) for row in saved["verify_ms"]["blocks"].values())
+    table = [seconds(n, 300) for n in range(1, 70)]
+    assert all(0 < s < 1 for s in table)  # seconds, from the measured rows
+    assert seconds(64, 128) == pytest.approx(saved["verify_ms"]["blocks"]["128"]["64"] / 1e3)
+
+    measured.clear()
+    again = costs.verify_cost_model(model, progress=messages.append)
+    assert measured == [] and len(messages) == 1  # read, not measured
+    assert [again(n, 300) for n in range(1, 70)] == table
+
+
+def test_a_curve_without_the_path_that_runs_gains_it_and_keeps_the_rest(tmp_path, monkeypatch):
+    """bench --compile on a machine whose curve has only the uncompiled path: the compiled path is
+    measured (quick points) and added beside what the file had."""
+    from treespec.training import costs
+
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path / "cache"))
+    model = tiny_model("llama", dtype=torch.float32)
+    blocks = {"128": {"1": 10.0, "8": 26.0}}
+    costs.save_cost_curve(
+        costs.default_cost_file(model), {"format": "treespec.cost_curve", "verify_ms": {"blocks": blocks}}
+    )
+    measured, messages = [], []
+    monkeypatch.setattr(costs, "verify_ms", lambda model, n, prefix, **kw: measured.append(kw) or 5.0 * n)
+    seconds = costs.verify_cost_model(model, compile=True, progress=messages.append)
+    assert seconds(4, 100) == pytest.approx(0.020)
+    assert measured and all(
+        kw == {"repeats": costs.QUICK_REPEATS, **costs.PATHS["compiled"]} for kw in measured
+    )
+    assert len(messages) == 1 and "no 'compiled' path" in messages[0] and "--paths compiled" in messages[0]
+    saved = costs.load_cost_curve(costs.default_cost_file(model))
+    assert saved["verify_ms"]["blocks"] == blocks and "compiled" in saved["verify_ms"]
+    assert costs.verify_cost_model(model, progress=messages.append)(8, 100) == pytest.approx(0.026)
+    assert len(messages) == 1
+
+
+def test_a_quick_curve_measures_again_the_points_noise_priced_above_costlier_ones(monkeypatch):
+    from treespec.training import costs
+
+    rows = {"128": {"1": 90.0, "4": 22.0, "8": 30.0}, "1024": {"1": 25.0, "4": 28.0, "8": 80.0}}
+    assert costs.suspect_points(rows) == [(128, 1)]  # above 4 and 8 nodes, and above 1 node at 1024
+    assert costs.suspect_points({"128": {"1": 10.0, "8": 11.0}, "1024": {"1": 11.5, "8": 12.0}}) == []
+    first = {(128, 1): 90.0, (128, 4): 22.0, (1024, 1): 25.0, (1024, 4): 28.0}
+    calls = []
+
+    def fake(model, n, prefix, **kwargs):
+        calls.append((prefix, n))
+        return first[prefix, n] if len(calls) <= len(first) else 20.0
+
+    monkeypatch.setattr(costs, "verify_ms", fake)
+    curve = costs.quick_curve(tiny_model("llama", dtype=torch.float32), "blocks", (1, 4), (128, 1024))
+    assert calls[len(first) :] == [(128, 1)]  # once: the second measurement fits
+    assert curve["verify_ms"]["blocks"]["128"] == {"1": 20.0, "4": 22.0}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{not json",
+        json.dumps({"format": "treespec.tree", "choices": []}),
+        json.dumps({"format": "treespec.cost_curve", "verify_ms": {"blocks": {"128": {"x": 1.0}}}}),
+        json.dumps({"format": "treespec.cost_curve", "verify_ms": {"blocks": {}}}),
+    ],
+)
+def test_a_corrupt_curve_is_refused_and_left_as_it_is(tmp_path, monkeypatch, text):
+    from treespec.training import costs
+
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path / "cache"))
+    model = tiny_model("llama", dtype=torch.float32)
+    file = costs.default_cost_file(model)
+    file.parent.mkdir(parents=True)
+    file.write_text(text)
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("a user's file is never measured over")
+
+    monkeypatch.setattr(costs, "verify_ms", no_measuring)
+    with pytest.raises(ValueError, match="is not a treespec cost curve") as refusal:
+        costs.verify_cost_model(model)
+    message = str(refusal.value)
+    assert str(file) in message and "scripts/cost_curve.py" in message and "--dtype float32" in message
+    assert file.read_text() == text
 
 
 def test_timed_steps_run_with_the_model_mode_held_as_generate_holds_it(tmp_path, monkeypatch):

@@ -150,7 +150,8 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
     p.add_argument(
         "--cost-curve",
         default=None,
-        help="dynamic methods: verification cost curve JSON (default: this machine's, scripts/cost_curve.py)",
+        help="dynamic methods: verification cost curve JSON (default: this machine's, measured quickly on "
+        "first use; a fuller one: scripts/cost_curve.py)",
     )
     p.add_argument(
         "--eagle", default=None, help="EAGLE-style drafter folder (eagle methods; scripts/train_eagle.py)"
