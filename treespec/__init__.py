@@ -19,6 +19,7 @@ from .core.generate import (
     generate_batch,
 )
 from .core.pricer import StepPricer
+from .core.runtime import TargetRuntime
 from .core.spec_cache import SpeculativeKVCache
 from .core.stats import GenerationStats
 from .core.tree import DEFAULT_TREE_SIZES, Tree, default_tree
@@ -49,6 +50,7 @@ __all__ = [
     "Proposal",
     "SequenceStart",
     "StepPricer",
+    "TargetRuntime",
     "CacheCapacityError",
     "DEFAULT_TREE_SIZES",
     "DraftModelDrafter",
