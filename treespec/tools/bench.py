@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shlex
 import sys
@@ -106,6 +107,26 @@ WARMUP_PROMPT = "Say hello in one short sentence."
 
 def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    add_model_arguments(p)
+    add_drafter_arguments(p)
+    args = p.parse_args(argv)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown or not args.methods:
+        p.error(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+    if args.max_new_tokens < 1:
+        p.error("--max-new-tokens must be >= 1")
+    if {*STORAGE_METHODS, TREE_METHOD, "hf_assisted"} & set(args.methods) and not args.draft_model:
+        p.error("the draft_model and hf_assisted methods need --draft-model FOLDER")
+    if "self_spec" in args.methods and not args.exit_head:
+        p.error("the self_spec method needs --exit-head FOLDER")
+    if set(EAGLE_METHODS) & set(args.methods) and not args.eagle:
+        p.error("the eagle methods need --eagle FOLDER")
+    return args
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The model, heads, tree, dtype and the run's prompts and methods."""
     p.add_argument(
         "--model", default=None, help="HF model id or folder (default: embedded SmolLM2-135M-Instruct)"
     )
@@ -137,6 +158,11 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
     p.add_argument(
         "--methods", default=",".join(DEFAULT_METHODS), help=f"comma list from {','.join(METHODS)}"
     )
+
+
+def add_drafter_arguments(p: argparse.ArgumentParser) -> None:
+    """The drafters' options (lookup, draft model, self-speculation, EAGLE, dynamic trees) and the run's
+    output, threads and vLLM."""
     p.add_argument("--lookup", type=int, default=8, help="prompt-lookup branch length (lookup methods)")
     p.add_argument(
         "--compile",
@@ -179,20 +205,6 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
         help="python of vLLM's environment (default .venv-vllm, `make vllm-env`)",
     )
     p.add_argument("--vllm-ngram", type=int, default=5, help="vllm_ngram: tokens per step (default 5)")
-    args = p.parse_args(argv)
-    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in args.methods if m not in METHODS]
-    if unknown or not args.methods:
-        p.error(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
-    if args.max_new_tokens < 1:
-        p.error("--max-new-tokens must be >= 1")
-    if {*STORAGE_METHODS, TREE_METHOD, "hf_assisted"} & set(args.methods) and not args.draft_model:
-        p.error("the draft_model and hf_assisted methods need --draft-model FOLDER")
-    if "self_spec" in args.methods and not args.exit_head:
-        p.error("the self_spec method needs --exit-head FOLDER")
-    if set(EAGLE_METHODS) & set(args.methods) and not args.eagle:
-        p.error("the eagle methods need --eagle FOLDER")
-    return args
 
 
 # --------------------------------------------------------------------------------------------------
@@ -296,6 +308,42 @@ def hf_greedy(model, tokenizer, ids: list[int], max_new_tokens: int, **extra) ->
     return tokens
 
 
+def result_record(res) -> dict:
+    """A treespec `GenerationResult` as the benchmark's per-prompt record."""
+    s = res.stats
+    return {
+        "token_ids": list(res.token_ids),
+        "steps": s.steps,
+        "accepted": sum(s.accept_lengths),
+        "drafted": s.steps * s.max_depth,
+        "nodes": sum(s.nodes_verified),
+        "predicted": sum(p for p in s.predicted_accept if p is not None),
+        "predicted_steps": sum(p is not None for p in s.predicted_accept),
+        "speculative_memory": s.speculative_memory,
+        "library_seconds": s.time_total,
+        "phase_seconds": {
+            "prefill": s.time_prefill,
+            "draft": s.time_draft,
+            "verify": s.time_verify,
+            "commit": s.time_commit,
+        },
+    }
+
+
+def treespec_runner(model, tokenizer, make_drafter, compile: bool = False, kernel: str = "auto"):
+    """run(ids, max_new_tokens) through `treespec.generate` with a drafter from make_drafter() (None:
+    plain decoding) for every call."""
+    options = treespec.DecodeOptions(kernel=kernel, compile=compile)
+
+    def run(ids, max_new_tokens):
+        result = treespec.generate(
+            model, ids, make_drafter(), tokenizer, max_new_tokens=max_new_tokens, options=options
+        )
+        return result_record(result)
+
+    return run
+
+
 def make_runners(
     model,
     tokenizer,
@@ -314,65 +362,44 @@ def make_runners(
     chains: from `load_chain_drafters` (the draft-model methods and hf_assisted need "draft_model",
     self_spec needs "exit_head")."""
     chains = chains or {}
-    generate = partial(treespec.generate, compile=compile)
-    generate_baseline = partial(treespec.generate_baseline, compile=compile)
+    ours = partial(treespec_runner, model, tokenizer, compile=compile)
 
     def hf(ids, max_new_tokens, **extra):
         return {"token_ids": hf_greedy(model, tokenizer, ids, max_new_tokens, **extra)}
 
-    def from_result(res):
-        s = res.stats
-        return {
-            "token_ids": list(res.token_ids),
-            "steps": s.steps,
-            "accepted": sum(s.accept_lengths),
-            "drafted": s.steps * s.max_depth,
-            "nodes": sum(s.nodes_verified),
-            "predicted": sum(p for p in s.predicted_accept if p is not None),
-            "predicted_steps": sum(p is not None for p in s.predicted_accept),
-            "speculative_memory": s.speculative_memory,
-            "library_seconds": s.time_total,
-            "phase_seconds": {
-                "prefill": s.time_prefill,
-                "draft": s.time_draft,
-                "verify": s.time_verify,
-                "commit": s.time_commit,
-            },
-        }
+    def heads_drafter():
+        return treespec.as_drafter(model, heads, tree)
 
     runners = {
         "hf": hf,
         "hf_prompt_lookup": lambda ids, m: hf(ids, m, prompt_lookup_num_tokens=10),
-        "baseline": lambda ids, m: from_result(
-            generate_baseline(model, ids, tokenizer=tokenizer, max_new_tokens=m)
-        ),
-        "baseline_sdpa": lambda ids, m: from_result(
-            generate_baseline(model, ids, tokenizer=tokenizer, max_new_tokens=m, kernel="sdpa")
-        ),
-        "treespec": lambda ids, m: from_result(
-            generate(model, heads, ids, tokenizer=tokenizer, tree=tree, max_new_tokens=m, temperature=0.0)
-        ),
-        "treespec_sdpa": lambda ids, m: from_result(
-            generate(model, heads, ids, tokenizer=tokenizer, tree=tree, max_new_tokens=m, kernel="sdpa")
-        ),
-        "lookup": lambda ids, m: from_result(
-            generate(model, None, ids, tokenizer=tokenizer, lookup=lookup, max_new_tokens=m)
-        ),
-        "treespec_lookup": lambda ids, m: from_result(
-            generate(model, heads, ids, tokenizer=tokenizer, tree=tree, lookup=lookup, max_new_tokens=m)
-        ),
+        "baseline": ours(lambda: None),
+        "baseline_sdpa": ours(lambda: None, kernel="sdpa"),
+        "treespec": ours(heads_drafter),
+        "treespec_sdpa": ours(heads_drafter, kernel="sdpa"),
+        "lookup": ours(lambda: treespec.LookupDrafter(None, lookup)),
+        "treespec_lookup": ours(lambda: treespec.LookupDrafter(heads_drafter(), lookup)),
     }
-
-    def with_drafter(make):  # no heads; a fresh drafter from make() for every call
-        return lambda ids, m: from_result(
-            generate(model, None, ids, tokenizer=tokenizer, max_new_tokens=m, drafter=make())
+    runners |= chain_runners(model, chains, ours, hf, branching_spec, lookup)
+    if {"dynamic", "eagle_dynamic"} & set(methods):
+        runners |= dynamic_runners(model, heads, chains, ours, methods, lookup, compile, cost_curve)
+    missing = [name for name in methods if name not in runners]
+    if missing:
+        raise ValueError(
+            f"method(s) {missing} need --draft-model (draft_model*, hf_assisted), --exit-head or --eagle"
         )
+    return {name: runners[name] for name in methods}
 
+
+def chain_runners(model, chains: dict, ours, hf, branching_spec: str, lookup: int) -> dict:
+    """The methods of the chain drafters that were loaded: draft model (+ HF assisted), self-speculation,
+    EAGLE (+ lookup)."""
+    runners = {}
     chain = chains.get("draft_model")
     if chain is not None:
         for name, storage in STORAGE_METHODS.items():
-            runners[name] = with_drafter(lambda storage=storage: chain.drafter(model, storage=storage))
-        runners[TREE_METHOD] = with_drafter(lambda: chain.drafter(model, branching=branching_spec))
+            runners[name] = ours(lambda storage=storage: chain.drafter(model, storage=storage))
+        runners[TREE_METHOD] = ours(lambda: chain.drafter(model, branching=branching_spec))
         draft = chain.module
         draft.generation_config.num_assistant_tokens = chain.gamma
         draft.generation_config.num_assistant_tokens_schedule = "constant"
@@ -380,46 +407,38 @@ def make_runners(
         runners["hf_assisted"] = lambda ids, m: hf(ids, m, assistant_model=draft)
     exit_chain = chains.get("exit_head")
     if exit_chain is not None:
-        runners["self_spec"] = with_drafter(lambda: exit_chain.drafter(model))
-    if {"dynamic", "eagle_dynamic"} & set(methods):
-        from ..drafters.dynamic import DynamicTreeDrafter
-        from ..drafters.lookup import LookupDrafter
-        from ..training.costs import verify_cost_model
-
-        verify_seconds = verify_cost_model(model, compile=compile, curve_file=cost_curve)
-
-        def dynamic(make_inner):  # one drafter for every call, as a user reuses it: its learning carries over
-            inner = make_inner()
-            drafter = DynamicTreeDrafter(LookupDrafter(inner, lookup) if lookup else inner, verify_seconds)
-            return with_drafter(lambda: drafter)
-
-        if "dynamic" in methods:
-            if heads is None:
-                raise ValueError("the dynamic method needs heads")
-            envelope = heads.tree or default_tree(32, heads.num_heads)
-            runners["dynamic"] = dynamic(lambda: treespec.make_drafter(heads, envelope, model))
+        runners["self_spec"] = ours(lambda: exit_chain.drafter(model))
     eagle = chains.get("eagle")
     if eagle is not None:
-        runners["eagle"] = with_drafter(lambda: eagle.drafter(model))
-        if "eagle_dynamic" in methods:
-            runners["eagle_dynamic"] = dynamic(lambda: eagle.drafter(model))
-        runners["eagle_lookup"] = lambda ids, m: from_result(
-            generate(
-                model,
-                None,
-                ids,
-                tokenizer=tokenizer,
-                max_new_tokens=m,
-                drafter=eagle.drafter(model),
-                lookup=lookup,
-            )
+        runners["eagle"] = ours(lambda: eagle.drafter(model))
+        runners["eagle_lookup"] = ours(lambda: treespec.LookupDrafter(eagle.drafter(model), lookup))
+    return runners
+
+
+def dynamic_runners(model, heads, chains, ours, methods, lookup: int, compile: bool, cost_curve) -> dict:
+    """The dynamic-tree methods: one drafter for every call, as a user reuses it (its learning carries
+    over), pricing trees on this machine's verification cost curve (measured quickly on first use)."""
+    from ..drafters.dynamic import DynamicTreeDrafter
+    from ..training.costs import verify_cost_model
+
+    verify_seconds = verify_cost_model(model, compile=compile, curve_file=cost_curve)
+
+    def dynamic(inner):
+        drafter = DynamicTreeDrafter(
+            treespec.LookupDrafter(inner, lookup) if lookup else inner, verify_seconds
         )
-    missing = [name for name in methods if name not in runners]
-    if missing:
-        raise ValueError(
-            f"method(s) {missing} need --draft-model (draft_model*, hf_assisted), --exit-head or --eagle"
-        )
-    return {name: runners[name] for name in methods}
+        return ours(lambda: drafter)
+
+    runners = {}
+    if "dynamic" in methods:
+        if heads is None:
+            raise ValueError("the dynamic method needs heads")
+        envelope = heads.tree or default_tree(32, heads.num_heads)
+        runners["dynamic"] = dynamic(treespec.make_drafter(heads, envelope, model))
+    eagle = chains.get("eagle")
+    if eagle is not None and "eagle_dynamic" in methods:
+        runners["eagle_dynamic"] = dynamic(eagle.drafter(model))
+    return runners
 
 
 def start_peers(args, model) -> dict:
@@ -689,6 +708,64 @@ def format_tables(summary: list[dict], methods: list[str], reference: str = REFE
 # --------------------------------------------------------------------------------------------------
 
 
+def describe_run(
+    args, command: str, model, heads_tree: tuple, chains: dict, peers: dict, prompts, data
+) -> dict:
+    """The run's settings as the JSON's `config`: what ran, on what, with which versions.
+    heads_tree: (heads description, tree description, tree or None)."""
+    heads_desc, tree_desc, tree = heads_tree
+    return {
+        "command": command,
+        "model": args.model or model.config.name_or_path,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "device": str(next(model.parameters()).device),
+        "cpu": cpu_description(),
+        "heads": heads_desc,
+        "tree": tree_desc,
+        "draft_model": chains["draft_model"].description if chains["draft_model"] else "-",
+        "exit_head": chains["exit_head"].description if chains["exit_head"] else "-",
+        "eagle": chains["eagle"].description if chains["eagle"] else "-",
+        "tree_choices": [list(c) for c in tree.choices] if tree is not None else None,
+        "threads": torch.get_num_threads(),
+        "max_new_tokens": args.max_new_tokens,
+        "lookup": args.lookup if {"lookup", "treespec_lookup"} & set(args.methods) else None,
+        "compile": args.compile,
+        "num_prompts": len(prompts),
+        "categories": [c.strip() for c in args.categories.split(",")] if args.categories else None,
+        "methods": args.methods,
+        "peers": {name: peer.info for name, peer in peers.items()},
+        "method_order": "rotating per prompt (prompt i starts with method i mod k)",
+        "timing": "wall clock per whole call incl. prefill, after one warm-up call per method",
+        "data": str(data),
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "treespec": treespec.__version__,
+            "python": platform.python_version(),
+        },
+        "platform": platform.platform(),
+        "started": datetime.now().isoformat(timespec="seconds"),
+    }
+
+
+def cpu_description() -> str:
+    """The CPU's model name and its bf16 support ("AMX", "AVX-512 BF16" or none: bf16 emulated)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown"
+    name = next(
+        (line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), ""
+    )
+    flags = next(
+        (line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []
+    )
+    bf16 = (
+        "AMX" if "amx_bf16" in flags else "AVX-512 BF16" if "avx512_bf16" in flags else "no bf16 instructions"
+    )
+    return f"{name or 'unknown'} ({bf16}, {os.cpu_count()} cores)"
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
     """Run the benchmark, print the tables, write the JSON; returns what was written.
 
@@ -727,38 +804,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
     peers = start_peers(args, model)
     runners |= {name: peer_runner(peer) for name, peer in peers.items()}
 
-    config = {
-        "command": command,
-        "model": args.model or model.config.name_or_path,
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        "device": str(device),
-        "heads": heads_desc,
-        "tree": tree_desc,
-        "draft_model": chains["draft_model"].description if chains["draft_model"] else "-",
-        "exit_head": chains["exit_head"].description if chains["exit_head"] else "-",
-        "eagle": chains["eagle"].description if chains["eagle"] else "-",
-        "tree_choices": [list(c) for c in tree.choices] if tree is not None else None,
-        "threads": torch.get_num_threads(),
-        "max_new_tokens": args.max_new_tokens,
-        "lookup": args.lookup if {"lookup", "treespec_lookup"} & set(args.methods) else None,
-        "compile": args.compile,
-        "num_prompts": len(prompts),
-        "categories": categories,
-        "methods": args.methods,
-        "peers": {name: peer.info for name, peer in peers.items()},
-        "method_order": "rotating per prompt (prompt i starts with method i mod k)",
-        "timing": "wall clock per whole call incl. prefill, after one warm-up call per method",
-        "data": str(data),
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "treespec": treespec.__version__,
-            "python": platform.python_version(),
-        },
-        "platform": platform.platform(),
-        "started": datetime.now().isoformat(timespec="seconds"),
-    }
-
+    config = describe_run(args, command, model, (heads_desc, tree_desc, tree), chains, peers, prompts, data)
     t_start = time.perf_counter()
     try:
         records = run_benchmark(prompts, runners, args.methods, tokenizer, args.max_new_tokens, device)

@@ -168,9 +168,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     make_drafter = chain_drafter_factory(args, model)  # loads the draft model or exit head once
 
     def run(drafter, ids, max_new_tokens):
-        return treespec.generate(
-            model, None, ids, max_new_tokens=max_new_tokens, drafter=drafter, eos_token_id=[]
-        )
+        return treespec.generate(model, ids, drafter, max_new_tokens=max_new_tokens, eos_token_id=[])
 
     from ..training.costs import default_cost_file, verify_cost_model
 
@@ -318,26 +316,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         make_chain = chain_drafter_factory(args, model)
         drafter = make_chain() if make_chain else None
-    heads, tree = None, None
     if not chained:
         heads, _ = options.load_heads(folder, model, args.num_heads)
         tree, _ = options.pick_tree(tree_choice, heads, args.tree or "--tree", folder, model)
+        drafter = treespec.as_drafter(model, heads, tree)
+    if args.lookup:
+        drafter = treespec.LookupDrafter(drafter, args.lookup)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if args.stream else None
     want_trace = args.show_tree or args.trace is not None
+    sampling = treespec.SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     result = treespec.generate(
         model,
-        heads,
         args.prompt,
-        tokenizer=tokenizer,
-        tree=tree,
+        drafter,
+        tokenizer,
         max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
+        sampling=sampling,
         streamer=streamer,
         trace=want_trace,
-        lookup=args.lookup,
-        drafter=drafter,
     )
     if streamer is None:
         print(result.text)
