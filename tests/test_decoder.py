@@ -14,8 +14,8 @@ from treespec.drafters.draft_model import DraftModelDrafter
 from treespec.drafters.lookup import LookupDrafter
 from treespec.drafters.self_spec import SelfSpeculativeDrafter
 
-PROTOCOL_METHODS = ["start", "keep_rows", "propose", "observe", "report", "scorer"]
-PROTOCOL_ATTRIBUTES = ["tree", "feature_layers", "batched", "limits_depth", "node_levels"]
+PROTOCOL_METHODS = ["start", "keep_rows", "propose", "observe", "verified", "report", "scorer"]
+PROTOCOL_ATTRIBUTES = ["tree", "feature_layers", "batched", "limits_depth", "node_levels", "target_topk"]
 
 
 def _shipped_drafter_classes():
@@ -221,3 +221,32 @@ def test_saved_heads_keep_their_tree(tmp_path):
     heads.tree = treespec.Tree.from_choices([[0], [1], [0, 0]])
     heads.save_pretrained(tmp_path)
     assert treespec.MedusaHeads.from_pretrained(tmp_path, model=model).tree == heads.tree
+
+
+class _Listener(treespec.BaseDrafter):
+    """Heads that also record what `verified` hands them (the target's top-k after every node)."""
+
+    batched, limits_depth, target_topk = True, True, 3
+
+    def __init__(self, inner):
+        self.inner, self.tree, self.seen = inner, inner.tree, []
+
+    def propose(self, hidden, roots, max_depth=None):
+        return self.inner.propose(hidden, roots, max_depth)
+
+    def verified(self, tokens, top_tokens):
+        self.seen.append((tokens.clone(), top_tokens.clone()))
+
+
+def test_verified_hands_the_targets_top_k_after_every_node_through_wrappers():
+    """target_topk > 0: each step the drafter (under a lookup wrapper) gets the tree's tokens [A, N] and the
+    target's top-k there; greedy, the top-1 after the root is the row's first committed token."""
+    model = tiny_model("llama", dtype=torch.float32)
+    listener = _Listener(treespec.make_drafter(random_heads(model), treespec.default_tree(8, 4), model))
+    decoder = treespec.Decoder(model, treespec.LookupDrafter(listener, 3), acceptance="greedy")
+    decoder.prefill([[5, 9, 4, 7, 1], [3, 3, 8, 2, 6, 6, 1, 9, 4], [2, 7, 1, 8]], max_new_tokens=12)
+    for _ in range(3):
+        step = decoder.step()
+        tokens, top = listener.seen[-1]
+        assert tokens.tolist() == step.tokens and top.shape == (3, step.nodes, 3)
+        assert top[:, 0, 0].tolist() == [committed[0] for committed in step.committed]

@@ -330,6 +330,8 @@ class Decoder:
             t3 = self.clock()
         committed = [[tokens[a][i] for i in p[1:]] + [bonuses[a]] for a, p in enumerate(paths)]
         self.drafter.observe(committed, self._accepted_features(features, paths))
+        if speculate and self.drafter.target_topk > 0:  # what the target said after every verified node
+            self.drafter.verified(proposal.tokens, logits.topk(self.drafter.target_topk, dim=-1).indices)
         # what the drafter does in observe (e.g. an EAGLE layer's pass) counts as drafting
         t_draft = (t1 - t0) + (self.clock() - t3)
         if self.pricer is not None and self.cache.num_rows > 1:

@@ -13,6 +13,9 @@ One decoding step, seen from a drafter:
                                     (deeper nodes: probability 0), so a dynamic tree can skip levels
     node_levels                     [N] the drafting level (1..) that makes each node; 0 for nodes drafted
                                     whole at any depth (the root, a lookup chain); default: the node's depth
+    target_topk                     k > 0: after each verification the decoder calls
+    verified(tokens, top_tokens)    with the step's tree tokens [A, N] and the target's k most likely next
+                                    tokens after every node [A, N, k] (read from logits it computed anyway)
     keep_rows(rows)                 batches: only these rows (indices into the last batch) go on decoding
     report() -> DrafterReport       what the drafter measured and the memory of its own cache, if any
     scorer() -> Scorer | None       its own verification forward (partial-layer verification), or None
@@ -91,6 +94,7 @@ class Drafter(Protocol):
     feature_layers: tuple[int, ...]
     batched: bool  # drafts for several rows at once (hidden [B, H], roots [B])
     limits_depth: bool  # propose takes max_depth= (drafts depths 1..max_depth only)
+    target_topk: int  # > 0: `verified` receives the target's top-k next tokens after every verified node
 
     @property
     def node_levels(self) -> torch.Tensor: ...  # [N] long: the drafting level that makes each node
@@ -105,6 +109,8 @@ class Drafter(Protocol):
 
     def observe(self, committed: list[list[int]], features: torch.Tensor | None = None) -> None: ...
 
+    def verified(self, tokens: torch.Tensor, top_tokens: torch.Tensor) -> None: ...
+
     def report(self) -> DrafterReport: ...
 
     def scorer(self) -> Scorer | None: ...
@@ -118,6 +124,7 @@ class BaseDrafter:
     feature_layers: tuple[int, ...] = ()
     batched: bool = False
     limits_depth: bool = False
+    target_topk: int = 0
 
     @property
     def node_levels(self) -> torch.Tensor:
@@ -135,6 +142,10 @@ class BaseDrafter:
 
     def observe(self, committed: list[list[int]], features: torch.Tensor | None = None) -> None:
         pass
+
+    def verified(self, tokens: torch.Tensor, top_tokens: torch.Tensor) -> None:
+        """tokens [A, N]: the step's verified tree (a wrapper's whole tree, all sources); top_tokens
+        [A, N, k]: the target's top-k next tokens after each node. Called only when `target_topk` > 0."""
 
     def report(self) -> DrafterReport:
         return DrafterReport()

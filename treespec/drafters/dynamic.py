@@ -372,6 +372,14 @@ class DynamicTreeDrafter(BaseDrafter):
         """[N] the inner drafter's level that makes each node."""
         return torch.tensor(self.levels_of_nodes, dtype=torch.long)
 
+    @property
+    def target_topk(self) -> int:
+        return self.inner.target_topk
+
+    def verified(self, tokens: torch.Tensor, top_tokens: torch.Tensor) -> None:
+        """Every verified node goes to the inner drafter (what the target said after each token)."""
+        self.inner.verified(tokens, top_tokens)
+
     def report(self) -> DrafterReport:
         inner = self.inner.report()
         return DrafterReport({**inner.stats, "dynamic": dict(self.counts)}, inner.cache_memory)

@@ -137,6 +137,14 @@ class LookupDrafter(BaseDrafter):
             self.tries[n, d] += 1
             self.hits[n, d] += float(d < len(committed) - 1 and committed[d] == token)
 
+    @property
+    def target_topk(self) -> int:
+        return self.inner.target_topk
+
+    def verified(self, tokens: torch.Tensor, top_tokens: torch.Tensor) -> None:
+        """Every verified node goes to the inner drafter (what the target said after each token)."""
+        self.inner.verified(tokens, top_tokens)
+
     def report(self) -> DrafterReport:
         return self.inner.report()
 
