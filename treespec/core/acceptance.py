@@ -94,7 +94,7 @@ def accept_greedy(
     The deepest path whose every token is the base model's argmax after its prefix. Several children
     can carry the same token (e.g. a prompt-lookup branch beside the heads' guess): all are followed.
     """
-    # max().indices is argmax (first maximum on ties) and 2-3x faster than argmax on bf16 [N, V] here
+    # max().indices is argmax (first maximum on ties) and faster than argmax on bf16 [N, V] on a CPU
     best = logits.max(dim=-1).indices.tolist()  # [N]
 
     def deepest(node: int) -> list[int]:
@@ -123,7 +123,7 @@ def accept_typical(
 
     logits: [N, V] on any device; the bonus token is drawn on the generator's device (`draw_device`).
     Distributions are computed only where they are read: at the M nodes that have children (about
-    half of a tree; a top-p sort costs ~7 ms per 49k-token row on a CPU) and at the last accepted node.
+    half of a tree; a top-p sort over the vocabulary is costly on a CPU) and at the last accepted node.
     """
     if config.greedy:
         return accept_greedy(tokens, children, logits)

@@ -7,14 +7,14 @@ the linear layers as `core.packed` switched them) traced with every size symboli
 committed length, the cache capacity. Dynamo still splits on what changes the graph itself: n = 1
 (its 0/1 rule) and more than `packed.BLOCK_ROWS_MAX` rows (block weights go to a GEMM there), so the
 node counts fall into three size classes (`size_class`), one compile each: 1, 2-24 and 25 or more.
-A symbolic n was also faster than one graph per node count (AVX2, float32, 4 / 8 / 16 nodes: 23 / 38 /
-58 ms against 31-34 / 44-53 / 76 ms), and it lets trees change size from step to step.
+A symbolic n measured faster than one graph per node count
+(benchmarks/log/2026-12-01-d-session4-size-classes.md), and it lets trees change size from step to step.
 
 What compiling buys on CPU is the Python dispatch of ~35 small ops per layer (norms, rotary
 embedding, residuals) fused into a few C++ loops; the linear layers and the attention stay the ops
 they were.
 
-Guards: dynamo checks ~9,000 guards (mostly the model's modules) before every call, 3-5 ms here. After
+Guards: dynamo checks thousands of guards (mostly the model's modules) before every call. After
 the first call for a key (model, size class, attention kernel, linear mode) has compiled or found its
 graph with every guard checked, later calls with that key run under
 `set_stance(skip_guard_eval_unsafe=True)`, which checks only the guards that tell the cached graphs

@@ -7,8 +7,8 @@ Two fast forms, chosen per weight (`mode="auto"`):
   `block_linear` op: the same weights bit for bit, 0.6-1.1 bytes per weight instead of 4.
 - **oneDNN prepacked**: the weight reordered once into oneDNN's blocked layout
   (`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`, what inductor's `freezing`
-  emits). On an AVX2 EPYC (float32, 30 layers of SmolLM2's MLP gate, weights out of cache) `F.linear`
-  took 13 ms at 1 row, 22-27 ms at 2-16 rows and 42 ms at 32; the prepacked weight 11, 12-16 and 23 ms.
+  emits), faster than `F.linear` at every row count measured
+  (benchmarks/log/2026-12-01-b-fast-linear-layers.md).
 
 `mode="onednn"` skips the block search, `mode="torch"` (or `enabled=False`) leaves the model as it is.
 Results equal `F.linear` to float rounding (summation order), not bitwise.
@@ -34,10 +34,9 @@ from .blocks import BlockMatrix, recover_blocks
 from .runtime import TargetRuntime
 
 MODES = ("auto", "onednn", "torch")
-# rows up to which the block kernel beats a GEMM on the same weight. Whole-model linears of SmolLM2 (AVX2,
-# float32, session 10, min of 6): blocks 72 / 115 / 160 / 301 ms at 16 / 24 / 32 / 64 rows, the prepacked
-# oneDNN copy 160 / 145 / 146 / 185, F.linear 214 / 188 / 186 / 324 (noisy: +-30%). Above this count a block
-# weight multiplies through a oneDNN copy of its float32 values, built on first use.
+# rows up to which the block kernel beats a GEMM on the same weight (measured on SmolLM2's linears:
+# benchmarks/log/2026-12-02-b-session10-batches-onednn.md). Above this count a block weight multiplies
+# through a oneDNN copy of its float32 values, built on first use.
 BLOCK_ROWS_MAX = 24
 
 

@@ -112,9 +112,10 @@ class SequentialDrafter(BaseDrafter):
 
 def shared_output(heads: MedusaHeads, lm_head) -> tuple[torch.Tensor | None, PackedMatrix | None]:
     """The heads' shared output rows [V', H] (`MedusaHeads.output_weight`) and their fast form, built once
-    per heads and output layer: finding a weight's exact blocks took 0.1-0.7 s for SmolLM2's 4,096 draft
-    rows, which every drafter made for a `generate` call paid again. Rebuilt when the output layer's weight
-    or the draft vocabulary changes (storage or version). (None, None) for heads with their own outputs."""
+    per heads and output layer (finding a weight's exact blocks is slow, and every drafter made for a
+    `generate` call would pay it again), kept in the heads' `TargetRuntime`. Rebuilt when the output
+    layer's weight or the draft vocabulary changes (storage or version). (None, None) for heads with their
+    own outputs."""
     if heads.own_lm_head:
         return None, None
     source = lm_head if isinstance(lm_head, torch.Tensor) else getattr(lm_head, "weight", None)

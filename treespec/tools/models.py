@@ -111,7 +111,7 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
 def fast_dtype(device: torch.device | str | None = None) -> torch.dtype:
     """The quicker of bfloat16 and float32 for decoding on `device`: bfloat16 on a CUDA device that has it
     and on a CPU with bf16 matrix instructions (AVX512-BF16 / AMX, through oneDNN), else float32 (where
-    bf16 matmuls are emulated; measured ~3x slower than float32 on an AVX2 CPU)."""
+    bf16 matmuls are emulated, several times slower than float32)."""
     device = torch.device(device or "cpu")
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
