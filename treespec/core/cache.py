@@ -372,4 +372,3 @@ class TreeKVCache(KVCacheBase):
             "speculative": self.spec_reserve * self.num_rows * per_token,
             "allocated": self.max_len * self.num_rows * per_token,
         }
-
