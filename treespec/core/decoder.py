@@ -187,7 +187,7 @@ class Decoder:
         step of each size class compiles); drafters with their own scorer keep it. plain_above: verify the
         root alone while more rows than this are live; None: always speculate; "auto": a batch of several
         rows takes the kind of step a `StepPricer` measured to pay at its row count (`pricer`, default
-        the process's shared one for this model and drafter setting). clock: the step timer (default:
+        the one for this drafter setting in the model's `TargetRuntime`). clock: the step timer (default:
         wall time, synchronising CUDA only where a pricer reads the timings)."""
         self.sampling = sampling or SamplingConfig()
         self.acceptance = acceptance or self.sampling.acceptance
