@@ -133,7 +133,7 @@ def test_a_missing_curve_is_measured_once_on_first_use_then_read(tmp_path, monke
     from treespec.training import costs
 
     monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path / "cache"))
-    model = tiny_model("llama", dtype=torch.float32)  # 512 positions: the 1024 prefix is cut to fit
+    model = tiny_model("llama", dtype=torch.float32)  # 512 positions: the 512 prefix is cut to fit
     file = costs.default_cost_file(model)
     assert file.is_relative_to(tmp_path / "cache") and not file.exists()
     measured, messages = [], []

@@ -50,9 +50,10 @@ PATHS = {
 # the quick curve measured on first use (`ensure_cost_curve`): interpolation is linear between measured
 # node counts and flat beyond the last, so the counts span the largest trees drafters use (a 32-node tree
 # plus a lookup branch), bracket the block kernel's switch to a GEMM above BLOCK_ROWS_MAX rows, and double
-# in between; two prefixes (the nearest measured one prices a step) separate short from long contexts.
+# in between; two prefixes (the nearest measured one prices a step) separate short from chat-length
+# contexts (longer ones, priced at 512, are measured by scripts/cost_curve.py).
 QUICK_NODES = tuple(sorted({1, 4, 8, 16, BLOCK_ROWS_MAX, 32, 64}))
-QUICK_PREFIXES = (128, 1024)
+QUICK_PREFIXES = (128, 512)
 QUICK_REPEATS = 3
 
 
