@@ -31,7 +31,9 @@ from .drafters.eagle_model import EagleDraftModel, EagleLoadError
 from .drafters.heads import ExitHead, HeadsLoadError, MedusaHeads
 from .drafters.lookup import LookupDrafter
 from .drafters.medusa import MedusaDrafter, SequentialDrafter, make_drafter
+from .drafters.recycling import RecyclingDrafter
 from .drafters.self_spec import SelfSpeculativeDrafter
+from .drafters.suffix import SuffixCache, SuffixDrafter
 from .tools.models import load_model
 from .tools.trace import Trace
 
@@ -66,11 +68,14 @@ __all__ = [
     "LookupDrafter",
     "MedusaDrafter",
     "MedusaHeads",
+    "RecyclingDrafter",
     "RootOnlyDrafter",
     "SamplingConfig",
     "SelfSpeculativeDrafter",
     "SequentialDrafter",
     "SpeculativeKVCache",
+    "SuffixCache",
+    "SuffixDrafter",
     "Trace",
     "Tree",
     "TreeKVCache",
