@@ -33,7 +33,6 @@ from .drafters.lookup import LookupDrafter
 from .drafters.medusa import MedusaDrafter, SequentialDrafter, make_drafter
 from .drafters.recycling import RecyclingDrafter
 from .drafters.self_spec import SelfSpeculativeDrafter
-from .drafters.suffix import SuffixCache, SuffixDrafter
 from .tools.models import load_model
 from .tools.trace import Trace
 
@@ -74,8 +73,6 @@ __all__ = [
     "SelfSpeculativeDrafter",
     "SequentialDrafter",
     "SpeculativeKVCache",
-    "SuffixCache",
-    "SuffixDrafter",
     "Trace",
     "Tree",
     "TreeKVCache",
