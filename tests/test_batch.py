@@ -106,10 +106,9 @@ def test_each_row_equals_its_single_sequence_output(batch):
     prompts = _prompts(model, lengths, seed=batch)
     for name, make in _drafters(model):
         singles = [
-            treespec.generate(model, None, p, drafter=make(), max_new_tokens=24, eos_token_id=[]).token_ids
-            for p in prompts
+            treespec.generate(model, p, make(), max_new_tokens=24, eos_token_id=[]).token_ids for p in prompts
         ]
-        results = treespec.generate(model, None, prompts, drafter=make(), max_new_tokens=24, eos_token_id=[])
+        results = treespec.generate(model, prompts, make(), max_new_tokens=24, eos_token_id=[])
         assert [r.token_ids for r in results] == singles, name
         assert [r.prompt_ids for r in results] == prompts
         assert all(r.stats.new_tokens == 24 and r.stats.steps >= 1 for r in results)
@@ -122,7 +121,14 @@ def test_batches_on_every_architecture_and_kernel(arch, kernel):
     model = tiny_model(arch, dtype=torch.float32)
     heads = random_heads(model)
     prompts = _prompts(model, [4, 40, 9, 17], seed=3)
-    results = treespec.generate(model, heads, prompts, max_new_tokens=20, eos_token_id=[], kernel=kernel)
+    results = treespec.generate(
+        model,
+        prompts,
+        heads,
+        max_new_tokens=20,
+        eos_token_id=[],
+        options=treespec.DecodeOptions(kernel=kernel),
+    )
     for prompt, result in zip(prompts, results, strict=True):
         assert result.token_ids == hf_greedy(model, prompt, 20), (arch, kernel)
 
@@ -132,10 +138,17 @@ def test_heads_that_match_the_model_accept_deep_in_every_row():
     model = tiny_model("llama", dtype=torch.float32)
     heads = random_heads(model, std=0.0)
     prompts = [[3] * 6, [5] * 9, [3] * 12]
-    results = treespec.generate(model, heads, prompts, max_new_tokens=30, eos_token_id=[], plain_above=None)
+    results = treespec.generate(
+        model,
+        prompts,
+        heads,
+        max_new_tokens=30,
+        eos_token_id=[],
+        options=treespec.DecodeOptions(plain_above=None),
+    )
     for prompt, result in zip(prompts, results, strict=True):
         assert result.token_ids == hf_greedy(model, prompt, 30)
-        single = treespec.generate(model, heads, prompt, max_new_tokens=30, eos_token_id=[])
+        single = treespec.generate(model, prompt, heads, max_new_tokens=30, eos_token_id=[])
         assert result.stats.accept_lengths == single.stats.accept_lengths
         assert result.stats.steps < 30
 
@@ -154,7 +167,7 @@ def test_a_row_that_hits_eos_first_stops_and_leaves_the_batch():
         lambda m, args, out: widths.append(args[0].shape[0])
     )
     try:
-        results = treespec.generate(model, heads, prompts, max_new_tokens=30, eos_token_id=eos)
+        results = treespec.generate(model, prompts, heads, max_new_tokens=30, eos_token_id=eos)
     finally:
         hook.remove()
     assert [r.token_ids for r in results] == expected
@@ -171,12 +184,16 @@ def test_a_row_whose_prompt_nearly_fills_the_cache():
     tree = treespec.default_tree(8, 4)
     limit = model.config.max_position_embeddings
     prompts = _prompts(model, [limit - 20 - tree.num_nodes, 6], seed=5)
-    results = treespec.generate(model, heads, prompts, tree=tree, max_new_tokens=20, eos_token_id=[])
+    results = treespec.generate(
+        model, prompts, treespec.as_drafter(model, heads, tree), max_new_tokens=20, eos_token_id=[]
+    )
     for prompt, result in zip(prompts, results, strict=True):
         assert result.token_ids == hf_greedy(model, prompt, 20)
     too_long = [prompts[1], prompts[0] + [1]]
     with pytest.raises(CacheCapacityError, match="prompt 1 has"):
-        treespec.generate(model, heads, too_long, tree=tree, max_new_tokens=20, eos_token_id=[])
+        treespec.generate(
+            model, too_long, treespec.as_drafter(model, heads, tree), max_new_tokens=20, eos_token_id=[]
+        )
 
 
 def test_sampling_in_a_batch_matches_the_base_model_per_row():
@@ -196,7 +213,12 @@ def test_sampling_in_a_batch_matches_the_base_model_per_row():
     for seed in range(200):
         batch = [prompts[i % 2] for i in range(2 * copies)]
         results = treespec.generate(
-            model, heads, batch, tree=tree, max_new_tokens=2, temperature=1.0, seed=seed, eos_token_id=[]
+            model,
+            batch,
+            treespec.as_drafter(model, heads, tree),
+            max_new_tokens=2,
+            sampling=treespec.SamplingConfig(temperature=1.0, seed=seed),
+            eos_token_id=[],
         )
         for i, result in enumerate(results):
             counts[i % 2][result.token_ids[1]] += 1
@@ -220,7 +242,12 @@ def test_plain_steps_above_the_row_limit():
     step = decoder.step()
     assert step.rows == [0, 2] and step.nodes == tree.num_nodes
     full = treespec.generate(
-        model, heads, prompts, tree=tree, max_new_tokens=20, eos_token_id=[], plain_above=1
+        model,
+        prompts,
+        treespec.as_drafter(model, heads, tree),
+        max_new_tokens=20,
+        eos_token_id=[],
+        options=treespec.DecodeOptions(plain_above=1),
     )
     assert [r.token_ids for r in full] == [hf_greedy(model, p, 20) for p in prompts]
 
@@ -292,7 +319,7 @@ def test_auto_fallback_keeps_the_output():
     # measures both kinds of step (after a warm-up step of each kind) before choosing
     assert kinds[:4] == [16, 16, 1, 1]
     assert set(decoder.pricer.seconds) == {(4, True), (4, False)}
-    results = treespec.generate(model, heads, prompts, max_new_tokens=30, eos_token_id=[])
+    results = treespec.generate(model, prompts, heads, max_new_tokens=30, eos_token_id=[])
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 30) for p in prompts]
     with pytest.raises(ValueError, match="plain_above must be"):
         Decoder(model, None, plain_above="sometimes")
@@ -330,7 +357,12 @@ def test_the_pricer_is_shared_per_model_and_drafter_setting(monkeypatch):
     prompts = _prompts(model, [4, 6], seed=30)
     with pytest.raises(Made):
         treespec.generate(
-            model, heads, prompts, max_new_tokens=3, eos_token_id=[], plain_above=None, compile=True
+            model,
+            prompts,
+            heads,
+            max_new_tokens=3,
+            eos_token_id=[],
+            options=treespec.DecodeOptions(plain_above=None, compile=True),
         )
     assert made[0]["compile"] is True and made[0]["plain_above"] is None
 
@@ -351,11 +383,11 @@ def test_streaming_per_row():
             self.ended = True
 
     streams = [Collect(), None]
-    results = treespec.generate(model, heads, prompts, max_new_tokens=15, eos_token_id=[], streamer=streams)
+    results = treespec.generate(model, prompts, heads, max_new_tokens=15, eos_token_id=[], streamer=streams)
     assert streams[0].puts[0] == prompts[0] and streams[0].ended
     assert sum(streams[0].puts[1:], []) == results[0].token_ids
     with pytest.raises(ValueError, match="list of 2 streamers"):
-        treespec.generate(model, heads, prompts, max_new_tokens=5, streamer=Collect())
+        treespec.generate(model, prompts, heads, max_new_tokens=5, streamer=Collect())
 
 
 def test_drafters_with_their_own_cache_refuse_batches():
@@ -363,17 +395,17 @@ def test_drafters_with_their_own_cache_refuse_batches():
     draft = tiny_model("llama", dtype=torch.float32, seed=1)
     prompts = _prompts(model, [4, 7], seed=7)
     with pytest.raises(ValueError, match="one sequence at a time"):
-        treespec.generate(model, None, prompts, drafter=treespec.DraftModelDrafter(draft, gamma=3))
+        treespec.generate(model, prompts, treespec.DraftModelDrafter(draft, gamma=3))
     with pytest.raises(ValueError, match="trace= takes one prompt"):
-        treespec.generate(model, None, prompts, trace=True)
+        treespec.generate(model, prompts, trace=True)
 
 
 def test_a_batch_as_a_tensor_and_a_single_prompt_as_a_list_of_ids():
     model = tiny_model("llama", dtype=torch.float32)
     ids = torch.tensor(_prompts(model, [6, 6], seed=8))
-    results = treespec.generate(model, None, ids, max_new_tokens=5, eos_token_id=[])
+    results = treespec.generate(model, ids, max_new_tokens=5, eos_token_id=[])
     assert [r.token_ids for r in results] == [hf_greedy(model, row.tolist(), 5) for row in ids]
-    single = treespec.generate(model, None, ids[0].tolist(), max_new_tokens=5, eos_token_id=[])
+    single = treespec.generate(model, ids[0].tolist(), max_new_tokens=5, eos_token_id=[])
     assert isinstance(single, treespec.GenerationResult)
 
 
@@ -482,7 +514,12 @@ def test_compiled_batch_steps_equal_single_sequences():
     heads = random_heads(model)
     prompts = _prompts(model, [4, 60, 9], seed=13)
     results = treespec.generate(
-        model, heads, prompts, max_new_tokens=16, eos_token_id=[], compile=True, kernel="compiled"
+        model,
+        prompts,
+        heads,
+        max_new_tokens=16,
+        eos_token_id=[],
+        options=treespec.DecodeOptions(compile=True, kernel="compiled"),
     )
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 16) for p in prompts]
 

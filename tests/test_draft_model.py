@@ -82,7 +82,9 @@ def test_greedy_output_equals_the_base_models_with_every_storage(storage, gamma)
     prompt = [3, 17, 5, 9, 22, 41, 7]
     want = hf_greedy(target, prompt, 40)
     drafter = DraftModelDrafter(draft, gamma=gamma, storage=storage, kernel="sdpa")
-    result = treespec.generate(target, None, prompt, max_new_tokens=40, drafter=drafter, kernel="sdpa")
+    result = treespec.generate(
+        target, prompt, drafter, max_new_tokens=40, options=treespec.DecodeOptions(kernel="sdpa")
+    )
     assert result.token_ids == want
     assert result.stats.drafter["drafted"] == gamma * result.stats.steps
     assert 0 <= result.stats.acceptance_rate <= 1
@@ -93,7 +95,9 @@ def test_a_draft_model_that_agrees_with_the_target_is_always_accepted():
     target = tiny_model("qwen2", seed=3)
     prompt = [1, 2, 3, 4, 5]
     drafter = DraftModelDrafter(tiny_model("qwen2", seed=3), gamma=4, kernel="reference")
-    result = treespec.generate(target, None, prompt, max_new_tokens=31, drafter=drafter, kernel="reference")
+    result = treespec.generate(
+        target, prompt, drafter, max_new_tokens=31, options=treespec.DecodeOptions(kernel="reference")
+    )
     assert result.token_ids == hf_greedy(target, prompt, 31)
     assert result.stats.accept_lengths[:-1] == [5] * (len(result.stats.accept_lengths) - 1)
     assert result.stats.drafter["acceptance_rate"] > 0.9
@@ -107,12 +111,10 @@ def test_with_a_lookup_branch_the_output_is_still_the_base_models():
     )
     result = treespec.generate(
         target,
-        None,
         prompt,
+        treespec.LookupDrafter(drafter, 4),
         max_new_tokens=30,
-        drafter=drafter,
-        lookup=4,
-        kernel="reference",
+        options=treespec.DecodeOptions(kernel="reference"),
         eos_token_id=[],
     )
     assert result.token_ids == hf_greedy(target, prompt, 30)
@@ -161,7 +163,7 @@ def test_runner_up_leaves_get_accepted_and_greedy_stays_exact():
     accepted = {}
     for name, branching in (("chain", None), ("tree", {1: 20})):
         drafter = DraftModelDrafter(draft, gamma=2, kernel="sdpa", branching=branching)
-        result = treespec.generate(target, None, prompt, max_new_tokens=40, drafter=drafter, eos_token_id=[])
+        result = treespec.generate(target, prompt, drafter, max_new_tokens=40, eos_token_id=[])
         assert result.token_ids == want, name
         accepted[name] = result.stats.mean_accept_length
     assert accepted["tree"] > accepted["chain"]

@@ -36,7 +36,7 @@ def test_greedy_output_equals_the_base_models_with_a_new_tree_every_step(arch):
         inner = treespec.make_drafter(heads, treespec.default_tree(16, heads.num_heads), model)
         drafter = RandomSubtrees(inner, seed)
         prompt = torch.randint(96, (6 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
-        result = treespec.generate(model, None, prompt, drafter=drafter, max_new_tokens=40, eos_token_id=[])
+        result = treespec.generate(model, prompt, drafter, max_new_tokens=40, eos_token_id=[])
         assert result.token_ids == hf_greedy(model, prompt, 40)
         assert len(set(drafter.sizes)) > 3  # the node count really changed
         assert result.stats.nodes_verified == drafter.sizes[: result.stats.steps]
@@ -57,7 +57,7 @@ def test_a_tree_larger_than_declared_is_refused():
             return Proposal(full.tokens, full.probs, tree=inner.tree)
 
     with pytest.raises(ValueError, match="declared at most 2 nodes"):
-        treespec.generate(model, None, [1, 2, 3], drafter=TooBig(), max_new_tokens=4, eos_token_id=[])
+        treespec.generate(model, [1, 2, 3], TooBig(), max_new_tokens=4, eos_token_id=[])
 
 
 # ----- DynamicTreeDrafter -----
@@ -137,7 +137,7 @@ def test_dynamic_drafter_is_exact_and_shrinks_when_nodes_cost_too_much(sequentia
             treespec.make_drafter(heads, treespec.default_tree(16, heads.num_heads), model), length=3
         )
         drafter = DynamicTreeDrafter(inner, lambda n, prefix, c=per_node: 1.0 + c * (n - 1))
-        result = treespec.generate(model, None, prompt, drafter=drafter, max_new_tokens=40, eos_token_id=[])
+        result = treespec.generate(model, prompt, drafter, max_new_tokens=40, eos_token_id=[])
         assert result.token_ids == expected
         sizes[per_node] = result.stats.mean_nodes_verified
         assert all(p is not None for p in result.stats.predicted_accept)
@@ -161,14 +161,7 @@ def test_trace_and_page_show_each_steps_tree_and_prediction(tmp_path):
     inner = treespec.make_drafter(heads, treespec.default_tree(8, heads.num_heads), model)
     drafter = RandomSubtrees(inner, 2)
     result = treespec.generate(
-        model,
-        None,
-        [1, 2, 3],
-        tokenizer=tokenizer,
-        drafter=drafter,
-        max_new_tokens=12,
-        eos_token_id=[],
-        trace=True,
+        model, [1, 2, 3], drafter, tokenizer=tokenizer, max_new_tokens=12, eos_token_id=[], trace=True
     )
     trace = Trace.from_result(result, tokenizer)
     trace.save(tmp_path / "t.json")
@@ -281,7 +274,7 @@ def test_dynamic_drafter_drafts_the_level_count_that_pays_and_tries_one_deeper_n
     # through the decoder: exact, and levels are skipped when nodes cost much
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
     costly = DynamicTreeDrafter(inner, lambda n, prefix: 1.0 + 0.5 * (n - 1))
-    result = treespec.generate(model, None, prompt, drafter=costly, max_new_tokens=40, eos_token_id=[])
+    result = treespec.generate(model, prompt, costly, max_new_tokens=40, eos_token_id=[])
     assert result.token_ids == hf_greedy(model, prompt, 40)
     counts = costly.counts
     assert counts["levels"] < 3 * (counts["steps"] - counts["skipped"])
@@ -322,7 +315,7 @@ def test_the_step_time_beyond_the_cost_curve_is_learned_and_the_curve_made_monot
     assert [round(t * 1e6, 6) for t in table[1:6]] == [2.0, 2.0, 2.5, 3.5, 3.5]  # never falls with n
     assert all(a <= b for a, b in zip(table[1:], table[2:], strict=False))
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
-    result = treespec.generate(model, None, prompt, drafter=drafter, max_new_tokens=20, eos_token_id=[])
+    result = treespec.generate(model, prompt, drafter, max_new_tokens=20, eos_token_id=[])
     assert result.token_ids == hf_greedy(model, prompt, 20)
     # the steps took far longer than the curve says: the rest (sampling, commit, Python) is learned
     assert drafter.overhead > 100 * table[-1]
@@ -350,7 +343,7 @@ def test_a_reused_dynamic_drafter_keeps_what_it_learned_and_stays_exact():
     inner = treespec.make_drafter(heads, treespec.default_tree(16, heads.num_heads), model)
     drafter = DynamicTreeDrafter(inner, lambda n, prefix: 1.0 + 0.01 * (n - 1))
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 3, 9, 3, 9, 3, 9]]
-    first = treespec.generate(model, None, prompts[0], drafter=drafter, max_new_tokens=30, eos_token_id=[])
+    first = treespec.generate(model, prompts[0], drafter, max_new_tokens=30, eos_token_id=[])
     assert first.token_ids == hf_greedy(model, prompts[0], 30)
     proposed = drafter.calibration.proposed.clone()
     gains, costs = dict(drafter.level_gains), dict(drafter.draft_costs.measured)
@@ -360,6 +353,6 @@ def test_a_reused_dynamic_drafter_keeps_what_it_learned_and_stays_exact():
     assert drafter.counts["steps"] == 0 and drafter.prefix == len(prompts[1])
     assert torch.equal(drafter.calibration.proposed, proposed)
     assert drafter.level_gains == gains and drafter.draft_costs.measured == costs
-    second = treespec.generate(model, None, prompts[1], drafter=drafter, max_new_tokens=30, eos_token_id=[])
+    second = treespec.generate(model, prompts[1], drafter, max_new_tokens=30, eos_token_id=[])
     assert second.token_ids == hf_greedy(model, prompts[1], 30)
     assert drafter.calibration.proposed.sum() > proposed.sum()  # and it goes on learning

@@ -99,7 +99,12 @@ def test_greedy_output_equals_the_base_models(arch):
         drafter = treespec.EagleDrafter(draft, treespec.Tree.from_choices(choices), model)
         prompt = torch.randint(96, (5 + 3 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
         result = treespec.generate(
-            model, None, prompt, drafter=drafter, max_new_tokens=40, acceptance="greedy", eos_token_id=[]
+            model,
+            prompt,
+            drafter,
+            max_new_tokens=40,
+            sampling=treespec.SamplingConfig(acceptance="greedy"),
+            eos_token_id=[],
         )
         assert result.token_ids == hf_greedy(model, prompt, 40)
         assert result.stats.drafter["steps"] == result.stats.steps
@@ -113,12 +118,12 @@ def test_greedy_with_a_lookup_branch():
     prompt = [3, 4, 5, 6, 7] * 4
     result = treespec.generate(
         model,
-        None,
         prompt,
-        drafter=treespec.EagleDrafter(draft, treespec.Tree.from_choices([[0], [0, 0]]), model),
+        treespec.LookupDrafter(
+            treespec.EagleDrafter(draft, treespec.Tree.from_choices([[0], [0, 0]]), model), 4
+        ),
         max_new_tokens=30,
-        acceptance="greedy",
-        lookup=4,
+        sampling=treespec.SamplingConfig(acceptance="greedy"),
         eos_token_id=[],
     )
     assert result.token_ids == hf_greedy(model, prompt, 30)
@@ -165,7 +170,7 @@ def test_rounded_drafter_reads_its_weights_as_blocks_and_stays_exact():
     draft = random_eagle(model, 2, draft_size=64).round_to_blocks()
     drafter = treespec.EagleDrafter(draft, treespec.Tree.from_choices([[0], [1], [0, 0]]), model)
     prompt = [4, 5, 6, 7]
-    result = treespec.generate(model, None, prompt, drafter=drafter, max_new_tokens=20, eos_token_id=[])
+    result = treespec.generate(model, prompt, drafter, max_new_tokens=20, eos_token_id=[])
     assert result.token_ids == hf_greedy(model, prompt, 20)
     if treespec.ops.available("cpu"):  # the block kernel is there: every linear layer ran through it
         assert linear_kinds(draft) == {"blocks-q8_0": 9}

@@ -29,7 +29,9 @@ def test_greedy_equals_hf_greedy(arch, dtype):
         prompt = torch.randint(0, model.config.vocab_size, (5 + 4 * trial,), generator=gen).tolist()
         expected = hf_greedy(model, prompt, 40)
         for tree in _trees():
-            got = treespec.generate(model, heads, prompt, tree=tree, max_new_tokens=40, eos_token_id=[])
+            got = treespec.generate(
+                model, prompt, treespec.as_drafter(model, heads, tree), max_new_tokens=40, eos_token_id=[]
+            )
             assert got.token_ids == expected, (arch, tree)
             assert sum(got.stats.accept_lengths) + 1 >= len(expected)  # every committed token was emitted
         base = treespec.generate_baseline(model, prompt, max_new_tokens=40, eos_token_id=[])
@@ -42,7 +44,7 @@ def test_heads_that_match_the_model_are_accepted():
     model = tiny_model("llama")
     heads = random_heads(model, std=0.0)  # zero blocks: identity -> every head repeats the next-token guess
     prompt = [3, 3, 3, 3, 3, 3]
-    res = treespec.generate(model, heads, prompt, max_new_tokens=30, eos_token_id=[])
+    res = treespec.generate(model, prompt, heads, max_new_tokens=30, eos_token_id=[])
     assert res.token_ids == hf_greedy(model, prompt, 30)
     assert res.stats.steps < 30
 
@@ -53,7 +55,7 @@ def test_eos_stops_and_is_kept():
     prompt = [1, 2, 3, 4]
     free = hf_greedy(model, prompt, 30)
     eos = free[10]
-    res = treespec.generate(model, heads, prompt, max_new_tokens=30, eos_token_id=eos)
+    res = treespec.generate(model, prompt, heads, max_new_tokens=30, eos_token_id=eos)
     assert res.token_ids == free[: free.index(eos) + 1]
     assert res.token_ids == hf_greedy(model, prompt, 30, eos_token_id=eos)
 
@@ -62,7 +64,7 @@ def test_max_new_tokens_is_exact():
     model = tiny_model("mistral")
     heads = random_heads(model)
     for n in (1, 2, 7):
-        res = treespec.generate(model, heads, [4, 5, 6], max_new_tokens=n, eos_token_id=[])
+        res = treespec.generate(model, [4, 5, 6], heads, max_new_tokens=n, eos_token_id=[])
         assert len(res.token_ids) == n
 
 
@@ -70,7 +72,9 @@ def test_stats_and_memory():
     model = tiny_model("llama", dtype=torch.float32)
     heads = random_heads(model)
     tree = treespec.default_tree(16, 4)
-    res = treespec.generate(model, heads, [1, 2, 3], tree=tree, max_new_tokens=20, eos_token_id=[])
+    res = treespec.generate(
+        model, [1, 2, 3], treespec.as_drafter(model, heads, tree), max_new_tokens=20, eos_token_id=[]
+    )
     s = res.stats
     assert s.steps == len(s.accept_lengths) and s.new_tokens == 20
     assert 1.0 <= s.mean_accept_length <= tree.max_depth + 1
@@ -98,7 +102,7 @@ def test_streamer_receives_prompt_then_every_token():
     model = tiny_model("qwen2")
     heads = random_heads(model)
     rec = _Recorder()
-    res = treespec.generate(model, heads, [7, 8, 9], max_new_tokens=25, eos_token_id=[], streamer=rec)
+    res = treespec.generate(model, [7, 8, 9], heads, max_new_tokens=25, eos_token_id=[], streamer=rec)
     assert rec.chunks[0] == [7, 8, 9]
     assert [t for chunk in rec.chunks[1:] for t in chunk] == res.token_ids
     assert rec.ended
@@ -107,18 +111,29 @@ def test_streamer_receives_prompt_then_every_token():
 def test_sampling_is_reproducible_with_a_seed():
     model = tiny_model("llama", dtype=torch.float32)
     heads = random_heads(model)
-    a = treespec.generate(model, heads, [1, 2], max_new_tokens=20, temperature=1.0, seed=3, eos_token_id=[])
-    b = treespec.generate(model, heads, [1, 2], max_new_tokens=20, temperature=1.0, seed=3, eos_token_id=[])
+    a = treespec.generate(
+        model,
+        [1, 2],
+        heads,
+        max_new_tokens=20,
+        sampling=treespec.SamplingConfig(temperature=1.0, seed=3),
+        eos_token_id=[],
+    )
+    b = treespec.generate(
+        model,
+        [1, 2],
+        heads,
+        max_new_tokens=20,
+        sampling=treespec.SamplingConfig(temperature=1.0, seed=3),
+        eos_token_id=[],
+    )
     assert a.token_ids == b.token_ids
     t = treespec.generate(
         model,
-        heads,
         [1, 2],
+        heads,
         max_new_tokens=20,
-        temperature=0.7,
-        top_p=0.9,
-        acceptance="typical",
-        seed=3,
+        sampling=treespec.SamplingConfig(temperature=0.7, top_p=0.9, acceptance="typical", seed=3),
         eos_token_id=[],
     )
     assert len(t.token_ids) == 20
@@ -130,16 +145,16 @@ def test_sampling_is_reproducible_with_a_seed():
 def test_empty_prompt_is_refused():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="prompt is empty"):
-        treespec.generate(model, None, [])
+        treespec.generate(model, [])
     with pytest.raises(ValueError, match="prompt is empty"):
-        treespec.generate(model, None, "   ", tokenizer=object())
+        treespec.generate(model, "   ", tokenizer=object())
 
 
 def test_prompt_too_long_is_refused():
     model = tiny_model("llama", max_position_embeddings=64)
     heads = random_heads(model)
     with pytest.raises(treespec.CacheCapacityError, match="shorten the prompt or lower max_new_tokens"):
-        treespec.generate(model, heads, list(range(50)), max_new_tokens=20)
+        treespec.generate(model, list(range(50)), heads, max_new_tokens=20)
 
 
 def test_heads_for_another_model_are_refused():
@@ -147,28 +162,30 @@ def test_heads_for_another_model_are_refused():
     model_b = tiny_model("llama", seed=1)
     heads = random_heads(model_a)
     with pytest.raises(ValueError, match="trained for"):
-        treespec.generate(model_b, heads, [1, 2, 3], max_new_tokens=4)
+        treespec.generate(model_b, [1, 2, 3], heads, max_new_tokens=4)
 
 
 def test_tree_deeper_than_the_heads_is_refused():
     model = tiny_model("llama")
     heads = random_heads(model, num_heads=2)
     with pytest.raises(ValueError, match="levels deep"):
-        treespec.generate(model, heads, [1, 2], tree=treespec.default_tree(32, 4), max_new_tokens=4)
+        treespec.generate(
+            model, [1, 2], treespec.as_drafter(model, heads, treespec.default_tree(32, 4)), max_new_tokens=4
+        )
 
 
 def test_bad_arguments_are_refused():
     model = tiny_model("llama")
-    batch = treespec.generate(model, None, torch.zeros(2, 3, dtype=torch.long), max_new_tokens=2)
+    batch = treespec.generate(model, torch.zeros(2, 3, dtype=torch.long), max_new_tokens=2)
     assert len(batch) == 2  # a [2, T] tensor is a batch of two prompts (test_batch.py)
     with pytest.raises(ValueError, match="one sequence at a time"):
         treespec.encode_prompt(torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="temperature"):
-        treespec.generate(model, None, [1], temperature=-1)
+        treespec.generate(model, [1], sampling=treespec.SamplingConfig(temperature=-1))
     with pytest.raises(ValueError, match="acceptance rule"):
-        treespec.generate(model, None, [1], acceptance="yes")
+        treespec.generate(model, [1], sampling=treespec.SamplingConfig(acceptance="yes"))
     with pytest.raises(ValueError, match="needs tokenizer"):
-        treespec.generate(model, None, "hello")
+        treespec.generate(model, "hello")
 
 
 def test_trace_records_each_step():
@@ -176,7 +193,12 @@ def test_trace_records_each_step():
     heads = random_heads(model)
     tree = treespec.default_tree(16, 4)
     res = treespec.generate(
-        model, heads, [1, 2, 3], tree=tree, max_new_tokens=30, eos_token_id=[], trace=True
+        model,
+        [1, 2, 3],
+        treespec.as_drafter(model, heads, tree),
+        max_new_tokens=30,
+        eos_token_id=[],
+        trace=True,
     )
     assert len(res.trace) == res.stats.steps
     emitted = [res.token_ids[0]]
@@ -204,7 +226,7 @@ def test_the_model_stays_in_treespec_mode_for_a_call_and_is_stock_after_it(batch
 
     prompts = [[3, 17, 5, 9], [4, 8, 15, 16, 23, 42]] if batch else [3, 17, 5, 9]
     streamer = [Watch(), None] if batch else Watch()
-    treespec.generate(model, random_heads(model), prompts, max_new_tokens=6, streamer=streamer)
+    treespec.generate(model, prompts, random_heads(model), max_new_tokens=6, streamer=streamer)
     assert seen[0][0] == before  # the prompt goes out before the call switches the model
     assert len(seen) > 2 and all(mode == ("treespec", True) for mode in seen[1:])
     assert model.config._attn_implementation == before

@@ -88,10 +88,16 @@ def test_greedy_with_lookup_equals_hf_greedy(arch):
         heads = random_heads(model, seed=trial, sequential=trial == 0)
         tree = treespec.default_tree(16, 4)
         with_heads = treespec.generate(
-            model, heads, prompt, tree=tree, lookup=6, max_new_tokens=40, eos_token_id=[]
+            model,
+            prompt,
+            treespec.LookupDrafter(treespec.as_drafter(model, heads, tree), 6),
+            max_new_tokens=40,
+            eos_token_id=[],
         )
         assert with_heads.token_ids == expected
-        alone = treespec.generate(model, None, prompt, lookup=6, max_new_tokens=40, eos_token_id=[])
+        alone = treespec.generate(
+            model, prompt, treespec.LookupDrafter(None, 6), max_new_tokens=40, eos_token_id=[]
+        )
         assert alone.token_ids == expected
         assert alone.tree.num_nodes == 7
 
@@ -106,6 +112,8 @@ def test_lookup_alone_accepts_deep_on_a_model_that_repeats():
             layer.mlp.down_proj.weight.zero_()
     prompt = [5, 17, 33]
     expected = hf_greedy(model, prompt, 60)
-    res = treespec.generate(model, None, prompt, lookup=8, max_new_tokens=60, eos_token_id=[])
+    res = treespec.generate(
+        model, prompt, treespec.LookupDrafter(None, 8), max_new_tokens=60, eos_token_id=[]
+    )
     assert res.token_ids == expected
     assert res.stats.steps < 25

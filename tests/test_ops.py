@@ -5,7 +5,7 @@
   strided views of a larger cache-like buffer, q as the transposed view transformers passes; both CPU
   engines (AMX and FMA) where the machine has AMX; outputs poisoned with NaN before each call;
 - the fused KV commit == `TreeKVCache.commit`'s torch reference, bit for bit;
-- greedy `treespec.generate(kernel="compiled")` == `kernel="reference"` on a tiny random Llama;
+- greedy `treespec.generate` with `DecodeOptions(kernel="compiled")` == "reference" on a tiny random Llama;
 - the fake kernels (torch.compile) and the CUDA file compiling with nvcc; CUDA tests when a GPU is there.
 
 The first run builds the extension (about 30 s here; cached in $TREESPEC_CACHE/ext afterwards).
@@ -215,7 +215,7 @@ def test_failed_build_falls_back_with_one_warning(monkeypatch):
         assert not ops.available() and not ops.available()
         got = tree_attention_compiled(q, k, v, mask, 0.125)
         tree_attention_compiled(q, k, v, mask, 0.125)
-        res = treespec.generate(model, random_heads(model), [1, 2, 3], max_new_tokens=6, eos_token_id=[])
+        res = treespec.generate(model, [1, 2, 3], random_heads(model), max_new_tokens=6, eos_token_id=[])
     messages = [str(w.message) for w in caught if "treespec" in str(w.message)]
     assert len(messages) == 1, messages
     assert "could not be built" in messages[0] and "no C++ compiler here" in messages[0]
@@ -293,13 +293,19 @@ def test_generate_compiled_equals_reference():
         0, model.config.vocab_size, (9,), generator=torch.Generator().manual_seed(11)
     ).tolist()
     tree = treespec.default_tree(64, 4)
-    kw = dict(tree=tree, max_new_tokens=32, eos_token_id=[])
-    ref = treespec.generate(model, heads, prompt, kernel="reference", **kw)
-    assert treespec.generate(model, heads, prompt, kernel="compiled", **kw).token_ids == ref.token_ids
-    assert treespec.generate(model, heads, prompt, **kw).token_ids == ref.token_ids  # "auto" picks "compiled"
+    kw = dict(max_new_tokens=32, eos_token_id=[])
+
+    def speculative(**options):
+        drafter = treespec.as_drafter(model, heads, tree)
+        return treespec.generate(model, prompt, drafter, options=treespec.DecodeOptions(**options), **kw)
+
+    ref = speculative(kernel="reference")
+    assert speculative(kernel="compiled").token_ids == ref.token_ids
+    assert speculative().token_ids == ref.token_ids  # "auto" picks "compiled"
     kw = dict(max_new_tokens=16, eos_token_id=[])
-    base = treespec.generate_baseline(model, prompt, kernel="compiled", **kw)  # n = 1 decoding through the op
-    assert base.token_ids == treespec.generate_baseline(model, prompt, kernel="reference", **kw).token_ids
+    compiled, reference = (treespec.DecodeOptions(kernel=k) for k in ("compiled", "reference"))
+    base = treespec.generate_baseline(model, prompt, options=compiled, **kw)  # n = 1 decoding through the op
+    assert base.token_ids == treespec.generate_baseline(model, prompt, options=reference, **kw).token_ids
 
 
 def test_generate_with_head_dim_64_bf16_runs_the_kernel():
@@ -309,7 +315,12 @@ def test_generate_with_head_dim_64_bf16_runs_the_kernel():
     )
     heads = random_heads(model)
     res = treespec.generate(
-        model, heads, [1, 2, 3, 4, 5], max_new_tokens=12, eos_token_id=[], kernel="compiled"
+        model,
+        [1, 2, 3, 4, 5],
+        heads,
+        max_new_tokens=12,
+        eos_token_id=[],
+        options=treespec.DecodeOptions(kernel="compiled"),
     )
     assert len(res.token_ids) == 12
 

@@ -53,10 +53,18 @@ def test_vllm_greedy_equals_treespec_plain_greedy_and_its_batches_answer_the_sam
         sampled = [peer.run_batch([ids, other], 24, 0.9, seed, stop) for seed in (7, 7, 8)]
     finally:
         peer.close()
-    ours = treespec.generate(model, None, ids, tokenizer=tokenizer, max_new_tokens=24, temperature=0.0)
+    ours = treespec.generate(
+        model, ids, tokenizer=tokenizer, max_new_tokens=24, sampling=treespec.SamplingConfig(temperature=0.0)
+    )
     assert theirs == list(ours.token_ids)
     assert batch[1] == theirs
-    short = treespec.generate(model, None, other, tokenizer=tokenizer, max_new_tokens=24, temperature=0.0)
+    short = treespec.generate(
+        model,
+        other,
+        tokenizer=tokenizer,
+        max_new_tokens=24,
+        sampling=treespec.SamplingConfig(temperature=0.0),
+    )
     assert batch[0][-1] in stop and batch[0] == list(short.token_ids)  # the stop token kept, as generate does
     assert sampled[0] == sampled[1] and sampled[0] != sampled[2]  # seeded sampling
 
@@ -84,6 +92,8 @@ def test_vllm_serves_an_exported_eagle_drafter_without_changing_its_output(smoll
         metrics = peer.spec_metrics()
     finally:
         peer.close()
-    ours = treespec.generate(model, None, ids, tokenizer=tokenizer, max_new_tokens=16, temperature=0.0)
+    ours = treespec.generate(
+        model, ids, tokenizer=tokenizer, max_new_tokens=16, sampling=treespec.SamplingConfig(temperature=0.0)
+    )
     assert theirs == list(ours.token_ids)
     assert metrics["draft_tokens"] == 2 * metrics["drafts"] > 0

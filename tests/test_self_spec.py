@@ -48,7 +48,7 @@ def test_greedy_output_equals_the_base_models(arch, gamma):
     model = tiny_model(arch, num_hidden_layers=4, dtype=torch.float32)
     prompt = [3, 17, 5, 9, 22, 41, 7]
     drafter = SelfSpeculativeDrafter(model, _exit_head(model, 1 + gamma % 2), gamma=gamma)
-    result = treespec.generate(model, None, prompt, max_new_tokens=40, drafter=drafter, eos_token_id=[])
+    result = treespec.generate(model, prompt, drafter, max_new_tokens=40, eos_token_id=[])
     assert result.token_ids == hf_greedy(model, prompt, 40)
     assert result.stats.drafter["drafted"] == gamma * result.stats.steps
     # no cache of its own: the speculation costs only the target's block of gamma + 1 slots

@@ -193,7 +193,9 @@ def test_greedy_with_sequential_heads_equals_hf_greedy(arch):
         prompt = torch.randint(0, model.config.vocab_size, (6 + 3 * trial,), generator=gen).tolist()
         expected = hf_greedy(model, prompt, 40)
         for tree in (treespec.default_tree(16, 4), treespec.default_tree(64, 4)):
-            got = treespec.generate(model, heads, prompt, tree=tree, max_new_tokens=40, eos_token_id=[])
+            got = treespec.generate(
+                model, prompt, treespec.as_drafter(model, heads, tree), max_new_tokens=40, eos_token_id=[]
+            )
             assert got.token_ids == expected, (arch, tree.num_nodes, draft_size)
 
 
@@ -202,7 +204,7 @@ def test_identity_sequential_heads_accept_deep_on_a_repeating_model():
     model = tiny_model("llama")
     heads = treespec.MedusaHeads.for_model(model, num_heads=4, sequential=True)
     prompt = [3, 3, 3, 3, 3, 3]
-    res = treespec.generate(model, heads, prompt, max_new_tokens=30, eos_token_id=[])
+    res = treespec.generate(model, prompt, heads, max_new_tokens=30, eos_token_id=[])
     assert res.token_ids == hf_greedy(model, prompt, 30)
     assert res.stats.steps < 30
 

@@ -24,7 +24,9 @@ def test_greedy_equals_hf_on_spec_bench_prompts(smollm2):
         ids = treespec.encode_prompt(prompt, tokenizer)
         expected = hf_greedy(model, ids, 64, eos_token_id=tokenizer.eos_token_id)
         for h, tree in [(heads, treespec.default_tree(sizes[i % len(sizes)], 4)), (identity_heads, chain)]:
-            res = treespec.generate(model, h, prompt, tokenizer=tokenizer, tree=tree, max_new_tokens=64)
+            res = treespec.generate(
+                model, prompt, treespec.as_drafter(model, h, tree), tokenizer=tokenizer, max_new_tokens=64
+            )
             assert res.prompt_ids == ids
             assert res.token_ids == expected, (i, tree)
             assert res.text == tokenizer.decode(expected, skip_special_tokens=True)
@@ -42,9 +44,10 @@ def test_shipped_heads_keep_greedy_exact_and_accept_more_than_one_token(smollm2)
     for i, prompt in enumerate(spec_bench_prompts(13)[::4]):  # writing, coding, translation, rag
         ids = treespec.encode_prompt(prompt, tokenizer)
         expected = hf_greedy(model, ids, 48, eos_token_id=tokenizer.eos_token_id)
-        res = treespec.generate(
-            model, heads, ids, tokenizer=tokenizer, tree=tree, max_new_tokens=48, lookup=8 * (i % 2)
-        )
+        drafter = treespec.as_drafter(model, heads, tree)
+        if i % 2:  # every other prompt with the lookup branch
+            drafter = treespec.LookupDrafter(drafter, 8)
+        res = treespec.generate(model, ids, drafter, tokenizer=tokenizer, max_new_tokens=48)
         assert res.token_ids == expected, i
         steps += res.stats.steps
         accepted += sum(res.stats.accept_lengths)
@@ -69,11 +72,11 @@ def test_shipped_exit_head_drafts_exactly_and_beats_an_untrained_one(smollm2):
         expected = hf_greedy(model, ids, 40, eos_token_id=tokenizer.eos_token_id)
         for name, h in (("trained", head), ("untrained", untrained)):
             drafter = treespec.SelfSpeculativeDrafter(model, h, gamma=3)
-            res = treespec.generate(model, None, ids, max_new_tokens=40, drafter=drafter)
+            res = treespec.generate(model, ids, drafter, max_new_tokens=40)
             assert res.token_ids == expected, name
             rates[name].append(res.stats.acceptance_rate)
         drafter = treespec.DraftModelDrafter(draft, gamma=3, storage="int8")
-        assert treespec.generate(model, None, ids, max_new_tokens=40, drafter=drafter).token_ids == expected
+        assert treespec.generate(model, ids, drafter, max_new_tokens=40).token_ids == expected
     assert sum(rates["trained"]) > sum(rates["untrained"]) + 0.1, rates  # measured: 0.22 vs 0.03
 
 
@@ -85,7 +88,11 @@ def test_chat_template_is_applied(smollm2):
     )
     assert tokenizer.decode(res.prompt_ids) == expected
     plain = treespec.generate_baseline(
-        model, "Name a colour.", tokenizer=tokenizer, max_new_tokens=4, chat=False
+        model,
+        "Name a colour.",
+        tokenizer=tokenizer,
+        max_new_tokens=4,
+        options=treespec.DecodeOptions(chat=False),
     )
     assert plain.prompt_ids == tokenizer("Name a colour.")["input_ids"]
 
@@ -96,8 +103,8 @@ def test_stop_strings_end_generation(smollm2):
     stop = free.text.strip().split()[2]  # a word the answer will produce
     res = treespec.generate(
         model,
-        treespec.MedusaHeads.for_model(model),
         "Count from 1 to 20.",
+        treespec.MedusaHeads.for_model(model),
         tokenizer=tokenizer,
         max_new_tokens=48,
         stop=stop,

@@ -111,7 +111,12 @@ def test_repeated_generations_do_not_grow_memory(smollm2):
 
     def generate():
         result = treespec.generate(
-            model, heads, PROMPT, tokenizer=tokenizer, tree=tree, max_new_tokens=NEW_TOKENS, eos_token_id=[]
+            model,
+            PROMPT,
+            treespec.as_drafter(model, heads, tree),
+            tokenizer=tokenizer,
+            max_new_tokens=NEW_TOKENS,
+            eos_token_id=[],
         )
         assert len(result.token_ids) == NEW_TOKENS
 

@@ -142,7 +142,12 @@ def test_end_to_end_sampling_matches_the_base_model():
     first, second = Counter(), Counter()
     for seed in range(n):
         res = treespec.generate(
-            model, heads, prompt, tree=tree, max_new_tokens=2, temperature=1.0, seed=seed, eos_token_id=[]
+            model,
+            prompt,
+            treespec.as_drafter(model, heads, tree),
+            max_new_tokens=2,
+            sampling=treespec.SamplingConfig(temperature=1.0, seed=seed),
+            eos_token_id=[],
         )
         first[res.token_ids[0]] += 1
         second[res.token_ids[1]] += 1

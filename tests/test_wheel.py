@@ -48,7 +48,7 @@ for path in (treespec.__file__, default_heads_folder(), default_data_file()):
 model, tokenizer = treespec.load_model(dtype=sys.argv[3])
 heads = treespec.MedusaHeads.from_pretrained(default_heads_folder(), model=model)
 assert heads.tree is not None, "the packaged heads lost their tree.json"
-result = treespec.generate(model, heads, sys.argv[2], tokenizer=tokenizer, max_new_tokens=48)
+result = treespec.generate(model, sys.argv[2], heads, tokenizer=tokenizer, max_new_tokens=48)
 print(result.stats.summary())
 """
 
