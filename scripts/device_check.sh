@@ -312,10 +312,15 @@ def first_difference(a, b):
 def decode_checks(label, model, heads, tree, prompt, n, tokenizer=None, greedy=True):
     """greedy == plain decoding; per rule, one seed twice gives the same tokens, and valid ones."""
     vocab = model.get_output_embeddings().weight.shape[0]
-    common = dict(tree=tree, max_new_tokens=n, eos_token_id=[], tokenizer=tokenizer)
+    common = dict(max_new_tokens=n, eos_token_id=[])
+
+    def spec_run(**sampling):  # a fresh drafter per call, as generate(model, heads, ...) made one
+        config = treespec.SamplingConfig(**sampling) if sampling else None
+        return treespec.generate(model, prompt, treespec.as_drafter(model, heads, tree), tokenizer, sampling=config, **common)
+
     if greedy:
         t0 = time.perf_counter()
-        spec = treespec.generate(model, heads, prompt, **common)
+        spec = spec_run()
         base = treespec.generate_baseline(model, prompt, max_new_tokens=n, eos_token_id=[], tokenizer=tokenizer)
         check(f"{label} greedy == plain decoding", spec.token_ids == base.token_ids,
               f"{n} tokens, mean accepted {spec.stats.mean_accept_length:.2f}, {time.perf_counter() - t0:.1f} s"
@@ -324,8 +329,8 @@ def decode_checks(label, model, heads, tree, prompt, n, tokenizer=None, greedy=T
     out = {}
     for rule, warp in (("sampling", dict(temperature=0.8, top_p=0.95)), ("typical", dict(temperature=0.7, top_k=50))):
         t0 = time.perf_counter()
-        a, b = (treespec.generate(model, heads, prompt, acceptance=rule, seed=1234, **warp, **common) for _ in range(2))
-        other = treespec.generate(model, heads, prompt, acceptance=rule, seed=99, **warp, **common).token_ids
+        a, b = (spec_run(acceptance=rule, seed=1234, **warp) for _ in range(2))
+        other = spec_run(acceptance=rule, seed=99, **warp).token_ids
         same = a.token_ids == b.token_ids
         valid = len(a.token_ids) == n and all(0 <= t < vocab for t in a.token_ids)
         check(f"{label} {rule} (seed 1234, twice): same tokens", same and valid,
@@ -348,8 +353,9 @@ with torch.inference_mode():
             name = f"tiny {arch} {str(dtype).split('.')[-1]}"
             tokens = decode_checks(name, model, heads, tree16, [1, 5, 9, 2], 48, greedy=dtype == torch.float32)
             if not smoke and dtype == torch.float32:  # seeded CPU generator: the same draws on either device
-                cpu = treespec.generate(model.cpu(), heads.cpu(), [1, 5, 9, 2], tree=tree16, max_new_tokens=48,
-                                        eos_token_id=[], acceptance="sampling", seed=1234, temperature=0.8, top_p=0.95)
+                sampling = treespec.SamplingConfig(temperature=0.8, top_p=0.95, acceptance="sampling", seed=1234)
+                cpu = treespec.generate(model.cpu(), [1, 5, 9, 2], treespec.as_drafter(model, heads.cpu(), tree16),
+                                        max_new_tokens=48, eos_token_id=[], sampling=sampling)
                 print(f"     (information) {name} sampling, seed 1234: the same tokens as on the CPU: "
                       f"{cpu.token_ids == tokens['sampling']} (a float difference may change a draw)")
 
@@ -364,8 +370,8 @@ with torch.inference_mode():
     first, second = Counter(), Counter()
     t0 = time.perf_counter()
     for seed in range(n):
-        res = treespec.generate(model, heads, prompt, tree=tree16, max_new_tokens=2, temperature=1.0, seed=seed,
-                                eos_token_id=[])
+        res = treespec.generate(model, prompt, treespec.as_drafter(model, heads, tree16), max_new_tokens=2,
+                                eos_token_id=[], sampling=treespec.SamplingConfig(temperature=1.0, seed=seed))
         first[res.token_ids[0]] += 1
         second[res.token_ids[1]] += 1
     tv = [0.5 * sum(abs(c.get(x, 0) / n - float(p[x])) for x in range(10)) for c, p in ((first, p1), (second, p2))]

@@ -194,9 +194,10 @@ def test_the_heads_own_tree_is_the_default_and_an_explicit_tree_wins():
     model = tiny_model("llama", dtype=torch.float32)
     heads = random_heads(model)
     heads.tree = treespec.Tree.from_choices([[0], [0, 0], [1]])
-    assert treespec.generate(model, heads, [1, 2], max_new_tokens=6).tree == heads.tree
+    assert treespec.generate(model, [1, 2], heads, max_new_tokens=6).tree == heads.tree
     explicit = treespec.default_tree(8, 4)
-    assert treespec.generate(model, heads, [1, 2], tree=explicit, max_new_tokens=6).tree == explicit
+    drafter = treespec.as_drafter(model, heads, explicit)
+    assert treespec.generate(model, [1, 2], drafter, max_new_tokens=6).tree == explicit
 
 
 def test_exit_heads_are_their_own_class(tmp_path):

@@ -20,7 +20,7 @@ class RandomSubtrees(BaseDrafter):
         self.gen = torch.Generator().manual_seed(seed)
         self.sizes = []
 
-    def propose(self, hidden, roots):
+    def propose(self, hidden, roots, max_depth=None):
         full = self.inner.propose(hidden, roots)
         k = int(torch.randint(1, self.tree.num_nodes + 1, (1,), generator=self.gen))
         self.sizes.append(k)
@@ -52,7 +52,7 @@ def test_a_tree_larger_than_declared_is_refused():
     class TooBig(BaseDrafter):
         tree = treespec.Tree.from_choices([[0]])
 
-        def propose(self, hidden, roots):
+        def propose(self, hidden, roots, max_depth=None):
             full = inner.propose(hidden, roots)
             return Proposal(full.tokens, full.probs, tree=inner.tree)
 

@@ -47,7 +47,7 @@ def test_training_lowers_the_loss_and_writes_a_drafter_that_decodes_exactly(tiny
     assert draft.draft_vocab_size == 128 and draft.feature_layers == record["feature_layers"]
     drafter = treespec.EagleDrafter(draft, treespec.Tree.from_choices([[0], [1], [0, 0]]), model)
     prompt = [1, 2, 3, 4]
-    res = treespec.generate(model, None, prompt, drafter=drafter, max_new_tokens=10, eos_token_id=[])
+    res = treespec.generate(model, prompt, drafter, max_new_tokens=10, eos_token_id=[])
     plain = treespec.generate_baseline(model, prompt, max_new_tokens=10, eos_token_id=[])
     assert res.token_ids == plain.token_ids
 

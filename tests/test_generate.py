@@ -178,7 +178,7 @@ def test_bad_arguments_are_refused():
     model = tiny_model("llama")
     batch = treespec.generate(model, torch.zeros(2, 3, dtype=torch.long), max_new_tokens=2)
     assert len(batch) == 2  # a [2, T] tensor is a batch of two prompts (test_batch.py)
-    with pytest.raises(ValueError, match="one sequence at a time"):
+    with pytest.raises(ValueError, match=r"one prompt is a \[T\] or \[1, T\] tensor"):
         treespec.encode_prompt(torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="temperature"):
         treespec.generate(model, [1], sampling=treespec.SamplingConfig(temperature=-1))

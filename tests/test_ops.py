@@ -258,14 +258,16 @@ def test_fused_commit_equals_reference(num_layers, tree_size, steps, dtype, data
     tree = treespec.default_tree(tree_size, 4)
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
     fused, ref = _filled_caches(num_layers, 3, 16, 512, dtype, gen)
-    fused.committed = ref.committed = fused.length = ref.length = data.draw(st.integers(0, 100))
+    starts = [data.draw(st.integers(0, 100)) for _ in range(2)]  # each row its own committed length
+    fused.lengths, ref.lengths = list(starts), list(starts)
     for _ in range(steps):
+        rows = data.draw(st.sampled_from([[0, 1], [1, 0], [0], [1]]))  # a forward over some rows
         for cache in (fused, ref):
-            cache.length = cache._reserve(tree.num_nodes)  # a forward wrote the tree block
-        path = tree.path_to(data.draw(st.integers(0, tree.num_nodes - 1)))
-        fused.commit(path)
-        ref.commit(path)
-        assert fused.committed == ref.committed
+            cache.begin(rows, tree.num_nodes)  # a forward wrote each row's tree block
+        paths = [tree.path_to(data.draw(st.integers(0, tree.num_nodes - 1))) for _ in rows]
+        fused.commit(paths)
+        ref.commit(paths)
+        assert fused.lengths == ref.lengths
     for a, b in zip(fused.layers, ref.layers, strict=True):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
@@ -393,8 +395,8 @@ def test_cuda_fused_commit_equals_reference(dtype):
             getattr(a, name).copy_(data)
             getattr(b, name).copy_(data)
     for cache in (fused, ref):
-        cache.committed = 50
-        cache._reserve(tree.num_nodes)
+        cache.lengths = [50]
+        cache.begin([0], tree.num_nodes)
         cache.commit(tree.path_to(tree.num_nodes - 1))
     for a, b in zip(fused.layers, ref.layers, strict=True):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

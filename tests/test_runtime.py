@@ -85,3 +85,12 @@ def test_no_module_keeps_process_wide_state_keyed_on_models():
             if value is not None and "WeakKeyDictionary" in ast.unparse(value):
                 offenders.append(f"{path.name}:{node.lineno}")
     assert not offenders
+
+
+def test_a_model_made_under_inference_mode_decodes_with_heads():
+    """Its weights are inference tensors (no version counter): the packed copies still key on them."""
+    with torch.inference_mode():
+        model = tiny_model("llama", dtype=torch.float32)
+        heads = random_heads(model)
+        result = treespec.generate(model, [1, 5, 9, 2], heads, max_new_tokens=12, eos_token_id=[])
+    assert result.token_ids == hf_greedy(model, [1, 5, 9, 2], 12)

@@ -70,7 +70,7 @@ def test_training_lowers_the_loss_and_writes_loadable_heads(tiny_setup):
     assert len(record["eval"]["top1"]) == 3
     heads = treespec.MedusaHeads.from_pretrained(root / "run" / "heads", model=model)
     assert heads.num_heads == 3
-    res = treespec.generate(model, heads, [1, 2, 3], max_new_tokens=8, eos_token_id=[])
+    res = treespec.generate(model, [1, 2, 3], heads, max_new_tokens=8, eos_token_id=[])
     assert len(res.token_ids) == 8
 
 
@@ -90,7 +90,7 @@ def test_sequential_heads_with_a_draft_vocabulary_train_and_load(tiny_setup):
     most_common = torch.bincount(answer_tokens).argmax()
     assert most_common in heads.draft_vocab[:1]
     prompt = [1, 2, 3]
-    res = treespec.generate(model, heads, prompt, max_new_tokens=8, eos_token_id=[])
+    res = treespec.generate(model, prompt, heads, max_new_tokens=8, eos_token_id=[])
     plain = treespec.generate_baseline(model, prompt, max_new_tokens=8, eos_token_id=[])
     assert res.token_ids == plain.token_ids
 
@@ -199,7 +199,7 @@ def test_an_exit_head_trains_on_a_lower_layer_and_drafts_exactly(tiny_setup):
     torch.testing.assert_close(x[1], states[p + 1].to(x.dtype))  # row 1: t = p, state at p + 1
     assert y[1, 1] == seq[p + 2]
     drafter = treespec.SelfSpeculativeDrafter(model, head, gamma=3)
-    res = treespec.generate(model, None, [1, 2, 3], max_new_tokens=10, drafter=drafter, eos_token_id=[])
+    res = treespec.generate(model, [1, 2, 3], drafter, max_new_tokens=10, eos_token_id=[])
     plain = treespec.generate_baseline(model, [1, 2, 3], max_new_tokens=10, eos_token_id=[])
     assert res.token_ids == plain.token_ids
     with pytest.raises(ValueError, match="single head"):

@@ -36,15 +36,8 @@ def result():
     top-k candidates often include the right token and some steps accept drafted nodes."""
     model = tiny_model("llama", dtype=torch.float32, vocab_size=8)
     heads = random_heads(model, num_heads=4, seed=1)
-    return treespec.generate(
-        model,
-        heads,
-        [1, 2, 3, 4],
-        tree=treespec.default_tree(16, 4),
-        max_new_tokens=24,
-        eos_token_id=[],
-        trace=True,
-    )
+    drafter = treespec.as_drafter(model, heads, treespec.default_tree(16, 4))
+    return treespec.generate(model, [1, 2, 3, 4], drafter, max_new_tokens=24, eos_token_id=[], trace=True)
 
 
 @pytest.fixture(scope="module")

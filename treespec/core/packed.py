@@ -113,8 +113,10 @@ class PackedMatrix:
 
 def weight_key(w: torch.Tensor) -> tuple:
     """What identifies a weight's values for a packed copy: storage, in-place version, shape and dtype
-    (a copy built from a weight whose key is unchanged is still its copy)."""
-    return (w.data_ptr(), w._version, tuple(w.shape), w.dtype)
+    (a copy built from a weight whose key is unchanged is still its copy). An inference tensor (a model
+    made under `torch.inference_mode`) has no version counter: its storage stands for it."""
+    version = None if w.is_inference() else w._version
+    return (w.data_ptr(), version, tuple(w.shape), w.dtype)
 
 
 class _PackedLinear:
