@@ -10,7 +10,7 @@ from conftest import ARCHS, hf_greedy, tiny_model
 
 import treespec
 from treespec.drafters.base import SequenceStart
-from treespec.drafters.recycling import RecyclingDrafter
+from treespec.drafters.recycling import RecyclingDrafter, last_occurrences
 
 TREE = treespec.Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
 
@@ -178,3 +178,12 @@ def test_sampling_with_recycling_matches_the_base_model():
         n = sum(count.values())  # 800
         tv = 0.5 * sum(abs(count[t] / n - float(p[t])) for t in range(10))
         assert tv < 0.085  # noise at n=800 over 10 tokens is ~0.035
+
+
+@pytest.mark.parametrize("size", [1, 7, 60, 5000])
+def test_last_occurrences_matches_a_dictionary(size):
+    ids = torch.randint(0, size // 3 + 2, (size,), generator=torch.Generator().manual_seed(size))
+    latest = {token: i for i, token in enumerate(ids.tolist())}
+    expected = torch.zeros(size, dtype=torch.bool)
+    expected[list(latest.values())] = True
+    assert torch.equal(last_occurrences(ids), expected)

@@ -53,6 +53,22 @@ def recycling_tree(num_nodes: int = 16, depth: int = 6, k: int = 8) -> Tree:
     return Tree.from_acceptance(acceptance, num_nodes)
 
 
+def last_occurrences(ids: torch.Tensor) -> torch.Tensor:
+    """ids [M] -> [M] bool: True where no later entry has the same id (M is a tree's nodes, small: an
+    [M, M] comparison, no [V] scratch per call)."""
+    if ids.numel() > 4096:  # a large batch of large trees: sort instead of the quadratic comparison
+        order = torch.arange(ids.numel(), device=ids.device)
+        _, perm = torch.sort(ids * ids.numel() + order)  # by id, then position
+        sorted_ids = ids[perm]
+        last = torch.ones_like(ids, dtype=torch.bool)
+        last[:-1] = sorted_ids[:-1] != sorted_ids[1:]
+        keep = torch.zeros_like(last)
+        keep[perm] = last
+        return keep
+    same = ids[:, None] == ids[None, :]  # [M, M]
+    return ~same.triu(1).any(dim=1)
+
+
 class RecyclingDrafter(BaseDrafter):
     """A tree drafted from the target's own earlier top-k next tokens per token (module docstring).
 
@@ -107,15 +123,12 @@ class RecyclingDrafter(BaseDrafter):
         top = top_tokens.reshape(-1, self.k).to(self.device)  # [M, k]
         if flat.numel() == 0:
             return
-        if int(flat.max()) >= self.vocab_size or int(top.max()) >= self.vocab_size:
+        if bool((flat >= self.vocab_size).any() | (top >= self.vocab_size).any()):
             raise ValueError(
                 f"a verified token id is >= vocab_size={self.vocab_size}: build the drafter with the "
                 "target's output size (model.config.vocab_size)"
             )
-        order = torch.arange(flat.numel(), device=self.device)  # [M]
-        last = torch.full((self.vocab_size,), -1, dtype=torch.long, device=self.device)  # [V]
-        last.scatter_reduce_(0, flat, order, reduce="amax")  # each token's last occurrence
-        keep = last[flat] == order  # [M] one writer per token: deterministic
+        keep = last_occurrences(flat)  # [M] one writer per token: deterministic
         rows = flat[keep]  # [U] distinct tokens
         self.table[rows] = top[keep].to(torch.int32)
         self.width[rows] = self.k
@@ -131,10 +144,7 @@ class RecyclingDrafter(BaseDrafter):
         pair = torch.tensor(pairs, dtype=torch.long, device=self.device)  # [P, 2]
         free = ~self.from_target[pair[:, 0]]  # [P]
         t, n = pair[free, 0], pair[free, 1]
-        order = torch.arange(t.numel(), device=self.device)
-        last = torch.full((self.vocab_size,), -1, dtype=torch.long, device=self.device)  # [V]
-        last.scatter_reduce_(0, t, order, reduce="amax")
-        keep = last[t] == order
+        keep = last_occurrences(t)  # [P'] the latest pair of each token
         self.table[t[keep], 0] = n[keep].to(torch.int32)
         self.width[t[keep]] = 1
         self.counts["seeded"] += int(keep.sum())
