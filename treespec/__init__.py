@@ -33,6 +33,7 @@ from .drafters.lookup import LookupDrafter
 from .drafters.medusa import MedusaDrafter, SequentialDrafter, make_drafter
 from .drafters.recycling import RecyclingDrafter
 from .drafters.self_spec import SelfSpeculativeDrafter
+from .drafters.suffix import SuffixCache, SuffixDrafter
 from .tools.models import load_model
 from .tools.trace import Trace
 
@@ -73,6 +74,8 @@ __all__ = [
     "SelfSpeculativeDrafter",
     "SequentialDrafter",
     "SpeculativeKVCache",
+    "SuffixCache",
+    "SuffixDrafter",
     "Trace",
     "Tree",
     "TreeKVCache",
