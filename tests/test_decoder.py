@@ -28,7 +28,7 @@ def test_the_protocol_test_covers_every_shipped_drafter():
     names = {c.__name__ for c in _shipped_drafter_classes()}
     assert {
         "RootOnlyDrafter", "MedusaDrafter", "SequentialDrafter", "LookupDrafter", "DraftModelDrafter",
-        "SelfSpeculativeDrafter", "EagleDrafter", "DynamicTreeDrafter",
+        "SelfSpeculativeDrafter", "EagleDrafter", "DynamicTreeDrafter", "SuffixDrafter", "RecyclingDrafter",
     } <= names  # fmt: skip
 
 
@@ -59,6 +59,8 @@ def _made_drafters(model):
             treespec.make_drafter(heads, tree, model), lambda nodes, prefix: 1e-3 * (1 + 0.05 * nodes)
         ),
         "SelfSpeculativeDrafter": SelfSpeculativeDrafter(model, exit_head, gamma=3),
+        "SuffixDrafter": treespec.SuffixDrafter(),
+        "RecyclingDrafter": treespec.RecyclingDrafter(model.config.vocab_size),
     }
     return made
 
