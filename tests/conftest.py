@@ -156,6 +156,25 @@ def hf_greedy(model, input_ids: list[int], max_new_tokens: int, eos_token_id=Non
     return out[0, len(input_ids) :].tolist()
 
 
+def second_token_marginals(model, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """The base model's exact distribution of the 2nd sampled token (temperature 1) after each prompt:
+    sum over the 1st token x of p(x) p(. | x), one [V] tensor per prompt (small vocabularies only)."""
+    vocab = model.config.vocab_size
+    exact = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            p1 = model(torch.tensor([prompt])).logits[0, -1].softmax(-1)  # [V]
+            nxt = torch.tensor([prompt + [x] for x in range(vocab)])  # [V, T + 1]
+            exact.append(p1 @ model(nxt).logits[:, -1].softmax(-1))  # [V]
+    return exact
+
+
+def total_variation(count, p: torch.Tensor) -> float:
+    """Total variation distance between the sample counts {token: n} and the distribution p [V]."""
+    n = sum(count.values())
+    return 0.5 * sum(abs(count[t] / n - float(p[t])) for t in range(p.shape[0]))
+
+
 def spec_bench_prompts(n: int) -> list[str]:
     """First turns of the first n Spec-Bench questions, one per category round-robin."""
     rows = [json.loads(line) for line in SPEC_BENCH.read_text().splitlines() if line.strip()]
