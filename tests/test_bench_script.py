@@ -42,6 +42,7 @@ def test_bench_smoke(tmp_path, capsys):
     out = tmp_path / "b.json"
     argv = ["--num-prompts", "2", "--max-new-tokens", "8", "--dtype", "float32"]
     methods = ["hf", "baseline", "baseline_sdpa", "treespec", "treespec_sdpa", "lookup", "treespec_lookup"]
+    methods += ["suffix", "recycling"]
     bench.main([*argv, "--out", str(out), "--methods", ",".join(methods), "--lookup", "4"])
 
     result = json.loads(out.read_text())

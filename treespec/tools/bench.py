@@ -22,6 +22,10 @@ Methods (all run in the same process on the same prompt token ids):
                       the nodes worth their cost here (`DynamicTreeDrafter`, this machine's cost curve);
                       one drafter serves every call, so its calibration carries from prompt to prompt
     eagle_dynamic     the same over the EAGLE drafter's tree + the lookup branch
+    suffix            a SuffixDrafter: trees from the longest suffix match in the request and in a cache
+                      of earlier answers (one drafter for every call, so its cache carries over)
+    recycling         a RecyclingDrafter: trees walked through the target's own top-k after each token,
+                      learned from every verification (one drafter for every call: its table carries over)
     hf_assisted       HF `model.generate(assistant_model=<--draft-model>)`, num_assistant_tokens = gamma
                       with the constant schedule (the same chain length as draft_model)
     vllm              vLLM's CPU build (`make vllm-env`), plain greedy decoding, in a subprocess that gets
@@ -96,6 +100,8 @@ SPECULATIVE = (  # the methods that draft and verify
     "eagle_lookup",
     "dynamic",
     "eagle_dynamic",
+    "suffix",
+    "recycling",
 )
 EAGLE_METHODS = ("eagle", "eagle_lookup", "eagle_dynamic")
 PEER_METHODS = {"vllm": 0, "vllm_ngram": None}  # name -> n-gram tokens (None: --vllm-ngram)
@@ -381,6 +387,7 @@ def make_runners(
         "treespec_lookup": ours(lambda: treespec.LookupDrafter(heads_drafter(), lookup)),
     }
     runners |= chain_runners(model, chains, ours, hf, branching_spec, lookup)
+    runners |= training_free_runners(model, methods, ours)
     if {"dynamic", "eagle_dynamic"} & set(methods):
         runners |= dynamic_runners(model, heads, chains, ours, methods, lookup, compile, cost_curve)
     missing = [name for name in methods if name not in runners]
@@ -412,6 +419,19 @@ def chain_runners(model, chains: dict, ours, hf, branching_spec: str, lookup: in
     if eagle is not None:
         runners["eagle"] = ours(lambda: eagle.drafter(model))
         runners["eagle_lookup"] = ours(lambda: treespec.LookupDrafter(eagle.drafter(model), lookup))
+    return runners
+
+
+def training_free_runners(model, methods: list[str], ours) -> dict:
+    """suffix / recycling: one drafter object for every call, as a user reuses it (its cache of earlier
+    answers, or its table of the target's top-k, carries over from prompt to prompt)."""
+    runners = {}
+    if "suffix" in methods:
+        suffix = treespec.SuffixDrafter()
+        runners["suffix"] = ours(lambda: suffix)
+    if "recycling" in methods:
+        recycling = treespec.RecyclingDrafter(model.get_output_embeddings().weight.shape[0])
+        runners["recycling"] = ours(lambda: recycling)
     return runners
 
 
