@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "block_linear.h"
+#include "exact.h"
 #include "tensor_args.h"
 #include "tree_attention.h"
 
@@ -46,6 +47,45 @@ at::Tensor tree_attention_rows_cpu_op(const at::Tensor& q, const at::Tensor& k, 
                       [&](const at::Tensor& qa, const at::Tensor& ka, const at::Tensor& va, const at::Tensor& oa) {
                         tree_attention_cpu(attention_args(qa, ka, va, bits, scale, oa).p);
                       });
+}
+
+// The row-invariant kernel ("bitwise" mode, exact.h): same arguments and result as tree_attention.
+at::Tensor tree_attention_exact_cpu_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       const std::optional<at::Tensor>& bits, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "treespec::tree_attention_exact takes float32 or bfloat16, got ", q.scalar_type());
+  AttentionArgs a = attention_args(q, k, v, bits, scale);
+  tree_attention_exact_cpu(a.p);
+  return a.out;
+}
+
+// tree_attention_rows through the row-invariant kernel.
+at::Tensor tree_attention_exact_rows_cpu_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                            const std::optional<at::Tensor>& bits, double scale,
+                                            const at::Tensor& rows, const at::Tensor& prefix_lens) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "treespec::tree_attention_exact_rows takes float32 or bfloat16, got ", q.scalar_type());
+  return for_each_row(q, k, v, rows, prefix_lens,
+                      [&](const at::Tensor& qa, const at::Tensor& ka, const at::Tensor& va, const at::Tensor& oa) {
+                        tree_attention_exact_cpu(attention_args(qa, ka, va, bits, scale, oa).p);
+                      });
+}
+
+// x [..., K] float32 @ w [N, K]^T (float32 or bfloat16) -> [..., N] float32, row-invariant (exact.h).
+at::Tensor exact_linear(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "treespec exact linear takes float32 x, got ", x.scalar_type());
+  TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16,
+              "treespec exact linear takes float32 or bfloat16 weights, got ", w.scalar_type());
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == x.size(-1), "treespec exact linear: weight ", w.sizes(),
+              " does not fit in_features ", x.size(-1));
+  const at::Tensor xc = x.contiguous(), wc = w.contiguous();
+  const int64_t K = x.size(-1), N = w.size(0), M = K == 0 ? 0 : xc.numel() / K;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor out = at::empty(shape, x.options());
+  exact_linear_cpu(xc.data_ptr<float>(), M, K, wc.data_ptr(), w.scalar_type() == at::kBFloat16,
+                   out.data_ptr<float>(), N);
+  return out;
 }
 
 void commit_kv_cpu_op(at::TensorList keys, at::TensorList values, const at::Tensor& src, const at::Tensor& dst) {
@@ -109,6 +149,13 @@ TORCH_LIBRARY(treespec, m) {
       "commit_kv(Tensor(a!)[] keys, Tensor(b!)[] values, Tensor src, Tensor dst) -> ()",
       {at::Tag::pt2_compliant_tag});
   m.def("block_linear(Tensor x, Tensor q, Tensor d, Tensor? m) -> Tensor", {at::Tag::pt2_compliant_tag});
+  m.def("tree_attention_exact(Tensor q, Tensor k, Tensor v, Tensor? bits, float scale) -> Tensor",
+        {at::Tag::pt2_compliant_tag});
+  m.def(
+      "tree_attention_exact_rows(Tensor q, Tensor k, Tensor v, Tensor? bits, float scale, Tensor rows, "
+      "Tensor prefix_lens) -> Tensor",
+      {at::Tag::pt2_compliant_tag});
+  m.def("exact_linear(Tensor x, Tensor w) -> Tensor", {at::Tag::pt2_compliant_tag});
 }
 
 TORCH_LIBRARY_IMPL(treespec, CPU, m) {
@@ -117,4 +164,7 @@ TORCH_LIBRARY_IMPL(treespec, CPU, m) {
   m.impl("tree_attention_rows", &treespec::tree_attention_rows_cpu_op);
   m.impl("commit_kv", &treespec::commit_kv_cpu_op);
   m.impl("block_linear", &treespec::block_linear);
+  m.impl("tree_attention_exact", &treespec::tree_attention_exact_cpu_op);
+  m.impl("tree_attention_exact_rows", &treespec::tree_attention_exact_rows_cpu_op);
+  m.impl("exact_linear", &treespec::exact_linear);
 }

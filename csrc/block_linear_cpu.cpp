@@ -7,6 +7,10 @@
 // exactly as the float32 weights were computed from the file: every weight the kernel uses is bit for bit
 // the model's weight. Only the summation order of the dot products differs from a float32 GEMM.
 // out[M, N] = x[M, K] @ w^T, float32, K a multiple of 32. AVX2 + FMA; a scalar loop elsewhere.
+//
+// Row-invariant: every row of x is summed in the same order whatever M is and wherever the row sits in a
+// tile, so a row's output bits never depend on the other rows (speculative verification of N rows gives
+// each row what a one-row forward gives it; docs/kernels.md, "bitwise mode").
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -48,13 +52,14 @@ inline void q8_block(const int8_t* qs, float d, __m256 w[4]) {
   }
 }
 
-// R rows of x against one weight row n: out[r, n] for r < R. Each row sums into C independent accumulators
-// (the block's 8-wide quarters q go to accumulator q % C): one chain of dependent FMAs per row left a
-// one- or two-row product waiting on the FMA latency (5 cycles) four times per block.
+// R rows of x against one weight row n: out[r, n] for r < R. Each row sums into the same 4 independent
+// accumulators (the block's 8-wide quarters q go to accumulator q) for every R, then adds them in one
+// fixed order: the row-invariant summation order (one chain of dependent FMAs per row would also leave a
+// one-row product waiting on the FMA latency four times per block).
 template <int R, bool Q4>
 inline void row_tile(const float* x, int64_t K, const void* qrow, const float* d, const float* m, float* out,
                      int64_t N) {
-  constexpr int C = R == 1 ? 4 : (R <= 3 ? 2 : 1);
+  constexpr int C = 4;
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
@@ -97,7 +102,13 @@ inline void scalar_row(const float* x, int64_t K, const void* qrow, const float*
   *out = acc;
 }
 
-constexpr int kRows = 6;  // x rows per tile: 6 accumulators + 4 weight registers + 1 load fit in 16
+// x rows per tile: R x 4 accumulators + 4 weight registers + 1 load must fit the register file (32 vector
+// registers with AVX-512VL, 16 with AVX2 only)
+#if defined(__AVX512VL__)
+constexpr int kRows = 6;
+#else
+constexpr int kRows = 2;
+#endif
 
 template <bool Q4>
 void quant_linear(const float* x, int64_t M, int64_t K, const void* q, const float* d, const float* m, float* out,

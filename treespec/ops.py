@@ -46,9 +46,15 @@ import torch
 
 from .io import cache_root
 
-_SOURCES_CPU = ("bindings.cpp", "tree_attention_cpu.cpp", "block_linear_cpu.cpp")
+_SOURCES_CPU = (
+    "bindings.cpp",
+    "tree_attention_cpu.cpp",
+    "block_linear_cpu.cpp",
+    "exact_attention_cpu.cpp",
+    "exact_linear_cpu.cpp",
+)
 _SOURCES_CUDA = ("bindings_cuda.cpp", "tree_attention_cuda.cu")
-_HEADERS = ("tree_attention.h", "tensor_args.h", "block_linear.h")
+_HEADERS = ("tree_attention.h", "tensor_args.h", "block_linear.h", "exact.h", "vec.h")
 
 _lock = threading.Lock()
 _state: dict = {"tried": False, "ok": False, "cuda": False, "error": None, "path": None, "seconds": None}
@@ -155,6 +161,20 @@ def _register_fakes() -> None:
     @torch.library.register_fake("treespec::block_linear")
     def _block_linear_fake(x, q, d, m):
         return x.new_empty((*x.shape[:-1], q.shape[0]))
+
+    @torch.library.register_fake("treespec::tree_attention_exact")
+    def _tree_attention_exact_fake(q, k, v, bits, scale):
+        B, H, n, D = q.shape
+        return q.new_empty((B, n, H, D))
+
+    @torch.library.register_fake("treespec::tree_attention_exact_rows")
+    def _tree_attention_exact_rows_fake(q, k, v, bits, scale, rows, prefix_lens):
+        A, H, n, D = q.shape
+        return q.new_empty((A, n, H, D))
+
+    @torch.library.register_fake("treespec::exact_linear")
+    def _exact_linear_fake(x, w):
+        return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
 def _build_and_load() -> None:

@@ -19,6 +19,9 @@ no state is hung on the HF modules and two decoders on one model never see each 
   written directly in the [B, n, H, D] layout transformers wants. Causal prefill from an empty cache
   stays on SDPA (or flash-attn on CUDA when it is installed); inputs the kernels do not take, or a
   failed build, fall back to SDPA with a warning.
+- `tree_attention_exact`: the row-invariant kernel of csrc/exact_attention_cpu.cpp ("bitwise" numerics):
+  a node's output has the bits a one-token step at the same position gets, whatever the tree or batch.
+  Causal prefill from an empty cache stays on SDPA (plain and speculative decoding share the prefill).
 """
 
 from __future__ import annotations
@@ -168,10 +171,44 @@ def tree_attention_compiled(
     return out.transpose(1, 2)
 
 
+def tree_attention_exact(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    tree_mask: torch.Tensor | None,
+    scaling: float,
+    bits: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same contract as `tree_attention_compiled`, through the row-invariant op (CPU, float32/bfloat16)."""
+    n, L = query.shape[2], key.shape[2]
+    if tree_mask is None and n == L and n > 1:
+        return tree_attention_sdpa(query, key, value, None, scaling)  # prefill from an empty cache
+    require_exact_ops(query)
+    if tree_mask is not None and bits is None:
+        bits = pack_bits(tree_mask.cpu())
+    out = torch.ops.treespec.tree_attention_exact(query, key, value, bits, float(scaling))  # [B, n, H, D]
+    return out.transpose(1, 2)
+
+
+def require_exact_ops(tensor: torch.Tensor) -> None:
+    """Refuse what the row-invariant kernels do not take, saying what to do instead."""
+    if tensor.device.type != "cpu" or tensor.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(
+            f'numerics="bitwise" runs on CPU tensors in float32 or bfloat16, not {tensor.device.type} '
+            f'{tensor.dtype}; use numerics="fast" there'
+        )
+    if not ops.available("cpu"):
+        raise ops.ExtensionUnavailable(
+            'numerics="bitwise" needs treespec\'s compiled CPU ops, which did not build here '
+            f'({ops.build_info()["error"]}); install a C++ compiler and ninja, or use numerics="fast"'
+        )
+
+
 KERNELS = {
     "reference": tree_attention_reference,
     "sdpa": tree_attention_sdpa,
     "compiled": tree_attention_compiled,
+    "exact": tree_attention_exact,
 }
 
 
@@ -205,8 +242,8 @@ def treespec_attention(
         scaling = query.shape[-1] ** -0.5
     if plan.rows is not None:
         return _rows_attention(query, key, value, plan, scaling), None
-    if plan.kernel == "compiled":
-        out = tree_attention_compiled(query, key, value, plan.mask, scaling, plan.bits)  # [B, H, n, D]
+    if plan.kernel in ("compiled", "exact"):
+        out = KERNELS[plan.kernel](query, key, value, plan.mask, scaling, plan.bits)  # [B, H, n, D]
     else:
         out = KERNELS[plan.kernel](query, key, value, plan.mask, scaling)  # [B, H, n, D]
     return out.transpose(1, 2).contiguous(), None  # no copy for "compiled": already [B, n, H, D]
@@ -227,6 +264,10 @@ def _rows_attention(
         and ops.available(query.device)
     ):
         scores = torch.ops.treespec.tree_attention_rows  # [A, n, H, D]
+        return scores(query, key, value, plan.bits, float(scaling), plan.rows, plan.prefix_lens)
+    if plan.kernel == "exact" and (plan.mask is not None or n == 1):
+        require_exact_ops(query)
+        scores = torch.ops.treespec.tree_attention_exact_rows  # [A, n, H, D]
         return scores(query, key, value, plan.bits, float(scaling), plan.rows, plan.prefix_lens)
     one_row = AttentionPlan(plan.kernel, plan.mask, plan.bits)
     outs = []

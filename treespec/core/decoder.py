@@ -31,7 +31,7 @@ import torch
 
 from ..drafters.base import Drafter, Proposal, RootOnlyDrafter, SequenceStart
 from .acceptance import RULES, SamplingConfig, verify
-from .attention import KERNELS, AttentionPlan, auto_kernel, tree_attention_enabled
+from .attention import KERNELS, AttentionPlan, auto_kernel, require_exact_ops, tree_attention_enabled
 from .cache import CacheCapacityError, TreeKVCache
 from .compiled import CompiledForward
 from .packed import MODES as LINEAR_MODES
@@ -143,6 +143,31 @@ def positions_needed(
     return needed
 
 
+NUMERICS = ("fast", "bitwise")
+
+
+def numerics_settings(numerics: str, kernel: str, linears: str, compile: bool, param) -> tuple[str, str]:
+    """The (attention kernel, linear mode) a `numerics` setting runs: "fast" keeps the given ones;
+    "bitwise" takes the row-invariant kernels (`exact` attention and linears), so every verified node gets
+    the bits a one-token forward gives it and speculation never changes the plain loop's text."""
+    if numerics not in NUMERICS:
+        raise ValueError(f"unknown numerics {numerics!r}; choose one of {NUMERICS}")
+    if numerics == "fast":
+        return kernel, linears
+    if kernel not in ("auto", "exact") or linears not in ("auto", "exact"):
+        raise ValueError(
+            f'numerics="bitwise" runs its own attention and linear kernels; leave kernel and linears at '
+            f'"auto" (got kernel={kernel!r}, linears={linears!r})'
+        )
+    if compile:
+        raise ValueError(
+            'numerics="bitwise" runs eagerly: torch.compile may pick other loop orders per shape; '
+            "pass compile=False"
+        )
+    require_exact_ops(param)
+    return "exact", "exact"
+
+
 @contextlib.contextmanager
 def decoding_mode(model, linears: str):
     """The model's mode for treespec's forwards: tree attention, and packed linears when asked."""
@@ -179,6 +204,7 @@ class Decoder:
         plain_above: int | str | None = None,
         pricer: StepPricer | None = None,
         clock: Callable[[], float] | None = None,
+        numerics: str = "fast",
     ):
         """sampling: how tokens are chosen (temperature, top-k/p, the acceptance rule, the seed);
         acceptance / seed override its `acceptance` / `seed`. linears: how the model's linear layers run
@@ -188,12 +214,14 @@ class Decoder:
         root alone while more rows than this are live; None: always speculate; "auto": a batch of several
         rows takes the kind of step a `StepPricer` measured to pay at its row count (`pricer`, default
         the one for this drafter setting in the model's `TargetRuntime`). clock: the step timer (default:
-        wall time, synchronising CUDA only where a pricer reads the timings)."""
+        wall time, synchronising CUDA only where a pricer reads the timings). numerics: "fast" or "bitwise"
+        (row-invariant kernels: the same text as the plain loop; `numerics_settings`)."""
         self.sampling = sampling or SamplingConfig()
         self.acceptance = acceptance or self.sampling.acceptance
         check_settings(linears, self.acceptance, kernel)
         _check_plain_above(plain_above)
         param = next(model.parameters())
+        kernel, linears = numerics_settings(numerics, kernel, linears, compile, param)
         self.model, self.device, self.linears = model, param.device, linears
         self.drafter = drafter or RootOnlyDrafter()
         self.tree, self.root_tree = self.drafter.tree, Tree.from_choices([])

@@ -49,7 +49,10 @@ class DecodeOptions:
     batch, plain one-token steps while more rows than this are live; "auto" times both kinds of step as
     the batch runs; None: always speculate. max_length: cache capacity (default: the model's
     max_position_embeddings). chat: a string prompt goes through the chat template (None: when the
-    tokenizer has one)."""
+    tokenizer has one). numerics: "fast" (the fastest kernels: a verified node may differ from a one-token
+    step in the last bit, which can flip a near-tied greedy choice, mostly in bfloat16) or "bitwise"
+    (row-invariant kernels, CPU: speculative output equals the plain loop's output, bit for bit;
+    `core.decoder.numerics_settings`)."""
 
     kernel: str = "auto"
     linears: str = "auto"
@@ -57,6 +60,7 @@ class DecodeOptions:
     plain_above: int | str | None = "auto"
     max_length: int | None = None
     chat: bool | None = None
+    numerics: str = "fast"
 
 
 @torch.inference_mode()
@@ -110,6 +114,7 @@ def generate(
         linears=options.linears,
         compile=options.compile,
         plain_above=options.plain_above,
+        numerics=options.numerics,
     )
     results = decode(decoder, prompt_ids, stopping, streamers, options.max_length, trace)
     return results if batch else results[0]

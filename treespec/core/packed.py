@@ -13,6 +13,10 @@ Two fast forms, chosen per weight (`mode="auto"`):
 `mode="onednn"` skips the block search, `mode="torch"` (or `enabled=False`) leaves the model as it is.
 Results equal `F.linear` to float rounding (summation order), not bitwise.
 
+`mode="exact"` ("bitwise" numerics) makes every linear row-invariant: a row's output bits never depend on
+how many rows share the call. Block weights stay on the block kernel at every row count (it sums each row
+in one fixed order); other float32 / bfloat16 weights go through treespec's `exact_linear` op.
+
 `packed_linears(model)` switches a model to the fast path inside a `with` block and back after it,
 counted per model like `tree_attention_enabled` (in the model's `TargetRuntime`), so HF's own `generate`
 on the same model object outside the block runs stock. The fast weights are built on first use (a
@@ -33,7 +37,7 @@ from .. import ops
 from .blocks import BlockMatrix, recover_blocks
 from .runtime import TargetRuntime
 
-MODES = ("auto", "onednn", "torch")
+MODES = ("auto", "onednn", "torch", "exact")
 # rows up to which the block kernel beats a GEMM on the same weight (measured on SmolLM2's linears:
 # benchmarks/log/2026-12-02-b-session10-batches-onednn.md). Above this count a block weight multiplies
 # through a oneDNN copy of its float32 values, built on first use.
@@ -70,9 +74,10 @@ class PackedMatrix:
         if mode not in MODES:
             raise ValueError(f"unknown linear mode {mode!r}; choose one of {MODES}")
         self.weight = weight  # [out, in]
-        self.blocks = _blocks_of(weight) if mode == "auto" else None
+        self.exact = mode == "exact"
+        self.blocks = _blocks_of(weight) if mode in ("auto", "exact") else None
         self.packed = None  # block weights: built on the first call with more than BLOCK_ROWS_MAX rows
-        self.packable = mode != "torch" and _supported(weight)
+        self.packable = mode not in ("torch", "exact") and _supported(weight)
         if self.blocks is None and self.packable:
             self.pack()
 
@@ -96,12 +101,16 @@ class PackedMatrix:
         """ "blocks-q4_1", "blocks-q8_0", "onednn" or "torch": how this matrix multiplies."""
         if self.blocks is not None:
             return f"blocks-{self.blocks.blocks.kind}"
+        if self.exact:
+            return "exact"
         return "onednn" if self.packed is not None else "torch"
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # x: [..., in] -> [..., out]
         if x.dtype != self.weight.dtype or torch.is_grad_enabled() or x.device.type != "cpu":
             return F.linear(x.to(self.weight.dtype), self.weight, bias)
+        if self.exact:
+            return self._exact(x, bias)
         if self.blocks is not None and x.numel() <= BLOCK_ROWS_MAX * x.shape[-1]:
             return self.blocks(x, bias)
         # many rows (prefill, a batch of trees): a GEMM over the float32 weight is faster than the blocks;
@@ -109,6 +118,15 @@ class PackedMatrix:
         if self.packable and not torch.compiler.is_compiling():
             return torch.ops.mkldnn._linear_pointwise(x, self.pack(), bias, "none", [], "")
         return F.linear(x, self.weight, bias)
+
+    def _exact(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The row-invariant product: fp32 sums in one order per row, rounded once to x's dtype."""
+        if self.blocks is not None:
+            return self.blocks(x, bias)
+        out = torch.ops.treespec.exact_linear(x.float(), self.weight)  # [..., out] float32
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(x.dtype)
 
 
 def weight_key(w: torch.Tensor) -> tuple:
@@ -166,7 +184,7 @@ def packed_linears(model, enabled: bool = True, mode: str = "auto") -> Iterator[
     model at a time: another mode than the current one's is refused while the first is in use."""
     if mode not in MODES:
         raise ValueError(f"unknown linear mode {mode!r}; choose one of {MODES}")
-    if not enabled or mode == "torch" or not packing_supported(model):
+    if not enabled or mode == "torch" or (mode != "exact" and not packing_supported(model)):
         yield
         return
     runtime = TargetRuntime.of(model)  # the packing lives in the model's runtime

@@ -1,0 +1,157 @@
+// Row-invariant tree attention on the CPU (exact.h; the contract of tree_attention.h).
+//
+// Query token i of a forward over n new tokens after c committed ones sees T_i keys: the prefix [0, c),
+// then the block keys c + j it may see (its ancestors and itself, j ascending). In a tree those are the
+// keys of its path in depth order, so the logical key list is exactly the list a one-token step at the
+// same position sees. Every sum below runs over that logical index, so its order does not depend on n,
+// on the other rows of the tree, or on the batch:
+//   s_t = (q . k_t) * scale * log2(e)     (dot over D: one VL-wide vector chain, lanes pairwise, tail)
+//   m = max_t s_t;  p_t = 2^(s_t - m)     (the polynomial exp2 of vec.h, elementwise)
+//   l = sum_t p_t                         (VL partial sums over t in chunks from t = 0, lanes pairwise)
+//   out = (sum_t p_t v_t) / l             (each d summed over t = 0, 1, ... in order)
+// Work: one task per (batch, kv head, tile of query tokens); a K or V row loaded once serves every query
+// head of the group and every token of the tile, but each row keeps its own accumulators.
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "exact.h"
+#include "vec.h"
+
+namespace treespec {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kTokens = 8;  // query tokens per task
+
+inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
+
+inline float dot(const float* q, const float* k, int D) {
+  vf acc = splat(0.0f);
+  int d = 0;
+  for (; d + VL <= D; d += VL) acc += loadv(q + d) * loadv(k + d);
+  float s = lane_sum(acc);
+  for (; d < D; ++d) s += q[d] * k[d];
+  return s;
+}
+
+inline void axpy(float* o, float p, const float* v, int D) {  // o += p * v
+  const vf pv = splat(p);
+  int d = 0;
+  for (; d + VL <= D; d += VL) storev(o + d, loadv(o + d) + pv * loadv(v + d));
+  for (; d < D; ++d) o[d] += p * v[d];
+}
+
+// Row t of a [L, D] K or V head as fp32: in place for fp32, converted into buf for bf16.
+template <typename T>
+inline const float* key_row(const T* base, int64_t stride, int t, int D, float* buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    return base + t * stride;
+  } else {
+    for (int d = 0; d < D; ++d) buf[d] = to_float<T>(base[t * stride + d]);
+    return buf;
+  }
+}
+
+inline bool visible(const TreeAttentionParams& p, int i, int j) {
+  if (p.bits == nullptr) return j <= i;
+  return (p.bits[static_cast<int64_t>(i) * p.words + j / 64] >> (j % 64)) & 1u;
+}
+
+struct Scratch {
+  std::vector<float> q, s, o, row, sums;
+  std::vector<std::vector<int>> block;  // per token of the tile: the block keys it sees, ascending
+};
+
+template <typename T>
+void run_task(const TreeAttentionParams& p, int64_t task, Scratch& w) {
+  const int G = p.heads / p.kv_heads, n = p.n, D = p.head_dim, c = p.kv_len - n;
+  const int tiles = (n + kTokens - 1) / kTokens;
+  const int b = static_cast<int>(task / (int64_t(p.kv_heads) * tiles));
+  const int kvh = static_cast<int>(task / tiles % p.kv_heads), i0 = static_cast<int>(task % tiles) * kTokens;
+  const int tokens = std::min(kTokens, n - i0), R = tokens * G;  // row r = token ii * G + head g
+  const T* q = static_cast<const T*>(p.q) + b * p.q_stride_b;
+  const T* k = static_cast<const T*>(p.k) + b * p.k_stride_b + kvh * p.k_stride_h;
+  const T* v = static_cast<const T*>(p.v) + b * p.v_stride_b + kvh * p.v_stride_h;
+  int most = 0;
+  w.block.resize(tokens);
+  for (int ii = 0; ii < tokens; ++ii) {
+    w.block[ii].clear();
+    for (int j = 0; j < n; ++j)
+      if (visible(p, i0 + ii, j)) w.block[ii].push_back(j);
+    most = std::max(most, static_cast<int>(w.block[ii].size()));
+  }
+  const int Tp = round_up(c + most, VL);  // score row stride, padded to whole vectors
+  w.q.resize(static_cast<size_t>(R) * D);
+  w.s.assign(static_cast<size_t>(R) * Tp, kNegInf);
+  w.o.assign(static_cast<size_t>(R) * D, 0.0f);
+  w.row.resize(D);
+  w.sums.resize(R);
+  const float scale = p.scale * kLog2e;
+  for (int r = 0; r < R; ++r) {
+    const T* qr = q + (kvh * G + r % G) * p.q_stride_h + (i0 + r / G) * p.q_stride_n;
+    for (int d = 0; d < D; ++d) w.q[r * D + d] = to_float<T>(qr[d]);
+  }
+  // scores: the prefix keys for every row, then each token's block keys
+  for (int t = 0; t < c; ++t) {
+    const float* kt = key_row<T>(k, p.k_stride_l, t, D, w.row.data());
+    for (int r = 0; r < R; ++r) w.s[r * Tp + t] = dot(&w.q[r * D], kt, D) * scale;
+  }
+  for (int ii = 0; ii < tokens; ++ii)
+    for (size_t x = 0; x < w.block[ii].size(); ++x) {
+      const float* kt = key_row<T>(k, p.k_stride_l, c + w.block[ii][x], D, w.row.data());
+      for (int g = 0; g < G; ++g) w.s[(ii * G + g) * Tp + c + x] = dot(&w.q[(ii * G + g) * D], kt, D) * scale;
+    }
+  // softmax weights, unnormalised, and their sums (padding: 2^-inf = 0 adds nothing)
+  for (int r = 0; r < R; ++r) {
+    float* s = &w.s[r * Tp];
+    const int T_r = c + static_cast<int>(w.block[r / G].size());
+    float m = kNegInf;
+    for (int t = 0; t < T_r; ++t) m = std::max(m, s[t]);
+    vf sum = splat(0.0f);
+    for (int t = 0; t < Tp; t += VL) {
+      const vf e = exp2v(loadv(s + t) - splat(m));
+      storev(s + t, e);
+      sum += e;
+    }
+    w.sums[r] = lane_sum(sum);
+  }
+  // outputs: the prefix values for every row, then each token's block values, in the key order above
+  for (int t = 0; t < c; ++t) {
+    const float* vt = key_row<T>(v, p.v_stride_l, t, D, w.row.data());
+    for (int r = 0; r < R; ++r) axpy(&w.o[r * D], w.s[r * Tp + t], vt, D);
+  }
+  for (int ii = 0; ii < tokens; ++ii)
+    for (size_t x = 0; x < w.block[ii].size(); ++x) {
+      const float* vt = key_row<T>(v, p.v_stride_l, c + w.block[ii][x], D, w.row.data());
+      for (int g = 0; g < G; ++g) axpy(&w.o[(ii * G + g) * D], w.s[(ii * G + g) * Tp + c + x], vt, D);
+    }
+  T* out = static_cast<T*>(p.out);
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = (static_cast<int64_t>(b) * n + i0 + r / G) * p.heads + kvh * G + r % G;  // [B, n, H]
+    for (int d = 0; d < D; ++d) out[row * D + d] = from_float<T>(w.o[r * D + d] / w.sums[r]);
+  }
+}
+
+template <typename T>
+void run(const TreeAttentionParams& p) {
+  const int tiles = (p.n + kTokens - 1) / kTokens;
+  const int64_t tasks = static_cast<int64_t>(p.batch) * p.kv_heads * tiles;
+  at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
+    Scratch scratch;
+    for (int64_t task = first; task < last; ++task) run_task<T>(p, task, scratch);
+  });
+}
+
+}  // namespace
+
+void tree_attention_exact_cpu(const TreeAttentionParams& p) {
+  if (p.dtype == DType::kBFloat16)
+    run<uint16_t>(p);
+  else
+    run<float>(p);
+}
+
+}  // namespace treespec
