@@ -155,3 +155,48 @@ def test_bench_dynamic_methods(tmp_path, smollm2):
     for m in ("dynamic", "eagle_dynamic"):
         assert overall[m]["identical_to_hf"] == 2, m
         assert overall[m]["nodes_per_step"] >= 1 and overall[m]["predicted_accept_length"] >= 1
+
+
+def test_numerics_runs_are_named_per_value(capsys):
+    names = bench.run_names(["hf", "baseline", "dynamic", "vllm"], ["fast", "bitwise"])
+    assert names == ["hf", "baseline", "baseline@bitwise", "dynamic", "dynamic@bitwise", "vllm"]
+    assert bench.base_method("dynamic@bitwise") == "dynamic"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--numerics", "fast,exactish"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--numerics", "bitwise", "--methods", "baseline_sdpa"])
+    assert "bitwise" in capsys.readouterr().err
+
+
+def test_sharegpt_heldout_prompts_are_the_distillation_eval_split():
+    from treespec.tools import workloads
+    from treespec.training.distill import is_eval
+
+    prompts = workloads.sharegpt_heldout(0)
+    assert len(prompts) >= 50  # enough for the parity check of issue 31
+    assert all(is_eval(p["question_id"], workloads.HELDOUT_FRACTION) for p in prompts)
+    assert all(len(p["turns"][0]) <= workloads.MAX_PROMPT_CHARS for p in prompts)
+    assert [p["question_id"] for p in workloads.sharegpt_heldout(5)] == [
+        p["question_id"] for p in prompts[:5]
+    ]
+    meta = json.loads(
+        (default_data_file().parent / "distill" / "smollm2-135m-instruct" / "meta.json").read_text()
+    )
+    assert meta["settings"]["eval_fraction"] == workloads.HELDOUT_FRACTION
+
+
+@pytest.mark.integration
+def test_bench_refine_workload_with_bitwise_numerics(tmp_path, capsys):
+    out = tmp_path / "b.json"
+    argv = ["--workload", "refine", "--num-prompts", "1", "--max-new-tokens", "12", "--dtype", "float32"]
+    argv += ["--methods", "baseline,suffix", "--numerics", "fast,bitwise", "--out", str(out)]
+    bench.main(argv)
+    result = json.loads(out.read_text())
+    categories = [p["category"] for p in result["prompts"]]
+    assert categories == ["refine-first", "refine-concise", "refine-fix"]
+    refine_prompt = result["prompts"][1]["prompt_tokens"]
+    assert refine_prompt > result["prompts"][0]["prompt_tokens"] + 6  # it holds the first answer
+    overall = result["summary"][-1]["methods"]
+    assert overall["suffix@bitwise"]["identical_to_plain"] == 3
+    assert set(overall) == {"baseline", "baseline@bitwise", "suffix", "suffix@bitwise"}
+    assert "plain(suffix@bitwise)" in capsys.readouterr().out

@@ -32,15 +32,20 @@ Methods (all run in the same process on the same prompt token ids):
                       the same prompt token ids (`tools.peers`)
     vllm_ngram        the same with vLLM's n-gram speculation (`--vllm-ngram` tokens per step, default 5)
 
+Numerics (`--numerics fast,bitwise`): every treespec method runs once per value; the bitwise runs are
+named METHOD@bitwise (row-invariant kernels, `DecodeOptions.numerics`), and plain(X) counts the prompts
+where X's output equals treespec's plain loop (baseline) in the same numerics.
+
 gamma per drafter: `--gamma`, else the drafter folder's tune.json (`treespec tune`), else 4.
 Heads, tree, draft model and exit head come from the options as in `treespec generate`
 (`tools.drafter_options`): without --heads the default model uses its shipped heads and their tree.
 
-Prompts: the first turn of each Spec-Bench question, through the chat template (default file: the copy
-that ships with treespec, `models.default_data_file()`). `--num-prompts N` takes a stratified subset:
-round-robin over the categories in file order (first question of each category, then the second of
-each, ...), so any N >= the number of categories (13 in Spec-Bench) covers every category. This data
-is for evaluation only: tune nothing on it.
+Prompts (`--workload`, tools/workloads.py): spec-bench (default), sharegpt-heldout or refine (a repetitive
+multi-turn self-refinement workload). Spec-Bench: the first turn of each question, through the chat
+template (default file: the copy that ships with treespec, `models.default_data_file()`).
+`--num-prompts N` takes a stratified subset: round-robin over the categories in file order (first
+question of each category, then the second of each, ...), so any N >= the number of categories (13 in
+Spec-Bench) covers every category. All this data is for evaluation only: tune nothing on it.
 
 Results: a table on stdout and JSON in --out (default bench_results/bench-<timestamp>.json under the
 working directory).
@@ -54,7 +59,6 @@ method i mod k), so machine noise and cache effects fall on every method alike.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shlex
@@ -78,6 +82,7 @@ from ..io import atomic_write_json
 from . import drafter_options as options
 from .models import default_data_file, default_model_folder
 from .peers import VllmPeer
+from .workloads import WORKLOADS, build_workload, load_questions, select_prompts  # noqa: F401 (re-exported)
 
 DEFAULT_OUT_DIR = Path("bench_results")  # relative to the working directory
 STORAGE_METHODS = {
@@ -106,6 +111,7 @@ SPECULATIVE = (  # the methods that draft and verify
 EAGLE_METHODS = ("eagle", "eagle_lookup", "eagle_dynamic")
 PEER_METHODS = {"vllm": 0, "vllm_ngram": None}  # name -> n-gram tokens (None: --vllm-ngram)
 METHODS = ("hf", "hf_prompt_lookup", "baseline", "baseline_sdpa", *SPECULATIVE, "hf_assisted", *PEER_METHODS)
+TREESPEC_METHODS = ("baseline", "baseline_sdpa", *SPECULATIVE)  # the methods that take --numerics
 DEFAULT_METHODS = ("hf", "hf_prompt_lookup", "baseline", "treespec")
 REFERENCE = "hf"
 WARMUP_PROMPT = "Say hello in one short sentence."
@@ -122,6 +128,11 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
         p.error(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be >= 1")
+    args.numerics = [x.strip() for x in args.numerics.split(",") if x.strip()]
+    if not args.numerics or set(args.numerics) - {"fast", "bitwise"}:
+        p.error(f"--numerics takes fast and/or bitwise, got {args.numerics}")
+    if "bitwise" in args.numerics and {"baseline_sdpa", "treespec_sdpa"} & set(args.methods):
+        p.error("the _sdpa methods run torch's SDPA kernel, which --numerics bitwise replaces")
     if {*STORAGE_METHODS, TREE_METHOD, "hf_assisted"} & set(args.methods) and not args.draft_model:
         p.error("the draft_model and hf_assisted methods need --draft-model FOLDER")
     if "self_spec" in args.methods and not args.exit_head:
@@ -161,6 +172,19 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=16, help="stratified subset size (0 = all)")
     p.add_argument("--categories", default=None, help="comma list of categories to keep")
+    p.add_argument(
+        "--workload",
+        default="spec-bench",
+        choices=WORKLOADS,
+        help="the prompts (tools/workloads.py): spec-bench (default), sharegpt-heldout (the held-out split "
+        "of the ShareGPT training prompts) or refine (multi-turn self-refinement of the model's answers)",
+    )
+    p.add_argument(
+        "--numerics",
+        default="fast",
+        help="comma list of fast, bitwise: every treespec method runs once per value, the bitwise runs "
+        "named METHOD@bitwise (DecodeOptions.numerics)",
+    )
     p.add_argument(
         "--methods", default=",".join(DEFAULT_METHODS), help=f"comma list from {','.join(METHODS)}"
     )
@@ -218,31 +242,21 @@ def add_drafter_arguments(p: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def load_questions(path: Path) -> list[dict]:
-    """Spec-Bench questions, one JSON object per line (question_id, category, turns)."""
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+def base_method(name: str) -> str:
+    """A run's method without its numerics ("dynamic@bitwise" -> "dynamic")."""
+    return name.split("@")[0]
 
 
-def select_prompts(
-    questions: list[dict], num_prompts: int, categories: list[str] | None = None
-) -> list[dict]:
-    """Round-robin over categories in file order; N >= number of categories covers each one."""
-    by_category: dict[str, list[dict]] = {}
-    for q in questions:
-        by_category.setdefault(q["category"], []).append(q)
-    if categories:
-        missing = [c for c in categories if c not in by_category]
-        if missing:
-            raise SystemExit(f"unknown categories {missing}; the file has {list(by_category)}")
-        by_category = {c: qs for c, qs in by_category.items() if c in categories}
-    limit = num_prompts if num_prompts > 0 else sum(len(qs) for qs in by_category.values())
-    picked: list[dict] = []
-    for i in range(max((len(qs) for qs in by_category.values()), default=0)):
-        for qs in by_category.values():
-            if i < len(qs) and len(picked) < limit:
-                picked.append(qs[i])
-    return picked
+def run_names(methods: list[str], numerics: list[str]) -> list[str]:
+    """The runs of a benchmark: each treespec method once per numerics value (METHOD@bitwise for the
+    non-default ones), the others once."""
+    names = []
+    for m in methods:
+        if m in TREESPEC_METHODS:
+            names += [m if x == "fast" else f"{m}@{x}" for x in numerics]
+        else:
+            names.append(m)
+    return names
 
 
 # --------------------------------------------------------------------------------------------------
@@ -336,10 +350,12 @@ def result_record(res) -> dict:
     }
 
 
-def treespec_runner(model, tokenizer, make_drafter, compile: bool = False, kernel: str = "auto"):
+def treespec_runner(
+    model, tokenizer, make_drafter, compile: bool = False, kernel: str = "auto", numerics: str = "fast"
+):
     """run(ids, max_new_tokens) through `treespec.generate` with a drafter from make_drafter() (None:
     plain decoding) for every call."""
-    options = treespec.DecodeOptions(kernel=kernel, compile=compile)
+    options = treespec.DecodeOptions(kernel=kernel, compile=compile, numerics=numerics)
 
     def run(ids, max_new_tokens):
         result = treespec.generate(
@@ -361,14 +377,16 @@ def make_runners(
     branching_spec: str = "1:4",
     compile: bool = False,
     cost_curve: str | None = None,
+    numerics: str = "fast",
 ) -> dict:
     """name -> run(ids, max_new_tokens) -> dict(token_ids, steps, accepted, library_seconds).
-    compile: every treespec method verifies through torch.compile (`Decoder(compile=True)`).
+    compile: every treespec method verifies through torch.compile (`Decoder(compile=True)`); numerics: how
+    every treespec method computes (`DecodeOptions.numerics`).
 
     chains: from `load_chain_drafters` (the draft-model methods and hf_assisted need "draft_model",
     self_spec needs "exit_head")."""
     chains = chains or {}
-    ours = partial(treespec_runner, model, tokenizer, compile=compile)
+    ours = partial(treespec_runner, model, tokenizer, compile=compile, numerics=numerics)
 
     def hf(ids, max_new_tokens, **extra):
         return {"token_ids": hf_greedy(model, tokenizer, ids, max_new_tokens, **extra)}
@@ -506,7 +524,7 @@ def run_benchmark(prompts, runners, methods, tokenizer, max_new_tokens, device) 
         bar = tqdm(prompts, unit="prompt")
         for i, q in enumerate(bar):
             bar.set_description(q["category"])
-            ids = encode_prompt(q["turns"][0], tokenizer)
+            ids = q["ids"] if "ids" in q else encode_prompt(q["turns"][0], tokenizer)
             k = i % len(methods)
             results = {}
             for m in methods[k:] + methods[:k]:
@@ -540,7 +558,11 @@ def make_record(q: dict, ids: list[int], results: dict, methods: list[str]) -> d
             "phase_seconds": r.get("phase_seconds"),
             "identical_to_hf": None,
             "first_diff": None,
+            "identical_to_plain": None,
         }
+        plain = results.get(m.replace(base_method(m), "baseline", 1))
+        if base_method(m) in SPECULATIVE and plain is not None:
+            entry["identical_to_plain"] = tokens == plain["token_ids"]
         if ref is not None and m != REFERENCE:
             entry["identical_to_hf"] = tokens == ref["token_ids"]
             if not entry["identical_to_hf"]:
@@ -609,6 +631,8 @@ def summarize(records: list[dict], methods: list[str], reference: str = REFERENC
                     entry["speculative_memory"] = max(memory)
             if reference in methods and m != reference:
                 entry["identical_to_hf"] = sum(bool(x["identical_to_hf"]) for x in runs)
+            if any(x.get("identical_to_plain") is not None for x in runs):
+                entry["identical_to_plain"] = sum(bool(x["identical_to_plain"]) for x in runs)
             row["methods"][m] = entry
         if reference in methods:
             ref_tps = row["methods"][reference]["tokens_per_second"]
@@ -634,6 +658,8 @@ HEADER_KEYS = (
     "threads",
     "max_new_tokens",
     "num_prompts",
+    "workload",
+    "numerics",
 )
 
 
@@ -673,8 +699,9 @@ def format_tables(summary: list[dict], methods: list[str], reference: str = REFE
     title = "tokens/s" + (f" (speedup over {reference})" if has_ref else "")
     parts = [title, _grid(["category", "n", *methods], rows)]
 
-    accept = [m for m in methods if m in SPECULATIVE]
+    accept = [m for m in methods if base_method(m) in SPECULATIVE]
     same = [m for m in methods if has_ref and m != reference]
+    plain = [m for m in accept if summary[-1]["methods"][m].get("identical_to_plain") is not None]
     if accept or same:
         rows = []
         for row in summary:
@@ -684,14 +711,20 @@ def format_tables(summary: list[dict], methods: list[str], reference: str = REFE
                 cells.append("-" if a is None else f"{a:.2f}")
             for m in same:
                 cells.append(f"{row['methods'][m]['identical_to_hf']}/{row['prompts']}")
+            for m in plain:
+                cells.append(f"{row['methods'][m]['identical_to_plain']}/{row['prompts']}")
             rows.append(cells)
         headers = ["category", "n", *[f"accept({m})" for m in accept], *[f"same({m})" for m in same]]
-        note = f"accept: tokens committed per verify step; same(X): prompts with X's tokens == {reference}'s"
+        headers += [f"plain({m})" for m in plain]
+        note = (
+            f"accept: tokens committed per verify step; same(X): prompts with X's tokens == {reference}'s; "
+            "plain(X): prompts with X's tokens == treespec's plain loop's (baseline, same numerics)"
+        )
         parts += ["", note, _grid(headers, rows)]
     overall = summary[-1]["methods"]
     if accept:
         rows = []
-        for m in [m for m in methods if m in SPECULATIVE or m in ("baseline", "hf_assisted")]:
+        for m in [m for m in methods if base_method(m) in (*SPECULATIVE, "baseline", "hf_assisted")]:
             e = overall[m]
 
             def fmt(key, spec, scale=1.0, e=e):
@@ -751,8 +784,10 @@ def describe_run(
         "lookup": args.lookup if {"lookup", "treespec_lookup"} & set(args.methods) else None,
         "compile": args.compile,
         "num_prompts": len(prompts),
+        "workload": args.workload,
+        "numerics": args.numerics,
         "categories": [c.strip() for c in args.categories.split(",")] if args.categories else None,
-        "methods": args.methods,
+        "methods": run_names(args.methods, args.numerics),
         "peers": {name: peer.info for name, peer in peers.items()},
         "method_order": "rotating per prompt (prompt i starts with method i mod k)",
         "timing": "wall clock per whole call incl. prefill, after one warm-up call per method",
@@ -797,45 +832,53 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
         torch.set_num_threads(args.threads)
     data = Path(args.data) if args.data else default_data_file()
     categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
-    prompts = select_prompts(load_questions(data), args.num_prompts, categories)
-    if not prompts:
-        raise SystemExit(f"no prompts selected from {data}")
     check_options(args)
 
     model, tokenizer = treespec.load_model(args.model, dtype=args.dtype, device=args.device)
+    prompts = build_workload(
+        args.workload, tokenizer, model, args.num_prompts, categories, data, args.max_new_tokens
+    )
+    if not prompts:
+        raise SystemExit(f"no prompts selected for the {args.workload} workload")
     device = next(model.parameters()).device
     heads, tree, heads_desc, tree_desc = None, None, "-", "-"
     if {"treespec", "treespec_sdpa", "treespec_lookup", "dynamic"} & set(args.methods):
         heads, tree, heads_desc, tree_desc = load_heads_and_tree(args, model)
     chains = load_chain_drafters(args, model)
     ours = [m for m in args.methods if m not in PEER_METHODS]
-    runners = make_runners(
-        model,
-        tokenizer,
-        heads,
-        tree,
-        ours,
-        args.lookup,
-        chains,
-        args.branching,
-        args.compile,
-        args.cost_curve,
-    )
+    runners = {}
+    for numerics in args.numerics:
+        made = make_runners(
+            model,
+            tokenizer,
+            heads,
+            tree,
+            ours,
+            args.lookup,
+            chains,
+            args.branching,
+            args.compile,
+            args.cost_curve,
+            numerics,
+        )
+        names = run_names(list(made), [numerics])
+        runners |= {name: run for name, run in zip(names, made.values(), strict=True) if name not in runners}
+    methods = run_names(args.methods, args.numerics)
     peers = start_peers(args, model)
     runners |= {name: peer_runner(peer) for name, peer in peers.items()}
 
     config = describe_run(args, command, model, (heads_desc, tree_desc, tree), chains, peers, prompts, data)
     t_start = time.perf_counter()
     try:
-        records = run_benchmark(prompts, runners, args.methods, tokenizer, args.max_new_tokens, device)
+        records = run_benchmark(prompts, runners, methods, tokenizer, args.max_new_tokens, device)
     finally:
         for peer in peers.values():
             peer.close()
     wall = time.perf_counter() - t_start
 
-    summary = summarize(records, args.methods)
+    summary = summarize(records, methods)
     print(format_header(config, wall) + "\n")
-    print(format_tables(summary, args.methods))
+    print(format_tables(summary, methods))
 
     result = {"config": config, "wall_seconds": wall, "prompts": records, "summary": summary}
     out = Path(args.out) if args.out else DEFAULT_OUT_DIR / f"bench-{datetime.now():%Y%m%d-%H%M%S}.json"

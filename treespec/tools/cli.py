@@ -237,6 +237,13 @@ def _add_generate(commands) -> None:
     p.add_argument(
         "--lookup", type=int, default=0, help="add a prompt-lookup branch of N nodes (default 0: none)"
     )
+    p.add_argument(
+        "--numerics",
+        default="fast",
+        choices=["fast", "bitwise"],
+        help="bitwise: row-invariant kernels, so the output is bit for bit the plain loop's (CPU; slower "
+        "for large trees); fast (default): the fastest kernels",
+    )
     _add_chain_drafter_options(p, eagle=True)
     p.set_defaults(run=cmd_generate)
 
@@ -334,6 +341,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sampling=sampling,
         streamer=streamer,
         trace=want_trace,
+        options=treespec.DecodeOptions(numerics=args.numerics),
     )
     if streamer is None:
         print(result.text)
