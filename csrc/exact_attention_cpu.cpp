@@ -61,9 +61,81 @@ inline bool visible(const TreeAttentionParams& p, int i, int j) {
 }
 
 struct Scratch {
-  std::vector<float> q, s, o, row, sums;
+  std::vector<float> q, s, o, row, rows, sums;
   std::vector<std::vector<int>> block;  // per token of the tile: the block keys it sees, ascending
 };
+
+// Scores of the first VL-multiple of prefix keys for all R rows, VL keys at a time: each row's VL dot
+// products reduced together by the lane-sum network (the same additions as `dot`). Returns how many
+// keys it scored (0 where the head dim is not whole vectors, or without the network).
+template <typename T>
+int prefix_scores(const TreeAttentionParams& p, const T* k, int c, int R, int Tp, float scale, Scratch& w) {
+  int t = 0;
+#if TREESPEC_LANE_SUMS
+  const int D = p.head_dim;
+  if (D % VL != 0) return 0;
+  const LaneSums& plan = lane_sums_plan();
+  w.rows.resize(static_cast<size_t>(VL) * D);
+  for (; t + VL <= c; t += VL) {
+    const float* kt[VL];
+    for (int x = 0; x < VL; ++x) kt[x] = key_row<T>(k, p.k_stride_l, t + x, D, &w.rows[x * D]);
+    for (int r = 0; r < R; ++r) {
+      const float* qr = &w.q[r * D];
+      vf acc[VL];
+      for (int x = 0; x < VL; ++x) {
+        vf a = splat(0.0f);
+        for (int d = 0; d < D; d += VL) a += loadv(qr + d) * loadv(kt[x] + d);
+        acc[x] = a;
+      }
+      const vf sums = lane_sums_run(plan, acc);
+      float* s = &w.s[r * Tp + t];
+      for (int l = 0; l < VL; ++l) s[plan.vector_of_lane[l]] = sums[l] * scale;
+    }
+  }
+#endif
+  return t;
+}
+
+// o[r] = sum over prefix keys t of p[r][t] v_t, rows four at a time with their NDV output vectors held
+// in registers (the same additions, in the same order, as `axpy` key after key).
+template <typename T, int NDV>
+void prefix_values_tiled(const TreeAttentionParams& p, const T* v, int c, int R, int Tp, Scratch& w) {
+  constexpr int RT = 4, D = NDV * VL;
+  for (int r0 = 0; r0 < R; r0 += RT) {
+    const int rows = std::min(RT, R - r0);
+    vf acc[RT][NDV];
+    for (int i = 0; i < RT; ++i)
+      for (int j = 0; j < NDV; ++j) acc[i][j] = splat(0.0f);
+    for (int t = 0; t < c; ++t) {
+      const float* vt = key_row<T>(v, p.v_stride_l, t, D, w.row.data());
+      vf vv[NDV];
+      for (int j = 0; j < NDV; ++j) vv[j] = loadv(vt + j * VL);
+      for (int i = 0; i < RT; ++i) {
+        if (i >= rows) break;
+        const vf pv = splat(w.s[(r0 + i) * Tp + t]);
+        for (int j = 0; j < NDV; ++j) acc[i][j] = acc[i][j] + pv * vv[j];
+      }
+    }
+    for (int i = 0; i < rows; ++i)
+      for (int j = 0; j < NDV; ++j) storev(&w.o[(r0 + i) * D + j * VL], acc[i][j]);
+  }
+}
+
+template <typename T>
+void prefix_values(const TreeAttentionParams& p, const T* v, int c, int R, int Tp, Scratch& w) {
+  const int D = p.head_dim;
+  switch (D % VL == 0 ? D / VL : 0) {
+    case 1: return prefix_values_tiled<T, 1>(p, v, c, R, Tp, w);
+    case 2: return prefix_values_tiled<T, 2>(p, v, c, R, Tp, w);
+    case 3: return prefix_values_tiled<T, 3>(p, v, c, R, Tp, w);
+    case 4: return prefix_values_tiled<T, 4>(p, v, c, R, Tp, w);
+    default: break;
+  }
+  for (int t = 0; t < c; ++t) {
+    const float* vt = key_row<T>(v, p.v_stride_l, t, D, w.row.data());
+    for (int r = 0; r < R; ++r) axpy(&w.o[r * D], w.s[r * Tp + t], vt, D);
+  }
+}
 
 template <typename T>
 void run_task(const TreeAttentionParams& p, int64_t task, Scratch& w) {
@@ -95,9 +167,10 @@ void run_task(const TreeAttentionParams& p, int64_t task, Scratch& w) {
     for (int d = 0; d < D; ++d) w.q[r * D + d] = to_float<T>(qr[d]);
   }
   // scores: the prefix keys for every row, then each token's block keys
-  for (int t = 0; t < c; ++t) {
-    const float* kt = key_row<T>(k, p.k_stride_l, t, D, w.row.data());
-    for (int r = 0; r < R; ++r) w.s[r * Tp + t] = dot(&w.q[r * D], kt, D) * scale;
+  const int t = prefix_scores<T>(p, k, c, R, Tp, scale, w);
+  for (int u = t; u < c; ++u) {
+    const float* ku = key_row<T>(k, p.k_stride_l, u, D, w.row.data());
+    for (int r = 0; r < R; ++r) w.s[r * Tp + u] = dot(&w.q[r * D], ku, D) * scale;
   }
   for (int ii = 0; ii < tokens; ++ii)
     for (size_t x = 0; x < w.block[ii].size(); ++x) {
@@ -119,10 +192,7 @@ void run_task(const TreeAttentionParams& p, int64_t task, Scratch& w) {
     w.sums[r] = lane_sum(sum);
   }
   // outputs: the prefix values for every row, then each token's block values, in the key order above
-  for (int t = 0; t < c; ++t) {
-    const float* vt = key_row<T>(v, p.v_stride_l, t, D, w.row.data());
-    for (int r = 0; r < R; ++r) axpy(&w.o[r * D], w.s[r * Tp + t], vt, D);
-  }
+  prefix_values<T>(p, v, c, R, Tp, w);
   for (int ii = 0; ii < tokens; ++ii)
     for (size_t x = 0; x < w.block[ii].size(); ++x) {
       const float* vt = key_row<T>(v, p.v_stride_l, c + w.block[ii][x], D, w.row.data());

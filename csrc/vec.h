@@ -44,6 +44,48 @@ inline float lane_sum(vf v) {
   return s[0];
 }
 
+#if defined(__GNUC__) && !defined(__clang__)
+#define TREESPEC_LANE_SUMS 1
+constexpr int kLaneLevels = TREESPEC_VL == 16 ? 4 : 3;
+
+// lane_sum of VL vectors at once (a transposing reduction network): every output lane is one vector's
+// lane_sum, computed with exactly lane_sum's additions. Level h folds each group of 2h lanes into h lanes
+// (lane i + lane i + h), taking the groups alternately from two vectors.
+struct LaneSums {
+  vi lo[kLaneLevels], hi[kLaneLevels];
+  int vector_of_lane[VL];  // output lane l holds the sum of input vector vector_of_lane[l]
+};
+
+inline vf lane_sums_run(const LaneSums& plan, vf* v) {  // v: VL vectors, overwritten
+  int count = VL, level = 0;
+  for (int h = VL / 2; h >= 1; h /= 2, ++level, count /= 2)
+    for (int j = 0; j < count / 2; ++j)
+      v[j] = __builtin_shuffle(v[2 * j], v[2 * j + 1], plan.lo[level]) +
+             __builtin_shuffle(v[2 * j], v[2 * j + 1], plan.hi[level]);
+  return v[0];
+}
+
+inline const LaneSums& lane_sums_plan() {
+  static const LaneSums plan = [] {
+    LaneSums p{};
+    int level = 0;
+    for (int h = VL / 2; h >= 1; h /= 2, ++level)
+      for (int j = 0; j < VL / h; ++j)
+        for (int i = 0; i < h; ++i) {
+          const int source = (j % 2) * VL + (j / 2) * 2 * h + i;  // group j / 2 of vector j % 2
+          p.lo[level][j * h + i] = source;
+          p.hi[level][j * h + i] = source + h;
+        }
+    vf probe[VL];  // vector k holds k in every lane, so its sum is VL * k
+    for (int k = 0; k < VL; ++k) probe[k] = splat(static_cast<float>(k));
+    const vf sums = lane_sums_run(p, probe);
+    for (int l = 0; l < VL; ++l) p.vector_of_lane[l] = static_cast<int>(sums[l]) / VL;
+    return p;
+  }();
+  return plan;
+}
+#endif
+
 // 2^x for x <= 0 (and -inf -> 0): round-to-nearest range reduction and a degree-6 polynomial on
 // [-0.5, 0.5] (max relative error 2e-9 before fp32 rounding).
 inline vf exp2v(vf x) {
