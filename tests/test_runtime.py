@@ -94,3 +94,18 @@ def test_a_model_made_under_inference_mode_decodes_with_heads():
         heads = random_heads(model)
         result = treespec.generate(model, [1, 5, 9, 2], heads, max_new_tokens=12, eos_token_id=[])
     assert result.token_ids == hf_greedy(model, [1, 5, 9, 2], 12)
+
+
+def test_switching_linear_modes_keeps_each_packing():
+    """bitwise and fast decoding alternating on one model re-use their packings (no rebuild per call)."""
+    model = tiny_model("llama", dtype=torch.float32)
+    runtime = TargetRuntime.of(model)
+    with packed_linears(model, mode="onednn"):
+        first = runtime.packing
+    with packed_linears(model, mode="exact"):
+        assert runtime.packing is not first and runtime.packing.mode == "exact"
+    with packed_linears(model, mode="onednn"):
+        assert runtime.packing is first
+    assert runtime.memory_bytes()["packed_linears"] >= first.memory_bytes()
+    runtime.close()
+    assert not runtime.other_packings

@@ -181,7 +181,8 @@ class _ModelPacking:
 def packed_linears(model, enabled: bool = True, mode: str = "auto") -> Iterator[None]:
     """Run every `nn.Linear` of `model` on its fast form (`mode`: "auto", "onednn") inside the block; a
     no-op when `enabled` is False, mode is "torch" or `packing_supported(model)` is not. One packing per
-    model at a time: another mode than the current one's is refused while the first is in use."""
+    model at a time: another mode than the current one's is refused while the first is in use; a packing
+    built for another mode is kept (in the model's `TargetRuntime`) for when that mode comes back."""
     if mode not in MODES:
         raise ValueError(f"unknown linear mode {mode!r}; choose one of {MODES}")
     if not enabled or mode == "torch" or (mode != "exact" and not packing_supported(model)):
@@ -193,7 +194,8 @@ def packed_linears(model, enabled: bool = True, mode: str = "auto") -> Iterator[
         if packing is not None and packing.mode != mode:
             if packing.users:
                 raise RuntimeError(f"the model's linears are in use in mode {packing.mode!r}, not {mode!r}")
-            packing = None
+            runtime.other_packings[packing.mode] = packing  # kept: switching back costs nothing
+            packing = runtime.packing = runtime.other_packings.pop(mode, None)
         if packing is None:
             packing = runtime.packing = _ModelPacking(model, mode)
         if packing.users == 0:

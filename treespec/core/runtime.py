@@ -36,6 +36,7 @@ class TargetRuntime:
         self.attention_before: str | None = None
         self.attention_users = 0
         self.packing: Any = None  # `packed._ModelPacking` of the module's linears, built on first use
+        self.other_packings: dict[str, Any] = {}  # mode -> a packing built earlier for another mode
         self.compiled: Any = None  # the module's torch.compile wrapper of `decoder.full_forward`
         self.compiled_keys: set[tuple] = set()  # keys whose first call checked every guard
         self.pricers: dict[Hashable, Any] = {}  # drafter setting -> `pricer.StepPricer`
@@ -61,7 +62,8 @@ class TargetRuntime:
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this runtime holds beside the module's own weights: fast linear copies, output matrices."""
-        linears = 0 if self.packing is None else self.packing.memory_bytes()
+        packings = [self.packing, *self.other_packings.values()]
+        linears = sum(packing.memory_bytes() for packing in packings if packing is not None)
         outputs = sum(
             _tensor_bytes(matrix) + _tensor_bytes(weight) for _, weight, matrix in self.outputs.values()
         )
@@ -73,6 +75,7 @@ class TargetRuntime:
             if self.attention_users or (self.packing is not None and self.packing.users):
                 raise RuntimeError("the model is decoding (a treespec call holds it): close it afterwards")
             self.packing = self.compiled = None
+            self.other_packings.clear()
             self.compiled_keys.clear()
             self.pricers.clear()
             self.outputs.clear()

@@ -61,6 +61,8 @@ METHOD_NAMES = {  # bench.py / bench_batch.py method -> what it is
     "draft_model": "treespec, draft model",
     "draft_model_tree": "treespec, draft model + runner-up leaves",
     "self_spec": "treespec, self-speculative (exit head)",
+    "suffix": "treespec, suffix trees (request + earlier answers)",
+    "recycling": "treespec, token recycling",
 }
 REFERENCE = "hf"
 
@@ -127,7 +129,10 @@ def current_runs(folder: Path, runs: dict[str, dict]) -> list[dict]:
 
 
 def _method(name: str) -> str:
-    return f"{METHOD_NAMES[name]} (`{name}`)" if name in METHOD_NAMES else f"`{name}`"
+    base, _, numerics = name.partition("@")
+    if base not in METHOD_NAMES:
+        return f"`{name}`"
+    return f"{METHOD_NAMES[base]}{f', {numerics} numerics' if numerics else ''} (`{name}`)"
 
 
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
@@ -140,9 +145,11 @@ def bench_table(data: dict) -> list[str]:
     methods = [m for m in data["config"].get("methods", overall["methods"]) if m in overall["methods"]]
     prompts = overall.get("prompts", len(data["prompts"]))
     reference = overall["methods"].get(REFERENCE)
+    plain = any(entry.get("identical_to_plain") is not None for entry in overall["methods"].values())
     lines = [
-        "| method | tokens/s | x HF generate | accepted / step | nodes / step | outputs equal to HF greedy |",
-        "|---|---|---|---|---|---|",
+        "| method | tokens/s | x HF generate | accepted / step | nodes / step | outputs equal to HF greedy |"
+        + (" outputs equal to treespec's plain loop |" if plain else ""),
+        "|---|---|---|---|---|---|" + ("---|" if plain else ""),
     ]
     for name in methods:
         entry = overall["methods"][name]
@@ -159,6 +166,9 @@ def bench_table(data: dict) -> list[str]:
             _fmt(entry.get("nodes_per_step"), ".1f"),
             "reference" if name == REFERENCE else ("" if same is None else f"{same}/{prompts}"),
         ]
+        if plain:
+            equal = entry.get("identical_to_plain")
+            cells.append("" if equal is None else f"{equal}/{prompts}")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
