@@ -29,6 +29,7 @@ def test_the_protocol_test_covers_every_shipped_drafter():
     assert {
         "RootOnlyDrafter", "MedusaDrafter", "SequentialDrafter", "LookupDrafter", "DraftModelDrafter",
         "SelfSpeculativeDrafter", "EagleDrafter", "DynamicTreeDrafter", "SuffixDrafter", "RecyclingDrafter",
+        "UnionDrafter",
     } <= names  # fmt: skip
 
 
@@ -61,6 +62,9 @@ def _made_drafters(model):
         "SelfSpeculativeDrafter": SelfSpeculativeDrafter(model, exit_head, gamma=3),
         "SuffixDrafter": treespec.SuffixDrafter(),
         "RecyclingDrafter": treespec.RecyclingDrafter(model.config.vocab_size),
+        "UnionDrafter": treespec.UnionDrafter(
+            treespec.make_drafter(heads, tree, model), treespec.SuffixDrafter()
+        ),
     }
     return made
 

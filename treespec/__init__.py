@@ -34,6 +34,7 @@ from .drafters.medusa import MedusaDrafter, SequentialDrafter, make_drafter
 from .drafters.recycling import RecyclingDrafter
 from .drafters.self_spec import SelfSpeculativeDrafter
 from .drafters.suffix import SuffixCache, SuffixDrafter
+from .drafters.union import UnionDrafter
 from .tools.models import load_model
 from .tools.trace import Trace
 
@@ -79,6 +80,7 @@ __all__ = [
     "Trace",
     "Tree",
     "TreeKVCache",
+    "UnionDrafter",
     "default_tree",
     "encode_prompt",
     "generate",

@@ -4,7 +4,9 @@ One decoding step, seen from a drafter:
 
     start(SequenceStart)            once per sequence, after the prefill (prompt + the first token)
     propose(hidden [B, H], roots [B], max_depth=None) -> Proposal(tokens [B, N], probs [B, N] | None)
-                                    (max_depth: a dynamic tree's hint, honoured where `limits_depth`)
+                                    (max_depth: a dynamic tree's hint, honoured where `limits_depth`;
+                                    a per-step tree in `Proposal.tree`, with its nodes' levels and
+                                    calibration groups where they are not the defaults: `step_layout`)
     observe(committed, features)    the tokens the step committed per row (accepted nodes, then the bonus),
                                     and the target's features there when the drafter asked for them
     feature_layers                  which of the target's hidden states the drafter reads (default none)
@@ -64,6 +66,12 @@ class Proposal:
     # most `drafter.tree.num_nodes` nodes, which sizes the cache's speculative block
     tree: Tree | None = None
     expected_accept: float | None = None  # the drafter's prediction of this step's accepted length
+    # [B, N] long: each node's drafting level in this step (None: the drafter's `node_levels` on its own
+    # `tree`, the node's depth on a per-step `tree`); a wrapper that prunes or merges trees reads it
+    levels: torch.Tensor | None = None
+    # [B, N] long: each node's calibration group (which source drafted it, at which level, e.g. in a
+    # `UnionDrafter`; None: the levels), so a dynamic tree prices each source on its own record
+    groups: torch.Tensor | None = None
 
 
 @dataclass
@@ -173,6 +181,25 @@ def batch_rows(hidden: torch.Tensor, roots: torch.Tensor) -> tuple[torch.Tensor,
             f"{roots.numel()} roots"
         )
     return hidden, roots
+
+
+def step_layout(drafter: Drafter, proposal: Proposal) -> tuple[Tree, torch.Tensor, torch.Tensor]:
+    """(the step's tree, levels [B, N], groups [B, N]) of a drafter's proposal: `Proposal.tree` or the
+    drafter's own `tree`; `Proposal.levels` or the default levels (see `Proposal`); `Proposal.groups` or
+    the levels. For wrappers that combine an inner drafter's trees, static or per step."""
+    B = proposal.tokens.shape[0]
+    tree = drafter.tree if proposal.tree is None else proposal.tree
+    levels = proposal.levels
+    if levels is None:
+        levels = (drafter.node_levels if proposal.tree is None else tree.depth).reshape(1, -1).expand(B, -1)
+    levels = levels.long().cpu()
+    groups = levels if proposal.groups is None else proposal.groups.long().cpu()
+    if levels.shape != (B, tree.num_nodes) or groups.shape != (B, tree.num_nodes):
+        raise ValueError(
+            f"a proposal's levels {tuple(levels.shape)} and groups {tuple(groups.shape)} must be "
+            f"[B, N] = {(B, tree.num_nodes)}"
+        )
+    return tree, levels, groups
 
 
 class RootOnlyDrafter(BaseDrafter):

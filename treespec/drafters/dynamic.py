@@ -27,6 +27,10 @@ Every step:
    the level count with the largest summed gains, and one level further than the deepest drafted is
    tried again every `explore_after` steps while the deepest drafted is the best.
 
+The calibration groups are the drafting levels unless the inner proposal names others
+(`Proposal.groups`): a `UnionDrafter` gives each source (and the nodes both sources proposed) groups of
+their own, so heads, a suffix tree and a lookup chain are each priced on their own record.
+
 What it learns (the calibration, the drafting costs, the level gains, the rest of the step) describes
 the drafter on this machine, not one prompt: it carries over to the next sequence, so a drafter reused
 across `generate` calls starts warm. The step's tree and its prediction go into the proposal
@@ -43,7 +47,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..core.tree import Tree
-from .base import BaseDrafter, Drafter, DrafterReport, Proposal, Scorer, SequenceStart
+from .base import BaseDrafter, Drafter, DrafterReport, Proposal, Scorer, SequenceStart, step_layout
 
 # distinct kept-node sets whose pruned trees a drafter keeps: the decoder keeps as many layouts of them
 MAX_PRUNED_TREES = 512
@@ -74,6 +78,14 @@ class AcceptanceCalibration:
         self.group_weight = group_weight
         self.group_proposed = torch.zeros(groups, bins, dtype=torch.float64)  # [groups, bins]
         self.group_accepted = torch.zeros(groups, bins, dtype=torch.float64)
+
+    def reserve(self, groups: int) -> None:
+        """At least `groups` groups: new ones start with no observations of their own (the pooled table)."""
+        more = groups - self.group_proposed.shape[0]
+        if more > 0:
+            zeros = self.group_proposed.new_zeros(more, self.group_proposed.shape[1])
+            self.group_proposed = torch.cat([self.group_proposed, zeros])
+            self.group_accepted = torch.cat([self.group_accepted, zeros])
 
     def bin(self, probs: torch.Tensor) -> torch.Tensor:
         return torch.bucketize(probs.double().clamp(0, 1), self.edges.double())  # [n]
@@ -188,7 +200,10 @@ class DynamicTreeDrafter(BaseDrafter):
     """Prunes the inner drafter's tree every step to the nodes worth verifying (module docstring).
 
     verify_seconds(nodes, prefix): this machine's verification cost (e.g. from the cost curve,
-    `training.costs.verify_cost_model`); the inner drafter's `tree` is the largest tree a step may use."""
+    `training.costs.verify_cost_model`); the inner drafter's `tree` is the largest tree a step may use.
+    An inner drafter that proposes a tree of its own each step (`Proposal.tree`: suffix decoding, a
+    `UnionDrafter`) is pruned on that tree, its nodes' levels and calibration groups read from the
+    proposal (`Proposal.levels` / `groups`; a union's groups tell its sources apart)."""
 
     def __init__(
         self,
@@ -219,7 +234,8 @@ class DynamicTreeDrafter(BaseDrafter):
         self.choices = [(), *inner.tree.choices]
         self.index = {c: i for i, c in enumerate(self.choices)}  # choice path -> node of the inner tree
         self.root_tree = Tree.from_choices([])
-        self.pruned: dict[tuple[int, ...], tuple[Tree, list[int]]] = {}  # kept nodes -> tree, node order
+        # kept nodes (with the inner tree of the step when it has its own) -> tree, node order
+        self.pruned: dict[tuple, tuple[Tree, list[int]]] = {}
         # learned about this drafter on this machine, kept across sequences (a reused drafter starts warm):
         self.draft_costs = DraftCosts()  # seconds of one inner propose per level count
         # level d -> running mean of log(best rate with levels 1..d / best rate with 1..d-1), both priced
@@ -237,7 +253,7 @@ class DynamicTreeDrafter(BaseDrafter):
         self.step_started: float | None = None  # when the last step's propose began (None: no step yet)
         self.predicted_seconds = 0.0  # what the last step was expected to cost
         self.root_only_streak, self.skip, self.skip_left = 0, 1, 0
-        # the last step's tree, tokens [n], probs [n], drafting levels [n] (None: no tree)
+        # the last step's tree, tokens [n], probs [n], calibration groups [n] (None: no tree)
         self.last: tuple[Tree, torch.Tensor, torch.Tensor, list[int]] | None = None
         self.counts = {"steps": 0, "skipped": 0, "nodes": 0, "levels": 0}
 
@@ -269,26 +285,22 @@ class DynamicTreeDrafter(BaseDrafter):
         self.draft_costs.record(levels, drafting)
         if full.probs is None:
             raise ValueError("a dynamic tree needs the inner drafter's node probabilities (Proposal.probs)")
-        probs = full.probs[0].float().cpu()  # [N]
-        accept = self.calibration.predict(probs, self.levels_of_nodes).tolist()  # [N]
-        values = [1.0] * len(accept)
-        drafted = [p > 0 for p in probs.tolist()]  # probability 0: not drafted this step (or a filler)
-        for i in range(1, len(accept)):  # parents come first in node order; undrafted nodes are worth 0
-            useful = drafted[i] and self.levels_of_nodes[i] <= levels
-            values[i] = values[self.parents[i]] * accept[i] if useful else 0.0
+        step, parents, node_levels, groups = self.inner_layout(full)
+        values = self.node_values(full.probs[0].float().cpu(), parents, node_levels, groups, levels)
         draft = self.draft_costs(levels)
-        kept, expected = choose_nodes(values, self.parents, lambda n: self.overhead + draft + verify[n])
+        kept, expected = choose_nodes(values, parents, lambda n: self.overhead + draft + verify[n])
         self.predicted_seconds = drafting + verify[len(kept)]
         if self.inner_limits_depth:
             rates = level_rates(
-                values, self.levels_of_nodes, levels, lambda d: self.overhead + self.draft_costs(d), verify
+                values, node_levels, levels, lambda d: self.overhead + self.draft_costs(d), verify
             )
             self.choose_levels(rates, levels)
-        tree, order = self.pruned_tree(tuple(kept))
+        tree, order = self.pruned_tree(tuple(kept), step)
         index = torch.tensor(order, device=full.tokens.device)  # [n]
         tokens, node_probs = full.tokens[:, index], full.probs[:, index]
-        levels_kept = [self.levels_of_nodes[i] for i in order]  # [n] each node's calibration group
-        self.last = (tree, tokens[0].cpu(), node_probs[0].float().cpu(), levels_kept)
+        levels_kept = [node_levels[i] for i in order]  # [n]
+        groups_kept = [groups[i] for i in order]  # [n] each node's calibration group
+        self.last = (tree, tokens[0].cpu(), node_probs[0].float().cpu(), groups_kept)
         self.counts["nodes"] += tree.num_nodes
         if tree.num_nodes == 1:
             self.root_only_streak += 1
@@ -297,7 +309,38 @@ class DynamicTreeDrafter(BaseDrafter):
                 self.root_only_streak = 0
         else:
             self.root_only_streak, self.skip = 0, 1
-        return Proposal(tokens, node_probs, tree=tree, expected_accept=expected)
+        return Proposal(
+            tokens,
+            node_probs,
+            tree=tree,
+            expected_accept=expected,
+            levels=torch.tensor([levels_kept]),  # [1, n]
+            groups=torch.tensor([groups_kept]),  # [1, n]
+        )
+
+    def inner_layout(self, full: Proposal) -> tuple[Tree | None, list[int], list[int], list[int]]:
+        """The inner proposal's layout: (its per-step tree, None for the inner `tree`; parents [N],
+        drafting levels [N] and calibration groups [N] of its nodes)."""
+        if full.tree is None and full.levels is None and full.groups is None:  # the static tree
+            return None, self.parents, self.levels_of_nodes, self.levels_of_nodes
+        tree, levels, groups = step_layout(self.inner, full)
+        step = None if full.tree is None else tree
+        return step, tree.parents.tolist(), levels[0].tolist(), groups[0].tolist()
+
+    def node_values(
+        self, probs: torch.Tensor, parents: list[int], levels: list[int], groups: list[int], drafted: int
+    ) -> list[float]:
+        """[N] the probability that verification reaches each node (module docstring, step 2): the
+        calibrated acceptance of each node (probs [N], by calibration group) times its parent's value;
+        0 for nodes not drafted this step (probability 0, or a level beyond the `drafted` ones)."""
+        self.calibration.reserve(max(groups) + 1)
+        accept = self.calibration.predict(probs, groups).tolist()  # [N]
+        values = [1.0] * len(accept)
+        for i, p in enumerate(probs.tolist()):  # parents come first in node order
+            if i:
+                useful = p > 0 and levels[i] <= drafted
+                values[i] = values[parents[i]] * accept[i] if useful else 0.0
+        return values
 
     def verify_table(self) -> list[float]:
         """Verification seconds by node count (index 0 unused) at the current prefix length, rounded down
@@ -336,17 +379,21 @@ class DynamicTreeDrafter(BaseDrafter):
             best += 1
         self.levels = best
 
-    def pruned_tree(self, kept: tuple[int, ...]) -> tuple[Tree, list[int]]:
-        """The tree of the kept nodes of the inner tree (sorted, root first) and, for each of its nodes in
-        canonical order, the inner node it is; built once per distinct kept set (at most
-        `MAX_PRUNED_TREES` are kept; all are dropped when that many are)."""
-        if kept not in self.pruned:
+    def pruned_tree(self, kept: tuple[int, ...], step: Tree | None = None) -> tuple[Tree, list[int]]:
+        """The tree of the kept nodes of the inner tree (sorted, root first; `step`: of the inner
+        drafter's tree of this step) and, for each of its nodes in canonical order, the inner node it is;
+        built once per distinct (step tree,) kept set (at most `MAX_PRUNED_TREES` are kept; all are
+        dropped when that many are)."""
+        key = kept if step is None else (step, kept)
+        if key not in self.pruned:
             if len(self.pruned) >= MAX_PRUNED_TREES:  # bounded, as the decoder's layouts of them are
                 self.pruned.clear()
-            tree = Tree.from_choices([self.choices[i] for i in kept[1:]])
+            choices = self.choices if step is None else [(), *step.choices]
+            index = self.index if step is None else {c: i for i, c in enumerate(choices)}
+            tree = Tree.from_choices([choices[i] for i in kept[1:]])
             # the new tree's node j is choices[j - 1]: its inner node
-            self.pruned[kept] = (tree, [0] + [self.index[c] for c in tree.choices])
-        return self.pruned[kept]
+            self.pruned[key] = (tree, [0] + [index[c] for c in tree.choices])
+        return self.pruned[key]
 
     def observe(self, committed: list[list[int]], features: torch.Tensor | None = None) -> None:
         """Calibrate on what was verified: every node whose parent was accepted, accepted or not."""

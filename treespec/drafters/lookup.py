@@ -7,7 +7,9 @@ it last started with at least one token after it; `propose(length)` looks up the
 
 `LookupDrafter` wraps another drafter: its tree is the inner tree plus one chain of `length` nodes under
 the root, filled with the proposal (or, when nothing matches, with a copy of the inner tree's top branch).
-The verifier treats the chain like any other branch, so the output stays the base model's own.
+The verifier treats the chain like any other branch, so the output stays the base model's own. An inner
+drafter that proposes a tree of its own each step (`Proposal.tree`: suffix decoding, a `UnionDrafter`)
+gets the chain added to that step's tree.
 """
 
 from __future__ import annotations
@@ -15,7 +17,16 @@ from __future__ import annotations
 import torch
 
 from ..core.tree import Tree
-from .base import BaseDrafter, Drafter, DrafterReport, Proposal, RootOnlyDrafter, Scorer, SequenceStart
+from .base import (
+    BaseDrafter,
+    Drafter,
+    DrafterReport,
+    Proposal,
+    RootOnlyDrafter,
+    Scorer,
+    SequenceStart,
+    step_layout,
+)
 
 
 class NgramIndex:
@@ -50,6 +61,30 @@ class NgramIndex:
         return [], 0
 
 
+MAX_STEP_LAYOUTS = 512  # inner trees of one step whose layout a drafter keeps
+
+
+def chain_layout(inner: Tree, length: int) -> tuple[Tree, torch.Tensor, torch.Tensor, list[int]]:
+    """The inner tree plus a chain of `length` nodes under the root at a new first-level rank: (the tree,
+    the inner nodes' places in it [N_inner], the chain's [length], the inner node indices of the inner
+    tree's top branch, rank 0 at every depth from depth 1)."""
+    rank = 1 + max((p[0] for p in inner.choices), default=-1)  # a new first-level rank
+    chain = [(rank,) + (0,) * d for d in range(length)]
+    tree = Tree.from_choices([*inner.choices, *chain])
+    index = {(): 0} | {p: i + 1 for i, p in enumerate(tree.choices)}
+    inner_paths = [(), *inner.choices]
+    top, inner_choices = [()], set(inner.choices)
+    while top[-1] + (0,) in inner_choices:
+        top.append(top[-1] + (0,))
+    inner_index = {p: i for i, p in enumerate(inner_paths)}
+    return (
+        tree,
+        torch.tensor([index[p] for p in inner_paths]),
+        torch.tensor([index[p] for p in chain]),
+        [inner_index[p] for p in top[1:]],
+    )
+
+
 class LookupDrafter(BaseDrafter):
     """Another drafter's tree plus a prompt-lookup chain of `length` nodes under the root (inner=None:
     the root and the chain alone, plain prompt-lookup decoding)."""
@@ -67,20 +102,10 @@ class LookupDrafter(BaseDrafter):
         self.feature_layers = tuple(inner.feature_layers)
         self.length = length
         self.max_ngram = max_ngram
-        inner_tree: Tree = inner.tree
-        rank = 1 + max((p[0] for p in inner_tree.choices), default=-1)  # a new first-level rank
-        chain = [(rank,) + (0,) * d for d in range(length)]
-        self.tree = Tree.from_choices([*inner_tree.choices, *chain])
-        index = {(): 0} | {p: i + 1 for i, p in enumerate(self.tree.choices)}
-        inner_paths = [(), *inner_tree.choices]
-        self.inner_nodes = torch.tensor([index[p] for p in inner_paths])  # [N_inner] their place in the tree
-        self.chain_nodes = torch.tensor([index[p] for p in chain])  # [length]
-        # the inner tree's top branch (rank 0 at every depth): filler when nothing matches
-        top, inner_choices = [()], set(inner_tree.choices)
-        while top[-1] + (0,) in inner_choices:
-            top.append(top[-1] + (0,))
-        inner_index = {p: i for i, p in enumerate(inner_paths)}
-        self._top_branch = [inner_index[p] for p in top[1:]]  # inner node indices, depth 1..
+        # the inner tree's nodes [N_inner] and the chain's [length] in the tree, the inner nodes of its
+        # top branch (rank 0 at every depth): filler when nothing matches
+        self.tree, self.inner_nodes, self.chain_nodes, self._top_branch = chain_layout(inner.tree, length)
+        self._step_layouts: dict[Tree, tuple] = {}  # an inner tree of one step -> its layout (bounded)
         self.indexes = [NgramIndex(max_ngram)]  # per row of the batch: the text so far
         # the chain's own history, per matched suffix length n and chain depth d: how often node d was
         # accepted when its parent was (prior: 1 of 2), giving each chain node a probability; pooled
@@ -152,20 +177,24 @@ class LookupDrafter(BaseDrafter):
         return None  # refused at construction for inner drafters with their own
 
     def propose(self, hidden: torch.Tensor, roots: torch.Tensor, max_depth: int | None = None) -> Proposal:
+        """tokens, probs [B, N]: the inner proposal's nodes and the chain. An inner tree of its own this
+        step (`Proposal.tree`) gets the chain too: the proposal carries the combined tree, with the
+        inner nodes' levels and groups and level / group 0 for the chain."""
         inner = self.inner.propose(hidden, roots, max_depth)
+        tree, inner_nodes, chain_nodes, top_branch = self.layout(inner.tree)
         B = inner.tokens.shape[0]
         device = inner.tokens.device
-        tokens = torch.empty(B, self.tree.num_nodes, dtype=torch.long, device=device)  # [B, N]
-        tokens[:, self.inner_nodes.to(device)] = inner.tokens
-        probs = torch.ones(B, self.tree.num_nodes)  # [B, N]
+        tokens = torch.empty(B, tree.num_nodes, dtype=torch.long, device=device)  # [B, N]
+        tokens[:, inner_nodes.to(device)] = inner.tokens
+        probs = torch.ones(B, tree.num_nodes)  # [B, N]
         if inner.probs is not None:
-            probs[:, self.inner_nodes] = inner.probs.float().cpu()
+            probs[:, inner_nodes] = inner.probs.float().cpu()
         roots = roots.reshape(-1).tolist()
         chains = []
         for row in range(B):
             proposal, matched = self.indexes[row].match(self.length)
             # filler when nothing matches: a copy of the inner tree's top branch
-            chain = (proposal or inner.tokens[row, self._top_branch].tolist())[: self.length]
+            chain = (proposal or inner.tokens[row, top_branch].tolist())[: self.length]
             chain = chain + [chain[-1] if chain else roots[row]] * (self.length - len(chain))
             self.last_chains[row] = (chain, matched) if proposal else None
             chains.append(chain)
@@ -173,6 +202,25 @@ class LookupDrafter(BaseDrafter):
             history = (
                 (self.hits[matched] / self.tries[matched]).float() if proposal else torch.zeros(self.length)
             )
-            probs[row, self.chain_nodes] = history
-        tokens[:, self.chain_nodes.to(device)] = torch.tensor(chains, device=device)  # [B, length]
-        return Proposal(tokens, probs)  # [B, N] each
+            probs[row, chain_nodes] = history
+        tokens[:, chain_nodes.to(device)] = torch.tensor(chains, device=device)  # [B, length]
+        if inner.tree is None and inner.levels is None and inner.groups is None:
+            return Proposal(tokens, probs)  # [B, N] each, on the static tree (levels: `node_levels`)
+        _, inner_levels, inner_groups = step_layout(self.inner, inner)  # [B, N_inner] each
+        levels = torch.zeros(B, tree.num_nodes, dtype=torch.long)  # [B, N] the chain: 0
+        groups = torch.zeros(B, tree.num_nodes, dtype=torch.long)
+        levels[:, inner_nodes], groups[:, inner_nodes] = inner_levels, inner_groups
+        step_tree = None if inner.tree is None else tree
+        return Proposal(tokens, probs, tree=step_tree, levels=levels, groups=groups)
+
+    def layout(self, inner_tree: Tree | None) -> tuple[Tree, torch.Tensor, torch.Tensor, list[int]]:
+        """`chain_layout` of the inner drafter's tree (None) or of its tree of one step (built once per
+        distinct tree, at most MAX_STEP_LAYOUTS kept; all are dropped when that many are)."""
+        if inner_tree is None:
+            return self.tree, self.inner_nodes, self.chain_nodes, self._top_branch
+        layout = self._step_layouts.get(inner_tree)
+        if layout is None:
+            if len(self._step_layouts) >= MAX_STEP_LAYOUTS:
+                self._step_layouts.clear()
+            layout = self._step_layouts[inner_tree] = chain_layout(inner_tree, self.length)
+        return layout

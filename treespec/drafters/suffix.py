@@ -316,9 +316,10 @@ class SuffixDrafter(BaseDrafter):
     occurrences examined per source and step; max_candidates: continuations counted per source.
     remember: finished requests' answers go into the global cache (False: the cache is only read).
     fixed_tree: lay every step's tree onto the declared `tree` (64 nodes for 16: an envelope of shapes),
-    tokens [B, N] in its node order, nodes not drafted at probability 0 and no `Proposal.tree`: for
-    wrappers that index the inner drafter's `tree`, such as `DynamicTreeDrafter`. Default: each step
-    proposes its own tree (`Proposal.tree`), and `tree` is only the envelope that sizes the cache block."""
+    tokens [B, N] in its node order, nodes not drafted at probability 0 and no `Proposal.tree`: for a
+    wrapper that indexes the inner drafter's `tree` (the shipped ones, `DynamicTreeDrafter`,
+    `LookupDrafter` and `UnionDrafter`, take each step's own tree). Default: each step proposes its own
+    tree (`Proposal.tree`), and `tree` is only the envelope that sizes the cache block."""
 
     batched = True
     limits_depth = True  # propose(..., max_depth=D) drafts depths 1..D only
