@@ -330,3 +330,22 @@ def test_generate_with_an_eagle_drafter(tmp_path, capsys, smollm2):
     assert "mean accepted length" in out.strip().splitlines()[-1]
     code, _, err = run(["generate", "Hi", "--eagle", tmp_path / "missing"], capsys)
     assert code != 0 and "--eagle" in err
+
+
+@pytest.mark.integration
+def test_generate_with_training_free_drafters_and_bitwise_numerics(tmp_path, capsys):
+    cache = tmp_path / "suffix.json"
+    base = ["generate", "Name three colours.", "--max-new-tokens", 12, "--dtype", "float32"]
+    texts = []
+    for extra in (
+        ["--drafter", "none"],
+        ["--drafter", "suffix", "--suffix-cache", cache],
+        ["--drafter", "recycling"],
+    ):
+        code, out, err = run([*base, *extra, "--numerics", "bitwise"], capsys)
+        assert code == 0, err
+        texts.append(out.strip().splitlines()[:-1])
+    assert texts[1] == texts[0] and texts[2] == texts[0]  # bitwise: speculation keeps the plain text
+    assert treespec.SuffixCache.load(cache).num_requests == 1  # the answer was saved
+    code, _, err = run([*base, "--drafter", "suffix", "--lookup", 4], capsys)
+    assert code != 0 and "--lookup" in err

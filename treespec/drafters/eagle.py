@@ -151,9 +151,7 @@ class EagleDrafter(BaseDrafter):
     def propose(self, hidden: torch.Tensor, roots: torch.Tensor, max_depth: int | None = None) -> Proposal:
         _, roots = batch_rows(hidden, roots)  # the target's hidden is not used: the drafter keeps its own
         if self.cache is None or self.last_hidden is None:
-            raise RuntimeError(
-                "EagleDrafter.propose() before start(): run it through treespec's Decoder"
-            )
+            raise RuntimeError("EagleDrafter.propose() before start(): run it through treespec's Decoder")
         if roots.numel() != len(self.live):
             raise ValueError(f"propose got {roots.numel()} roots for {len(self.live)} live rows")
         t0 = time.perf_counter()

@@ -238,6 +238,21 @@ def _add_generate(commands) -> None:
         "--lookup", type=int, default=0, help="add a prompt-lookup branch of N nodes (default 0: none)"
     )
     p.add_argument(
+        "--drafter",
+        default="heads",
+        choices=["heads", "suffix", "recycling", "none"],
+        help="heads (default: --heads / --tree, or --draft-model / --exit-head / --eagle when given); "
+        "suffix: suffix trees over the prompt, the answer and earlier answers (--suffix-cache); "
+        "recycling: trees walked through the model's own top-k; none: plain decoding",
+    )
+    p.add_argument(
+        "--suffix-cache",
+        metavar="FILE.json",
+        default=None,
+        help="--drafter suffix: earlier answers to draft from, loaded when the file exists and saved "
+        "back with this answer added",
+    )
+    p.add_argument(
         "--numerics",
         default="fast",
         choices=["fast", "bitwise"],
@@ -305,20 +320,39 @@ def chain_drafter_factory(args: argparse.Namespace, model) -> Callable[[int | No
     return lambda gamma=None: chain.drafter(model, gamma, storage=args.storage, branching=args.branching)
 
 
+def training_free_drafter(name: str, model, cache_file: str | None):
+    """--drafter suffix / recycling / none: the drafter (None for plain decoding)."""
+    if name == "suffix":
+        exists = cache_file is not None and Path(cache_file).exists()
+        return treespec.SuffixDrafter(treespec.SuffixCache.load(cache_file) if exists else None)
+    if name == "recycling":
+        return treespec.RecyclingDrafter(model.get_output_embeddings().weight.shape[0])
+    return None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     from transformers import TextStreamer
 
     chained = args.draft_model or args.exit_head or args.eagle
+    if args.drafter != "heads" and (chained or args.heads or args.tree):
+        raise ValueError(f"--drafter {args.drafter} takes no --heads, --tree or chain drafter")
+    if args.suffix_cache and args.drafter != "suffix":
+        raise ValueError("--suffix-cache goes with --drafter suffix")
+    if args.lookup and args.drafter == "suffix":
+        raise ValueError("--drafter suffix matches the prompt itself: drop --lookup")
     # option errors (a missing folder, a bad tree file) are reported before the model loads
     if chained:
         flag = "--draft-model" if args.draft_model else "--exit-head" if args.exit_head else "--eagle"
         options.existing_folder(chained, flag)
+    chained = chained or args.drafter != "heads"  # no heads to load
     folder = None if chained else options.heads_folder(args.heads, args.model)
     tree_choice = None if chained or args.tree is None else options.parse_tree(args.tree)
     model, tokenizer = treespec.load_model(args.model, dtype=args.dtype, device=args.device)
-    if args.eagle:
+    if args.drafter != "heads":
+        drafter = training_free_drafter(args.drafter, model, args.suffix_cache)
+    elif args.eagle:
         drafter = options.load_eagle_option(args.eagle, model, args.eagle_tree).drafter(model)
     else:
         make_chain = chain_drafter_factory(args, model)
@@ -343,6 +377,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         trace=want_trace,
         options=treespec.DecodeOptions(numerics=args.numerics),
     )
+    if args.suffix_cache:
+        drafter.finish()  # this answer into the cache, then the cache to its file
+        drafter.cache.save(args.suffix_cache)
     if streamer is None:
         print(result.text)
     if want_trace:
