@@ -22,6 +22,9 @@ Methods (all run in the same process on the same prompt token ids):
                       the nodes worth their cost here (`DynamicTreeDrafter`, this machine's cost curve);
                       one drafter serves every call, so its calibration carries from prompt to prompt
     eagle_dynamic     the same over the EAGLE drafter's tree + the lookup branch
+    dynamic_suffix    dynamic trees over the union of the heads' tree and a SuffixDrafter's tree of each step
+                      (`UnionDrafter`: the pricer calibrates each source on its own; no lookup branch,
+                      the suffix trees match the prompt too)
     suffix            a SuffixDrafter: trees from the longest suffix match in the request and in a cache
                       of earlier answers (one drafter for every call, so its cache carries over)
     recycling         a RecyclingDrafter: trees walked through the target's own top-k after each token,
@@ -105,6 +108,7 @@ SPECULATIVE = (  # the methods that draft and verify
     "eagle_lookup",
     "dynamic",
     "eagle_dynamic",
+    "dynamic_suffix",
     "suffix",
     "recycling",
 )
@@ -406,7 +410,7 @@ def make_runners(
     }
     runners |= chain_runners(model, chains, ours, hf, branching_spec, lookup)
     runners |= training_free_runners(model, methods, ours)
-    if {"dynamic", "eagle_dynamic"} & set(methods):
+    if {"dynamic", "eagle_dynamic", "dynamic_suffix"} & set(methods):
         runners |= dynamic_runners(model, heads, chains, ours, methods, lookup, compile, cost_curve)
     missing = [name for name in methods if name not in runners]
     if missing:
@@ -468,11 +472,14 @@ def dynamic_runners(model, heads, chains, ours, methods, lookup: int, compile: b
         return ours(lambda: drafter)
 
     runners = {}
-    if "dynamic" in methods:
+    if {"dynamic", "dynamic_suffix"} & set(methods):
         if heads is None:
-            raise ValueError("the dynamic method needs heads")
+            raise ValueError("the dynamic methods need heads")
         envelope = heads.tree or default_tree(32, heads.num_heads)
         runners["dynamic"] = dynamic(treespec.make_drafter(heads, envelope, model))
+        union = treespec.UnionDrafter(treespec.make_drafter(heads, envelope, model), treespec.SuffixDrafter())
+        union_drafter = DynamicTreeDrafter(union, verify_seconds)
+        runners["dynamic_suffix"] = ours(lambda: union_drafter)
     eagle = chains.get("eagle")
     if eagle is not None and "eagle_dynamic" in methods:
         runners["eagle_dynamic"] = dynamic(eagle.drafter(model))
@@ -842,7 +849,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
         raise SystemExit(f"no prompts selected for the {args.workload} workload")
     device = next(model.parameters()).device
     heads, tree, heads_desc, tree_desc = None, None, "-", "-"
-    if {"treespec", "treespec_sdpa", "treespec_lookup", "dynamic"} & set(args.methods):
+    if {"treespec", "treespec_sdpa", "treespec_lookup", "dynamic", "dynamic_suffix"} & set(args.methods):
         heads, tree, heads_desc, tree_desc = load_heads_and_tree(args, model)
     chains = load_chain_drafters(args, model)
     ours = [m for m in args.methods if m not in PEER_METHODS]

@@ -62,6 +62,7 @@ METHOD_NAMES = {  # bench.py / bench_batch.py method -> what it is
     "draft_model_tree": "treespec, draft model + runner-up leaves",
     "self_spec": "treespec, self-speculative (exit head)",
     "suffix": "treespec, suffix trees (request + earlier answers)",
+    "dynamic_suffix": "treespec, dynamic trees (heads + suffix trees)",
     "recycling": "treespec, token recycling",
 }
 REFERENCE = "hf"
