@@ -197,3 +197,19 @@ def test_bitwise_refuses_what_it_cannot_keep():
         treespec.Decoder(tiny_model("llama"), numerics="bitwise")  # float64
     with pytest.raises(ValueError, match="unknown numerics"):
         treespec.Decoder(model, numerics="exactish")
+
+
+def test_a_prefill_runs_the_fastest_linears():
+    """A prompt's prefill is shared by plain and speculative decoding as it is: no row invariance needed."""
+    from treespec.core.packed import PackedMatrix, packed_linears, shared_forward
+
+    model = tiny_model("llama", dtype=torch.float32)
+    linear = model.model.layers[0].mlp.up_proj
+    x = torch.randn(40, linear.in_features)
+    with torch.inference_mode(), packed_linears(model, mode="exact"):
+        exact = linear(x)
+        with shared_forward(model):
+            shared = linear(x)
+        fastest = PackedMatrix(linear.weight, "auto")(x)
+    assert torch.equal(exact, torch.ops.treespec.exact_linear(x, linear.weight))
+    assert torch.equal(shared, fastest)

@@ -35,7 +35,7 @@ from .attention import KERNELS, AttentionPlan, auto_kernel, require_exact_ops, t
 from .cache import CacheCapacityError, TreeKVCache
 from .compiled import CompiledForward
 from .packed import MODES as LINEAR_MODES
-from .packed import packed_linears
+from .packed import packed_linears, shared_forward
 from .pricer import StepPricer
 from .stats import GenerationStats
 from .tree import Tree
@@ -307,7 +307,7 @@ class Decoder:
         self.cache.begin([row], len(prompt))
         plan = self.cache.attention_plan(AttentionPlan(self.kernel))
         features = None  # [1, P, F] for a drafter that reads the target's features
-        with self.running():
+        with self.running(), shared_forward(self.model):  # every numerics: the prefill is shared as it is
             out = full_forward(self.model, ids, positions, self.cache, plan, self.feature_layers)
             if self.feature_layers:
                 out, features = out

@@ -77,8 +77,8 @@ class PackedMatrix:
         self.exact = mode == "exact"
         self.blocks = _blocks_of(weight) if mode in ("auto", "exact") else None
         self.packed = None  # block weights: built on the first call with more than BLOCK_ROWS_MAX rows
-        self.packable = mode not in ("torch", "exact") and _supported(weight)
-        if self.blocks is None and self.packable:
+        self.packable = mode != "torch" and _supported(weight)
+        if self.blocks is None and self.packable and not self.exact:  # exact: packed on a shared forward
             self.pack()
 
     def pack(self) -> torch.Tensor:
@@ -105,12 +105,17 @@ class PackedMatrix:
             return "exact"
         return "onednn" if self.packed is not None else "torch"
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        # x: [..., in] -> [..., out]
+    def __call__(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, shared: bool = False
+    ) -> torch.Tensor:
+        """x: [..., in] -> [..., out]. shared: a forward plain and speculative decoding share as it is (a
+        prefill): the fastest form even in mode "exact"."""
         if x.dtype != self.weight.dtype or torch.is_grad_enabled() or x.device.type != "cpu":
             return F.linear(x.to(self.weight.dtype), self.weight, bias)
-        if self.exact:
-            return self._exact(x, bias)
+        return self._exact(x, bias) if self.exact and not shared else self.fastest(x, bias)
+
+    def fastest(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The fastest form at x's row count ("auto"; x: float CPU, no autograd)."""
         if self.blocks is not None and x.numel() <= BLOCK_ROWS_MAX * x.shape[-1]:
             return self.blocks(x, bias)
         # many rows (prefill, a batch of trees): a GEMM over the float32 weight is faster than the blocks;
@@ -141,8 +146,8 @@ class _PackedLinear:
     """The replacement forward of one `nn.Linear`: its weight as a `PackedMatrix`, rebuilt when the
     weight changed; inputs the fast forms do not take (autograd, other dtypes) go to `F.linear`."""
 
-    def __init__(self, module: torch.nn.Linear, mode: str):
-        self.module, self.mode = module, mode
+    def __init__(self, module: torch.nn.Linear, mode: str, owner: _ModelPacking):
+        self.module, self.mode, self.owner = module, mode, owner
         self.matrix: PackedMatrix | None = None
         self.key: tuple | None = None
         self.refresh()
@@ -157,14 +162,17 @@ class _PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features]
-        return self.matrix(x, self.module.bias)
+        return self.matrix(x, self.module.bias, shared=self.owner.shared > 0)
 
 
 class _ModelPacking:
     def __init__(self, model, mode: str):
         self.mode = mode
-        self.linears = [_PackedLinear(m, mode) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        self.linears = [
+            _PackedLinear(m, mode, self) for m in model.modules() if isinstance(m, torch.nn.Linear)
+        ]
         self.users = 0
+        self.shared = 0  # > 0 inside `shared_forward`: an "exact" packing multiplies as "auto" does
 
     def memory_bytes(self) -> int:
         return sum(linear.matrix.memory_bytes() for linear in self.linears)
@@ -211,6 +219,22 @@ def packed_linears(model, enabled: bool = True, mode: str = "auto") -> Iterator[
             if packing.users == 0:
                 for linear in packing.linears:
                     del linear.module.forward  # back to nn.Linear.forward
+
+
+@contextlib.contextmanager
+def shared_forward(model) -> Iterator[None]:
+    """Inside the block, a model whose linears run "exact" (row-invariant) runs them as "auto" (the fastest
+    form per row count): for a forward that plain and speculative decoding share as it is (a prompt's
+    prefill), where row invariance buys nothing and a GEMM over many rows is much faster."""
+    packing = TargetRuntime.of(model).packing
+    if packing is None or packing.mode != "exact":
+        yield
+        return
+    packing.shared += 1
+    try:
+        yield
+    finally:
+        packing.shared -= 1
 
 
 def linear_kinds(model) -> dict[str, int]:

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ..core.generate import encode_prompt
-from ..training.distill import _unit_hash, is_eval, load_prompts
+from ..training.distill import is_eval, load_prompts, order_hash
 from .models import default_data_file
 
 WORKLOADS = ("spec-bench", "sharegpt-heldout", "refine")
@@ -68,9 +68,7 @@ def sharegpt_heldout(num_prompts: int, path: Path | None = None) -> list[dict]:
     """The first `num_prompts` (0: all) held-out ShareGPT prompts, in the split's fixed hash order."""
     path = path or Path(default_data_file()).parent / "sharegpt_prompts.json"
     prompts, _ = load_prompts(path)
-    held = sorted(
-        (p for p in prompts if is_eval(p.id, HELDOUT_FRACTION)), key=lambda p: _unit_hash("order:" + p.id)
-    )
+    held = sorted((p for p in prompts if is_eval(p.id, HELDOUT_FRACTION)), key=lambda p: order_hash(p.id))
     held = held[:num_prompts] if num_prompts > 0 else held
     return [
         {"question_id": p.id, "category": "sharegpt-heldout", "turns": [p.text[:MAX_PROMPT_CHARS]]}
@@ -81,7 +79,7 @@ def sharegpt_heldout(num_prompts: int, path: Path | None = None) -> list[dict]:
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     """A conversation through the chat template, ready for the assistant's next answer."""
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # newer transformers return a BatchEncoding
+    if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return [int(t) for t in ids]
 

@@ -126,6 +126,11 @@ def _unit_hash(key: str) -> float:
     return int(hashlib.sha256(key.encode("utf-8")).hexdigest()[:16], 16) / 2**64
 
 
+def order_hash(prompt_id: str) -> float:
+    """A prompt's place in the fixed order of the data (see ORDER_RULE)."""
+    return _unit_hash("order:" + prompt_id)
+
+
 def is_eval(prompt_id: str, eval_fraction: float) -> bool:
     """Whether a prompt belongs to the held-out eval split (see SPLIT_RULE)."""
     return _unit_hash("eval:" + prompt_id) < eval_fraction
@@ -140,7 +145,7 @@ def plan_shards(
     """
     if shard_size < 1:
         raise ValueError("shard_size must be >= 1")
-    ordered = sorted(prompts, key=lambda p: (_unit_hash("order:" + p.id), p.id))
+    ordered = sorted(prompts, key=lambda p: (order_hash(p.id), p.id))
     if limit is not None:
         ordered = ordered[:limit]
     plans = []
