@@ -284,8 +284,8 @@ class Decoder:
         )
         if self.cache is None or self.cache.max_len < needed or self.cache.num_rows != B:
             self.cache = TreeKVCache.for_model(self.model, needed, B, spec_reserve=self.tree.num_nodes)
-            # "compiled" includes the fused commit (when the extension is there); the others use torch
-            self.cache.fused_commit = None if self.kernel == "compiled" else False
+            # "compiled" and "exact": the fused commit (when the extension is there); the others: torch
+            self.cache.fused_commit = None if self.kernel in ("compiled", "exact") else False
         self.cache.reset()
         self.stats = [GenerationStats(prompt_tokens=len(p), max_depth=self.tree.max_depth) for p in prompts]
         hidden, roots = [], []

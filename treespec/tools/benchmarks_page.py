@@ -66,6 +66,11 @@ METHOD_NAMES = {  # bench.py / bench_batch.py method -> what it is
     "recycling": "treespec, token recycling",
 }
 REFERENCE = "hf"
+WORKLOAD_NAMES = {  # bench.py --workload -> how the page names its prompts
+    "spec-bench": "Spec-Bench",
+    "sharegpt-heldout": "held-out ShareGPT",
+    "refine": "self-refinement (`--workload refine`)",
+}
 
 
 def run_kind(data: object) -> str:
@@ -233,7 +238,8 @@ def _settings(entry: dict, data: dict, kind: str) -> str:
         f"Machine: {entry['machine']}" if entry.get("machine") else f"Platform: {get('platform', '?')}",
         ", ".join(str(x) for x in (get("device"), get("dtype", "?")) if x)
         + f", {get('threads', '?')} threads",
-        f"{prompts} Spec-Bench prompts, {get('max_new_tokens', '?')} new tokens, greedy",
+        f"{prompts} {WORKLOAD_NAMES.get(get('workload') or 'spec-bench', get('workload'))} prompts, "
+        f"{get('max_new_tokens', '?')} new tokens, greedy",
         "compiled steps" if get("compile") else "eager steps",
     ]
     if get("tree_choices"):
