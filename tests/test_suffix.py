@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import ARCHS, hf_greedy, second_token_marginals, tiny_model, total_variation
+from conftest import ARCHS, hf_greedy, repeating_prompts, second_token_marginals, tiny_model, total_variation
 
 import treespec
 from treespec import SequenceStart, SuffixCache, SuffixDrafter
@@ -199,21 +199,11 @@ def test_a_corrupt_cache_file_is_refused(tmp_path, content):
 # ----- through the decoder -----
 
 
-def _prompts(seed: int, count: int) -> list[list[int]]:
-    """Prompts with repeated spans (so the drafter finds matches) and some noise."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(count):
-        span = [rng.randrange(96) for _ in range(rng.randrange(3, 7))]
-        out.append([rng.randrange(96) for _ in range(rng.randrange(1, 5))] + span * rng.randrange(2, 4))
-    return out
-
-
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_greedy_output_equals_hf_alone_and_in_a_batch(arch):
     model = tiny_model(arch, dtype=torch.float32)
     drafter = SuffixDrafter(max_nodes=12, max_depth=5)
-    prompts = _prompts(hash(arch) % 1000, 3) + [[5] * 9]
+    prompts = repeating_prompts(hash(arch) % 1000, 3) + [[5] * 9]
     expected = [hf_greedy(model, p, 40) for p in prompts]
     for prompt, want in zip(prompts, expected, strict=True):
         assert treespec.generate(model, prompt, drafter, max_new_tokens=40, eos_token_id=[]).token_ids == want
@@ -240,7 +230,7 @@ def test_a_model_that_repeats_itself_accepts_several_tokens_per_step():
 
 def test_a_second_request_like_the_first_accepts_more():
     model = tiny_model("qwen2", dtype=torch.float32)
-    prompt = _prompts(7, 1)[0]
+    prompt = repeating_prompts(7, 1)[0]
     drafter = SuffixDrafter()
     first = treespec.generate(model, prompt, drafter, max_new_tokens=48, eos_token_id=[])
     second = treespec.generate(model, prompt, drafter, max_new_tokens=48, eos_token_id=[])
@@ -285,7 +275,7 @@ def test_under_a_dynamic_tree_it_stays_exact():
     model = tiny_model("llama", dtype=torch.float32)
     suffix = SuffixDrafter(fixed_tree=True)
     drafter = treespec.DynamicTreeDrafter(suffix, lambda nodes, prefix: 1e-3 * (1 + 0.05 * nodes))
-    for prompt in [[5] * 9, *_prompts(3, 2), [5] * 9]:
+    for prompt in [[5] * 9, *repeating_prompts(3, 2), [5] * 9]:
         result = treespec.generate(model, prompt, drafter, max_new_tokens=40, eos_token_id=[])
         assert result.token_ids == hf_greedy(model, prompt, 40)
     assert result.stats.steps < 25  # the repeated request: deep trees pay

@@ -9,7 +9,15 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import ARCHS, hf_greedy, random_heads, second_token_marginals, tiny_model, total_variation
+from conftest import (
+    ARCHS,
+    hf_greedy,
+    random_heads,
+    repeating_prompts,
+    second_token_marginals,
+    tiny_model,
+    total_variation,
+)
 
 import treespec
 from treespec import Proposal, SequenceStart, SuffixCache, SuffixDrafter, Tree, UnionDrafter
@@ -141,16 +149,6 @@ def test_the_declared_tree_and_levels_place_both_drafters_and_a_whole_secondary_
 # ----- through the decoder -----
 
 
-def _prompts(seed: int, count: int) -> list[list[int]]:
-    """Prompts with repeated spans (the suffix drafter finds matches) and some noise."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(count):
-        span = [rng.randrange(96) for _ in range(rng.randrange(3, 7))]
-        out.append([rng.randrange(96) for _ in range(rng.randrange(1, 5))] + span * rng.randrange(2, 4))
-    return out
-
-
 def heads_and_suffix(model, seed: int = 0, **union) -> UnionDrafter:
     heads = random_heads(model, seed=seed, sequential=bool(seed % 2))
     drafter = treespec.make_drafter(heads, treespec.default_tree(16, heads.num_heads), model)
@@ -160,7 +158,7 @@ def heads_and_suffix(model, seed: int = 0, **union) -> UnionDrafter:
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_greedy_output_equals_hf_alone_and_in_a_batch(arch):
     model = tiny_model(arch, dtype=torch.float32)
-    prompts = _prompts(hash(arch) % 1000, 3) + [[5] * 9]
+    prompts = repeating_prompts(hash(arch) % 1000, 3) + [[5] * 9]
     expected = [hf_greedy(model, p, 40) for p in prompts]
     drafter = heads_and_suffix(model, seed=1)
     for prompt, want in zip(prompts, expected, strict=True):
@@ -177,7 +175,7 @@ def test_greedy_output_equals_hf_alone_and_in_a_batch(arch):
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_under_a_dynamic_tree_and_with_a_lookup_chain_it_stays_exact(arch):
     model = tiny_model(arch, dtype=torch.float32)
-    prompts = [[5] * 9, *_prompts(hash(arch) % 997, 2), [5] * 9]
+    prompts = [[5] * 9, *repeating_prompts(hash(arch) % 997, 2), [5] * 9]
     dynamic = treespec.DynamicTreeDrafter(heads_and_suffix(model, seed=2), cost)
     lookup = treespec.LookupDrafter(heads_and_suffix(model, seed=3), 4)  # the chain beside the union
     heads = treespec.make_drafter(random_heads(model, seed=4), treespec.default_tree(8, 4), model)
@@ -259,7 +257,7 @@ def test_wrappers_take_an_inner_tree_of_each_step():
     model = tiny_model("llama", dtype=torch.float32)
     dynamic = treespec.DynamicTreeDrafter(SuffixDrafter(), cost)
     lookup = treespec.LookupDrafter(SuffixDrafter(), 4)
-    for prompt in [[5] * 9, *_prompts(3, 2), [5] * 9]:
+    for prompt in [[5] * 9, *repeating_prompts(3, 2), [5] * 9]:
         want = hf_greedy(model, prompt, 40)
         for drafter in (dynamic, lookup):
             assert (

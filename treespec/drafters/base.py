@@ -212,3 +212,21 @@ class RootOnlyDrafter(BaseDrafter):
 
     def propose(self, hidden: torch.Tensor, roots: torch.Tensor, max_depth: int | None = None) -> Proposal:
         return Proposal(roots.reshape(-1, 1).to(hidden.device))  # [B, 1]
+
+
+class StepTrees:
+    """Trees of per-step choice paths, each built once (`Tree.from_choices`) and kept, at most `limit` of
+    them (the decoder keeps as many layouts); for drafters whose tree changes from step to step."""
+
+    def __init__(self, limit: int = 512):
+        self.limit = limit
+        self.trees: dict[tuple, Tree] = {}  # sorted choice paths -> tree
+
+    def __call__(self, choices: list[tuple[int, ...]]) -> Tree:
+        key = tuple(sorted(choices))
+        tree = self.trees.get(key)
+        if tree is None:
+            if len(self.trees) >= self.limit:
+                self.trees.clear()
+            tree = self.trees[key] = Tree.from_choices(key)
+        return tree

@@ -38,7 +38,7 @@ import torch
 
 from ..core.tree import Tree
 from ..io import atomic_write_json
-from .base import BaseDrafter, DrafterReport, Proposal, SequenceStart, batch_rows
+from .base import BaseDrafter, DrafterReport, Proposal, SequenceStart, StepTrees, batch_rows
 
 SENTINEL = -1  # separates requests in a stream: never equal to a token, never inside an indexed n-gram
 FORMAT = "treespec.suffix_cache"
@@ -357,7 +357,7 @@ class SuffixDrafter(BaseDrafter):
         self.fixed_tree, self.remember = fixed_tree, remember
         self.tree = envelope_tree(4 * max_nodes if fixed_tree else max_nodes, self.max_depth)
         self._allowed = set(self.tree.choices) if fixed_tree else None
-        self._trees: dict[tuple, Tree] = {}  # choice paths -> the step's tree (bounded)
+        self._tree_for = StepTrees(MAX_STEP_TREES)  # choice paths -> the step's tree (bounded)
         self.rows: list[_Row] = []
         self.counts: dict[str, int] = {}
         self._reset_counts()
@@ -489,16 +489,6 @@ class SuffixDrafter(BaseDrafter):
             for path, (_, p) in paths.items():
                 best[path] = max(best.get(path, 0.0), p)
         return sorted(best, key=lambda c: (-best[c], len(c), c))[: self.max_nodes - 1]
-
-    def _tree_for(self, choices: list[tuple[int, ...]]) -> Tree:
-        """The Tree of these choice paths, built once per distinct set (at most MAX_STEP_TREES kept)."""
-        key = tuple(sorted(choices))
-        tree = self._trees.get(key)
-        if tree is None:
-            if len(self._trees) >= MAX_STEP_TREES:
-                self._trees.clear()
-            tree = self._trees[key] = Tree.from_choices(key)
-        return tree
 
     def report(self) -> DrafterReport:
         """Counts (steps, rows drafted, rows matched and where, matched tokens, nodes proposed) and the

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.tree import Tree
-from .base import BaseDrafter, Drafter, DrafterReport, Proposal, Scorer, SequenceStart, step_layout
+from .base import BaseDrafter, Drafter, DrafterReport, Proposal, Scorer, SequenceStart, StepTrees, step_layout
 
 SOURCES = 3  # calibration groups per group of a drafter: primary only, secondary only, both
 BOTH = 2
@@ -140,7 +140,7 @@ class UnionDrafter(BaseDrafter):
         index = {(): 0} | {p: i + 1 for i, p in enumerate(self.tree.choices)}
         self.primary_nodes = torch.tensor([index[p] for p in [(), *primary.tree.choices]])  # [N1]
         self.secondary_nodes = torch.tensor([0] + [index[p] for p in moved])  # [N2]
-        self._trees: dict[tuple, Tree] = {}  # choice paths -> the step's tree (bounded)
+        self._tree_for = StepTrees(MAX_STEP_TREES)  # choice paths -> the step's tree (bounded)
         self.counts = dict.fromkeys(("steps", "rows", "nodes", "primary", "secondary", "both"), 0)
 
     @property
@@ -252,16 +252,6 @@ class UnionDrafter(BaseDrafter):
             for path, value in zip(row.paths[1:], values[1:], strict=True):
                 best[path] = max(best.get(path, -1.0), value)
         return sorted(best, key=lambda c: (-best[c], len(c), c))[: self.max_nodes - 1]
-
-    def _tree_for(self, choices: list[tuple[int, ...]]) -> Tree:
-        """The Tree of these choice paths, built once per distinct set (at most MAX_STEP_TREES kept)."""
-        key = tuple(sorted(choices))
-        tree = self._trees.get(key)
-        if tree is None:
-            if len(self._trees) >= MAX_STEP_TREES:
-                self._trees.clear()
-            tree = self._trees[key] = Tree.from_choices(key)
-        return tree
 
     def _fill(self, tree: Tree, rows: list[_MergedRow], merged: list[tuple]) -> tuple[list, ...]:
         """tokens, probs, levels, groups [B][N] on the step's tree; a row's nodes it lacks: its root token,
