@@ -243,6 +243,7 @@ def run_e2e(args) -> dict:
     heads = treespec.MedusaHeads.for_model(model, num_heads=4)  # untrained: identity blocks
     rows = [json.loads(line) for line in SPEC_BENCH.read_text().splitlines() if line.strip()]
     prompts = [encode_prompt(r["turns"][0], tokenizer) for r in rows[: args.e2e_prompts]]
+
     def run(drafter, kernel):
         options = treespec.DecodeOptions(kernel=kernel)
         return lambda ids: treespec.generate(

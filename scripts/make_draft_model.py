@@ -25,7 +25,12 @@ from treespec.training.draft_train import MODEL_DIR, DraftTrainConfig, train_dra
 
 def parse_args(argv: list[str] | None = None) -> tuple[DraftTrainConfig, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="make_draft_model.py", description=__doc__.splitlines()[0])
-    p.add_argument("--data", required=True, help="self-distillation data folder (make_distill_data.py)")
+    p.add_argument(
+        "--data",
+        required=True,
+        help="self-distillation data folder (make_distill_data.py), or several joined by commas, e.g. "
+        "a greedy and a sampled set (train: all of them; eval: the first)",
+    )
     p.add_argument("--out", required=True, help="run folder (model/, training.json, checkpoint/)")
     p.add_argument("--model", default=None, help="base model id or folder (default: embedded SmolLM2)")
     p.add_argument(

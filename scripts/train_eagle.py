@@ -28,7 +28,12 @@ from treespec.training.eagle_train import EagleTrainConfig, train_eagle
 
 def parse_args(argv: list[str] | None = None) -> tuple[EagleTrainConfig, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="train_eagle.py", description=__doc__.splitlines()[0])
-    p.add_argument("--data", required=True, help="self-distillation data folder (make_distill_data.py)")
+    p.add_argument(
+        "--data",
+        required=True,
+        help="self-distillation data folder (make_distill_data.py), or several joined by commas, e.g. "
+        "a greedy and a sampled set (train: all of them; eval: the first)",
+    )
     p.add_argument("--out", required=True, help="run folder (drafter/, training.json, checkpoint/, cache/)")
     p.add_argument("--model", default=None, help="base model id or folder (default: embedded SmolLM2)")
     p.add_argument("--max-steps", type=int, default=2000)

@@ -189,6 +189,32 @@ def test_a_curve_without_the_path_that_runs_gains_it_and_keeps_the_rest(tmp_path
     assert len(messages) == 1
 
 
+def test_bitwise_numerics_price_trees_on_the_exact_kernels_they_run(tmp_path, monkeypatch):
+    """Dynamic trees under numerics="bitwise" read (and on first use measure) the "exact" path, not the
+    fast kernels' curve beside it; the measured points run the row-invariant kernels."""
+    from treespec import ops
+    from treespec.training import costs
+
+    if not ops.available("cpu"):
+        pytest.skip("treespec's compiled CPU ops did not build")
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path / "cache"))
+    model = tiny_model("llama", dtype=torch.float32)
+    blocks = {"128": {"1": 10.0, "8": 26.0}}
+    costs.save_cost_curve(
+        costs.default_cost_file(model), {"format": "treespec.cost_curve", "verify_ms": {"blocks": blocks}}
+    )
+    assert costs.verify_path_choices(False, "bitwise") == ["exact"]
+    messages = []
+    seconds = costs.verify_cost_model(model, numerics="bitwise", progress=messages.append)
+    assert len(messages) == 1 and "no 'exact' path" in messages[0] and "--paths exact" in messages[0]
+    saved = costs.load_cost_curve(costs.default_cost_file(model))
+    assert saved["verify_ms"]["blocks"] == blocks
+    exact = saved["verify_ms"]["exact"]["128"]
+    assert seconds(8, 100) == pytest.approx(exact["8"] / 1e3)
+    assert costs.verify_cost_model(model, progress=messages.append)(8, 100) == pytest.approx(0.026)
+    assert len(messages) == 1  # both read, nothing measured again
+
+
 def test_a_quick_curve_measures_again_the_points_noise_priced_above_costlier_ones(monkeypatch):
     from treespec.training import costs
 

@@ -276,6 +276,32 @@ def test_reader_refuses_missing_or_corrupt_shards(made, tmp_path):
         load_distill_data(out, "eval")
 
 
+def test_several_folders_train_on_all_and_evaluate_on_the_first(
+    tmp_path, model, tokenizer, prompts_file, made
+):
+    """A greedy set plus a sampled set of the same prompts: train joins both, eval is the greedy set's;
+    a folder from another model is refused; "a,b" names the same folders as a list."""
+    sampled = tmp_path / "sampled"
+    settings = {**SETTINGS, "temperature": 5.0, "seed": 3}
+    make_distill_data(sampled, model, tokenizer, prompts_file, progress=False, **settings)
+    greedy_train, sampled_train = load_distill_data(made), load_distill_data(sampled)
+    both = load_distill_data([made, sampled])
+    assert [t.tolist() for t in both.sequences] == [
+        t.tolist() for t in greedy_train.sequences + sampled_train.sequences
+    ]
+    assert both.prompt_ids == greedy_train.prompt_ids + sampled_train.prompt_ids
+    joined = load_distill_data(f"{made},{sampled}")
+    assert [t.tolist() for t in joined.sequences] == [t.tolist() for t in both.sequences]
+    eval_both, eval_greedy = load_distill_data([made, sampled], "eval"), load_distill_data(made, "eval")
+    assert [t.tolist() for t in eval_both.sequences] == [t.tolist() for t in eval_greedy.sequences]
+    other = tmp_path / "other"
+    make_distill_data(
+        other, tiny_model(tokenizer, seed=1), tokenizer, prompts_file, progress=False, **SETTINGS
+    )
+    with pytest.raises(DistillDataError, match="another model"):
+        load_distill_data([made, other])
+
+
 def test_cli(tmp_path, tokenizer, prompts_file, capsys):
     model_dir = tmp_path / "tiny"
     tiny_model(tokenizer).to(torch.float32).save_pretrained(model_dir)

@@ -197,6 +197,27 @@ def test_under_a_dynamic_tree_and_with_a_lookup_chain_it_stays_exact(arch):
     assert [r.token_ids for r in results] == [hf_greedy(model, p, 40) for p in prompts[1:]]
 
 
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_three_sources_by_nesting_unions_stay_exact_under_a_dynamic_tree(arch):
+    """bench's dynamic_all: (heads + suffix) + recycling, the recycling table learning from every step;
+    the nested union alone in a batch."""
+    model = tiny_model(arch, dtype=torch.float32)
+    prompts = [*repeating_prompts(hash(arch) % 991, 3), [7] * 5]
+    vocab = model.get_output_embeddings().weight.shape[0]
+    union = UnionDrafter(heads_and_suffix(model, seed=5), treespec.RecyclingDrafter(vocab))
+    drafter = treespec.DynamicTreeDrafter(union, cost)
+    expected = [hf_greedy(model, p, 40) for p in prompts]
+    for prompt, want in zip(prompts, expected, strict=True):
+        assert treespec.generate(model, prompt, drafter, max_new_tokens=40, eos_token_id=[]).token_ids == want
+    assert drafter.report().stats["union"]["secondary"] > 0  # the recycling tree was drafted
+    seen = drafter.calibration.group_proposed.sum(dim=1)  # [groups]
+    assert seen.numel() > SOURCES * SOURCES  # nested groups: 3 (3 g + s) + s'
+    results = treespec.generate(  # the union itself decodes a batch (the dynamic tree takes one row)
+        model, prompts, union, max_new_tokens=40, eos_token_id=[], options=SPECULATE
+    )
+    assert [r.token_ids for r in results] == expected
+
+
 def test_the_dynamic_tree_calibrates_each_source_on_its_own():
     model = tiny_model("qwen2", dtype=torch.float32)
     union = heads_and_suffix(model, seed=0)

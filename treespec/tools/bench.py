@@ -25,6 +25,8 @@ Methods (all run in the same process on the same prompt token ids):
     dynamic_suffix    dynamic trees over the union of the heads' tree and a SuffixDrafter's tree of each step
                       (`UnionDrafter`: the pricer calibrates each source on its own; no lookup branch,
                       the suffix trees match the prompt too)
+    dynamic_all       dynamic trees over the union of the heads', the suffix drafter's and the recycling
+                      drafter's trees (two nested `UnionDrafter`s; each source calibrated on its own)
     suffix            a SuffixDrafter: trees from the longest suffix match in the request and in a cache
                       of earlier answers (one drafter for every call, so its cache carries over)
     recycling         a RecyclingDrafter: trees walked through the target's own top-k after each token,
@@ -109,10 +111,12 @@ SPECULATIVE = (  # the methods that draft and verify
     "dynamic",
     "eagle_dynamic",
     "dynamic_suffix",
+    "dynamic_all",
     "suffix",
     "recycling",
 )
 EAGLE_METHODS = ("eagle", "eagle_lookup", "eagle_dynamic")
+UNION_METHODS = ("dynamic_suffix", "dynamic_all")  # dynamic trees over a union of drafters' trees
 PEER_METHODS = {"vllm": 0, "vllm_ngram": None}  # name -> n-gram tokens (None: --vllm-ngram)
 METHODS = ("hf", "hf_prompt_lookup", "baseline", "baseline_sdpa", *SPECULATIVE, "hf_assisted", *PEER_METHODS)
 TREESPEC_METHODS = ("baseline", "baseline_sdpa", *SPECULATIVE)  # the methods that take --numerics
@@ -410,8 +414,8 @@ def make_runners(
     }
     runners |= chain_runners(model, chains, ours, hf, branching_spec, lookup)
     runners |= training_free_runners(model, methods, ours)
-    if {"dynamic", "eagle_dynamic", "dynamic_suffix"} & set(methods):
-        runners |= dynamic_runners(model, heads, chains, ours, methods, lookup, compile, cost_curve)
+    if {"dynamic", "eagle_dynamic", *UNION_METHODS} & set(methods):
+        runners |= dynamic_runners(model, heads, chains, ours, methods, lookup, compile, cost_curve, numerics)
     missing = [name for name in methods if name not in runners]
     if missing:
         raise ValueError(
@@ -457,13 +461,16 @@ def training_free_runners(model, methods: list[str], ours) -> dict:
     return runners
 
 
-def dynamic_runners(model, heads, chains, ours, methods, lookup: int, compile: bool, cost_curve) -> dict:
+def dynamic_runners(
+    model, heads, chains, ours, methods, lookup: int, compile: bool, cost_curve, numerics: str
+) -> dict:
     """The dynamic-tree methods: one drafter for every call, as a user reuses it (its learning carries
-    over), pricing trees on this machine's verification cost curve (measured quickly on first use)."""
+    over), pricing trees on this machine's verification cost curve of the kernels that run (measured
+    quickly on first use)."""
     from ..drafters.dynamic import DynamicTreeDrafter
     from ..training.costs import verify_cost_model
 
-    verify_seconds = verify_cost_model(model, compile=compile, curve_file=cost_curve)
+    verify_seconds = verify_cost_model(model, compile=compile, curve_file=cost_curve, numerics=numerics)
 
     def dynamic(inner):
         drafter = DynamicTreeDrafter(
@@ -472,14 +479,20 @@ def dynamic_runners(model, heads, chains, ours, methods, lookup: int, compile: b
         return ours(lambda: drafter)
 
     runners = {}
-    if {"dynamic", "dynamic_suffix"} & set(methods):
+    if {"dynamic", *UNION_METHODS} & set(methods):
         if heads is None:
             raise ValueError("the dynamic methods need heads")
         envelope = heads.tree or default_tree(32, heads.num_heads)
         runners["dynamic"] = dynamic(treespec.make_drafter(heads, envelope, model))
-        union = treespec.UnionDrafter(treespec.make_drafter(heads, envelope, model), treespec.SuffixDrafter())
-        union_drafter = DynamicTreeDrafter(union, verify_seconds)
-        runners["dynamic_suffix"] = ours(lambda: union_drafter)
+        for name in UNION_METHODS:
+            union = treespec.UnionDrafter(
+                treespec.make_drafter(heads, envelope, model), treespec.SuffixDrafter()
+            )
+            if name == "dynamic_all":
+                vocab = model.get_output_embeddings().weight.shape[0]
+                union = treespec.UnionDrafter(union, treespec.RecyclingDrafter(vocab))
+            union_drafter = DynamicTreeDrafter(union, verify_seconds)
+            runners[name] = ours(lambda d=union_drafter: d)
     eagle = chains.get("eagle")
     if eagle is not None and "eagle_dynamic" in methods:
         runners["eagle_dynamic"] = dynamic(eagle.drafter(model))
@@ -849,7 +862,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
         raise SystemExit(f"no prompts selected for the {args.workload} workload")
     device = next(model.parameters()).device
     heads, tree, heads_desc, tree_desc = None, None, "-", "-"
-    if {"treespec", "treespec_sdpa", "treespec_lookup", "dynamic", "dynamic_suffix"} & set(args.methods):
+    if {"treespec", "treespec_sdpa", "treespec_lookup", "dynamic", *UNION_METHODS} & set(args.methods):
         heads, tree, heads_desc, tree_desc = load_heads_and_tree(args, model)
     chains = load_chain_drafters(args, model)
     ours = [m for m in args.methods if m not in PEER_METHODS]

@@ -63,6 +63,7 @@ METHOD_NAMES = {  # bench.py / bench_batch.py method -> what it is
     "self_spec": "treespec, self-speculative (exit head)",
     "suffix": "treespec, suffix trees (request + earlier answers)",
     "dynamic_suffix": "treespec, dynamic trees (heads + suffix trees)",
+    "dynamic_all": "treespec, dynamic trees (heads + suffix + recycling)",
     "recycling": "treespec, token recycling",
 }
 REFERENCE = "hf"

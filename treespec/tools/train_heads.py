@@ -25,7 +25,12 @@ def parse_args(
     argv: list[str] | None = None, prog: str | None = None
 ) -> tuple[TrainConfig, argparse.Namespace]:
     p = argparse.ArgumentParser(prog=prog or "treespec train", description=__doc__.splitlines()[0])
-    p.add_argument("--data", required=True, help="self-distillation data folder (make_distill_data.py)")
+    p.add_argument(
+        "--data",
+        required=True,
+        help="self-distillation data folder (make_distill_data.py), or several joined by commas, e.g. "
+        "a greedy and a sampled set (train: all of them; eval: the first)",
+    )
     p.add_argument("--out", required=True, help="run folder (heads/, training.json, checkpoint/, cache/)")
     p.add_argument("--model", default=None, help="base model id or folder (default: embedded SmolLM2)")
     p.add_argument("--num-heads", type=int, default=4)

@@ -5,7 +5,8 @@
 
 for the eager path (transformers' modules as they are), oneDNN prepacked linears, exact block weights
 (`core.packed`; "blocks" is the decoder's default "auto", which falls back to oneDNN for weights without
-blocks) and the same compiled with torch.compile ("compiled", `core.compiled`), plus each row relative
+blocks), the same compiled with torch.compile ("compiled", `core.compiled`) and the row-invariant kernels
+of bitwise numerics ("exact": exact attention and linears), plus each row relative
 to a one-token step (n = 1) of the same path and prefix. It is written as JSON (`save_cost_curve`;
 default `$TREESPEC_CACHE/costs/<model>-<dtype>.json`) for people and later tools (`load_cost_curve`,
 `interpolate`). The tree choice (`price_trees`, `machine_tree`) reads it: a step of a tree costs its
@@ -46,6 +47,7 @@ PATHS = {
     "onednn": {"linears": "onednn"},
     "blocks": {"linears": "auto"},
     "compiled": {"linears": "auto", "compile": True},
+    "exact": {"numerics": "bitwise"},  # the row-invariant kernels (`Decoder(numerics="bitwise")`)
 }
 # the quick curve measured on first use (`ensure_cost_curve`): interpolation is linear between measured
 # node counts and flat beyond the last, so the counts span the largest trees drafters use (a 32-node tree
@@ -81,13 +83,22 @@ def _chain(n: int) -> Tree:
 
 @torch.inference_mode()
 def verify_ms(
-    model, n: int, prefix: int, linears: str, repeats: int = 7, seed: int = 0, compile: bool = False
+    model,
+    n: int,
+    prefix: int,
+    linears: str = "auto",
+    repeats: int = 7,
+    seed: int = 0,
+    compile: bool = False,
+    numerics: str = "fast",
 ) -> float:
     """Median ms of one verification of n nodes after `prefix` random committed tokens (the first call,
     which compiles when `compile`, is not counted)."""
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
-    decoder = Decoder(model, _Shape(_chain(n)), acceptance="greedy", linears=linears, compile=compile)
+    decoder = Decoder(
+        model, _Shape(_chain(n)), acceptance="greedy", linears=linears, compile=compile, numerics=numerics
+    )
     prompt = torch.randint(0, vocab, (prefix,), generator=gen).tolist()
     decoder.prefill(prompt, max_new_tokens=n + 1)
     tokens = torch.randint(0, vocab, (1, n), generator=gen).to(decoder.device)  # [1, n]
@@ -176,8 +187,11 @@ def interpolate_monotone(curve: dict, path: str, prefix: int, n: int) -> float:
     return min([interpolate_rows(rows, prefix, n)] + [v for k, v in nearest_row(rows, prefix) if k > n])
 
 
-def verify_path_choices(compile: bool) -> list[str]:
-    """The cost-curve paths that price the step `Decoder(compile=compile)` runs, best first."""
+def verify_path_choices(compile: bool, numerics: str = "fast") -> list[str]:
+    """The cost-curve paths that price the step `Decoder(compile=compile, numerics=numerics)` runs, best
+    first."""
+    if numerics == "bitwise":
+        return ["exact"]
     return ["compiled"] if compile else ["blocks", "onednn", "eager"]
 
 
@@ -200,9 +214,10 @@ def ensure_cost_curve(
     compile: bool = False,
     curve_file: str | os.PathLike | None = None,
     progress: Callable[[str], None] | None = _stderr,
+    numerics: str = "fast",
 ) -> tuple[dict, str, Path]:
-    """This machine's cost curve with a path that prices the step `Decoder(compile=compile)` runs
-    (`verify_path_choices`): returns (curve, path, file).
+    """This machine's cost curve with a path that prices the step `Decoder(compile=compile,
+    numerics=numerics)` runs (`verify_path_choices`): returns (curve, path, file).
 
     Without `curve_file` it is `default_cost_file(model)` (under `$TREESPEC_CACHE`); when that file is
     missing, or lacks every path that would do, a quick curve of the path is measured now (`quick_curve`;
@@ -211,7 +226,7 @@ def ensure_cost_curve(
     measured, where it goes and how to measure a fuller one. A `curve_file` given by the caller must exist
     and have the path; a file that exists but is not a cost curve is refused (`load_cost_curve`), never
     overwritten."""
-    wanted = verify_path_choices(compile)
+    wanted = verify_path_choices(compile, numerics)
     file = Path(curve_file) if curve_file else default_cost_file(model)
     remeasure = f"{measure_command(model, wanted[0])} --out {file}"
     curve = load_cost_curve(file, remeasure) if file.is_file() else None
@@ -228,7 +243,7 @@ def ensure_cost_curve(
         raise ValueError(
             f"{file} has no {wanted[0]!r} path (it has {sorted(curve['verify_ms'])}): {remeasure}"
         )
-    path = "compiled" if compile else "blocks"
+    path = wanted[0]
     nodes, prefixes = quick_points(model)
     if progress:
         why = "no cost curve" if curve is None else f"no {path!r} path in the cost curve"
@@ -299,12 +314,14 @@ def verify_cost_model(
     compile: bool = False,
     curve_file: str | os.PathLike | None = None,
     progress: Callable[[str], None] | None = _stderr,
+    numerics: str = "fast",
 ) -> Callable[[int, int], float]:
     """(nodes, prefix) -> seconds of one verification on this machine, read from its cost curve: the
-    compiled path when `compile`, else the uncompiled step's ("blocks", else "onednn", else "eager").
+    row-invariant kernels' ("exact") under bitwise numerics, else the compiled path when `compile`, else
+    the uncompiled step's ("blocks", else "onednn", else "eager").
     The curve is `curve_file`, else this machine's (`default_cost_file`), measured quickly on first use
     (`ensure_cost_curve`, which says so through `progress`)."""
-    curve, path, _ = ensure_cost_curve(model, compile, curve_file, progress)
+    curve, path, _ = ensure_cost_curve(model, compile, curve_file, progress, numerics)
     rows = curve_rows(curve, path)
     return lambda nodes, prefix: interpolate_rows(rows, prefix, nodes) / 1e3
 

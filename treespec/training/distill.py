@@ -696,15 +696,51 @@ class DistillData(NamedTuple):
     prompt_ids: list[str]
 
 
-def load_distill_data(folder: str | os.PathLike, split: str = "train") -> DistillData:
+def data_folders(folders: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
+    """One data folder, several ("a,b" or a list), as paths."""
+    if isinstance(folders, (str, os.PathLike)):
+        folders = [f for f in str(folders).split(",") if f.strip()] if isinstance(folders, str) else [folders]
+    out = [Path(f) for f in folders]
+    if not out:
+        raise ValueError("no distillation data folder given")
+    return out
+
+
+def load_distill_data(
+    folders: str | os.PathLike | Sequence[str | os.PathLike], split: str = "train"
+) -> DistillData:
     """All sequences of one split ("train" or "eval"), in shard order.
+
+    folders: one data folder, or several ("greedy,sampled" or a list, e.g. a greedy set and sampled sets
+    of the same prompts): "train" joins every folder's train split in order; "eval" is the first folder's
+    alone (acceptance is measured against the answers of the first, usually greedy, set). Every folder
+    must come from the same model (its fingerprint in meta.json).
 
     Raises DistillDataError, naming the file, when meta.json or a shard it lists is missing or corrupt
     (each shard's sha256 is checked against meta.json). A run still in progress reads the shards done.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    folder = Path(folder)
+    paths = data_folders(folders)
+    if split == "eval":
+        paths = paths[:1]
+    out = DistillData([], [], [])
+    model = None
+    for folder in paths:
+        part, identity = _load_folder(folder, split)
+        if model is not None and identity != model:
+            raise DistillDataError(
+                f"{folder}: made from another model than {paths[0]} (meta.json's model differs): "
+                "train on data of one model"
+            )
+        model = identity
+        for field, values in zip(out, part, strict=True):
+            field.extend(values)
+    return out
+
+
+def _load_folder(folder: Path, split: str) -> tuple[DistillData, dict]:
+    """One folder's sequences of a split, and its meta.json's model record."""
     meta = _read_meta(folder)
     if meta.get("format") != FORMAT:
         raise DistillDataError(f"{folder / META_NAME}: format {meta.get('format')!r} is not {FORMAT!r}")
@@ -729,4 +765,4 @@ def load_distill_data(folder: str | os.PathLike, split: str = "train") -> Distil
             out.sequences.append(tokens[shard.offsets[i] : shard.offsets[i + 1]].clone())  # [T_i]
             out.prompt_lengths.append(int(shard.prompt_lengths[i]))
             out.prompt_ids.append(pid)
-    return out
+    return out, meta.get("model", {})

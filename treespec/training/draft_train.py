@@ -36,7 +36,7 @@ from ..drafters.heads import fingerprints_match, model_identity
 from ..io import atomic_write_json
 from . import checkpoint
 from .batching import length_batches
-from .distill import META_NAME, load_distill_data
+from .distill import META_NAME, data_folders, load_distill_data
 from .loop import StepOutput, TrainLoop, evaluate_into, final_eval, resume_from
 from .loop import run as run_loop
 
@@ -178,8 +178,9 @@ def make_batch(sequences: list[Tensor], prompt_lengths: list[int], pad_id: int =
 
 
 def _check_data(folder: str | Path, target) -> None:
-    """The data must be the target's own answers: same vocabulary and weight fingerprint."""
-    meta = json.loads((Path(folder) / META_NAME).read_text())
+    """The data must be the target's own answers: same vocabulary and weight fingerprint (one folder or
+    several, `distill.data_folders`: they share one model, which `load_distill_data` checks)."""
+    meta = json.loads((data_folders(folder)[0] / META_NAME).read_text())
     made_by = meta.get("model", {})
     mine = model_identity(target)
     if made_by.get("vocab_size") != mine["vocab_size"] or not fingerprints_match(

@@ -91,12 +91,14 @@ def cached_features(
     last = model.config.num_hidden_layers
     wanted = sorted(set(layers) | {last})
     path = cache / f"features-{split}-T{max_length}-v{FEATURES_VERSION}.safetensors"
+    data = load_distill_data(data_folder, split)
     if path.is_file():
         stored = load_file(str(path))
-        if all(f"layer{k}" in stored for k in wanted):
+        if stored["starts"].numel() - 1 != len(data.sequences):  # the data grew (more shards or folders)
+            stored = {}
+        if stored and all(f"layer{k}" in stored for k in wanted):
             return stored
         wanted = sorted(set(wanted) | {int(k[5:]) for k in stored if k.startswith("layer")})
-    data = load_distill_data(data_folder, split)
     sequences = [s[:max_length] for s in data.sequences]
     lengths = [len(s) for s in sequences]
     parts: dict[str, list] = {
