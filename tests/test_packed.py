@@ -84,3 +84,38 @@ def test_greedy_output_with_packed_linears_equals_hf_and_the_unpacked_decoder(ar
             out += decoder.step().committed[0]
         outs[linears] = out[:40]
     assert outs["auto"] == outs["onednn"] == outs["torch"] == hf_greedy(model, prompt, 40)
+
+
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported() or not treespec.ops.available("cpu"),
+    reason="needs oneDNN bf16 and treespec's compiled CPU ops",
+)
+@pytest.mark.parametrize("amx", [False, True])
+def test_one_bf16_row_takes_exact_linear_without_amx_and_more_rows_take_onednn(monkeypatch, amx):
+    """A plain step's one bf16 row: `exact_linear` on CPUs without AMX (faster there), oneDNN with AMX
+    and for every larger row count; each equals its reference on fresh random inputs."""
+    from treespec.core import packed
+
+    monkeypatch.setattr(packed, "_cpu_has_amx", lambda: amx)
+    calls = []
+    exact_product = PackedMatrix._exact
+    monkeypatch.setattr(
+        PackedMatrix, "_exact", lambda self, x, b: calls.append(x.shape) or exact_product(self, x, b)
+    )
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(96, 576, generator=gen).to(torch.bfloat16)  # [out, in]
+    bias = torch.randn(96, generator=gen).to(torch.bfloat16)
+    matrix = PackedMatrix(w, "auto")
+    assert matrix.exact_one_row is not amx and matrix.kind == "onednn"
+    for rows in (1, 3, 17):
+        shape = (2, rows, 576) if rows == 17 else (rows, 576)
+        x = torch.randn(shape, generator=gen).to(torch.bfloat16)
+        with torch.inference_mode():
+            got = matrix(x, bias)
+        exact = (torch.ops.treespec.exact_linear(x.float(), w) + bias.float()).to(torch.bfloat16)
+        onednn = torch.ops.mkldnn._linear_pointwise(x, matrix.pack(), bias, "none", [], "")
+        assert torch.equal(got, exact if rows == 1 and not amx else onednn), rows
+        torch.testing.assert_close(
+            got.float(), F.linear(x.float(), w.float(), bias.float()), rtol=2e-2, atol=5e-2
+        )
+    assert calls == ([] if amx else [(1, 576)])  # only the one-row call took the exact product

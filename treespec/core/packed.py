@@ -10,6 +10,10 @@ Two fast forms, chosen per weight (`mode="auto"`):
   emits), faster than `F.linear` at every row count measured
   (benchmarks/log/2026-12-01-b-fast-linear-layers.md).
 
+- **one row of bfloat16 on a CPU without AMX** (a plain decoding step): treespec's `exact_linear` op, which
+  beats oneDNN's bf16 GEMM at one row there (a SmolLM2 step: 24 against 31-38 ms on AVX-512 BF16 without
+  AMX, benchmarks/log/2026-12-03-d-*.md); oneDNN keeps every larger row count, and AMX CPUs keep oneDNN.
+
 `mode="onednn"` skips the block search, `mode="torch"` (or `enabled=False`) leaves the model as it is.
 Results equal `F.linear` to float rounding (summation order), not bitwise.
 
@@ -28,6 +32,7 @@ never runs on stale weights.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -58,6 +63,22 @@ def _supported(tensor: torch.Tensor) -> bool:
     return tensor.dtype == torch.float32
 
 
+@functools.cache
+def _cpu_has_amx() -> bool:
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
+def one_row_exact(weight: torch.Tensor) -> bool:
+    """Whether mode "auto" multiplies one row of `weight` with `exact_linear` (bfloat16 CPU weights, no
+    AMX, treespec's ops built): faster there than oneDNN's bf16 GEMM at one row."""
+    return (
+        weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and ops.available("cpu")
+        and not _cpu_has_amx()
+    )
+
+
 def _blocks_of(weight: torch.Tensor):
     """The exact blocks of `weight` when treespec's compiled ops are there to read them, else None."""
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or not ops.available("cpu"):
@@ -78,6 +99,7 @@ class PackedMatrix:
         self.blocks = _blocks_of(weight) if mode in ("auto", "exact") else None
         self.packed = None  # block weights: built on the first call with more than BLOCK_ROWS_MAX rows
         self.packable = mode != "torch" and _supported(weight)
+        self.exact_one_row = mode == "auto" and one_row_exact(weight)
         if self.blocks is None and self.packable and not self.exact:  # exact: packed on a shared forward
             self.pack()
 
@@ -118,6 +140,8 @@ class PackedMatrix:
         """The fastest form at x's row count ("auto"; x: float CPU, no autograd)."""
         if self.blocks is not None and x.numel() <= BLOCK_ROWS_MAX * x.shape[-1]:
             return self.blocks(x, bias)
+        if self.exact_one_row and x.numel() == x.shape[-1]:  # one row: a plain decoding step
+            return self._exact(x, bias)
         # many rows (prefill, a batch of trees): a GEMM over the float32 weight is faster than the blocks;
         # inductor lowers the oneDNN op only for weights it froze itself: compiled graphs get F.linear
         if self.packable and not torch.compiler.is_compiling():

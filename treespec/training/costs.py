@@ -8,7 +8,7 @@ for the eager path (transformers' modules as they are), oneDNN prepacked linears
 blocks), the same compiled with torch.compile ("compiled", `core.compiled`) and the row-invariant kernels
 of bitwise numerics ("exact": exact attention and linears), plus each row relative
 to a one-token step (n = 1) of the same path and prefix. It is written as JSON (`save_cost_curve`;
-default `$TREESPEC_CACHE/costs/<model>-<dtype>.json`) for people and later tools (`load_cost_curve`,
+default `$TREESPEC_CACHE/costs/<model>-<dtype>-r<KERNELS_REVISION>.json`) for people and later tools (`load_cost_curve`,
 `interpolate`). The tree choice (`price_trees`, `machine_tree`) reads it: a step of a tree costs its
 drafting (timed) plus the verification of its node count (from the curve); without a curve it times whole
 steps through `Decoder.step`.
@@ -39,6 +39,9 @@ from ..drafters.base import BaseDrafter
 from ..io import atomic_write_json, cache_root
 from . import calibrate
 
+# bumped whenever a kernel or the choice between kernels changes what a verification costs (2: one bf16
+# row through `exact_linear` on CPUs without AMX), so cached curves of older kernels are measured again
+KERNELS_REVISION = 2
 NODES = (1, 4, 8, 16, 32, 64)
 PREFIXES = (128, 512, 1024)
 # name -> Decoder(linears=..., compile=...)
@@ -60,10 +63,11 @@ QUICK_REPEATS = 3
 
 
 def default_cost_file(model) -> Path:
-    """`$TREESPEC_CACHE/costs/<model name>-<dtype>.json` (default cache `~/.cache/treespec`)."""
+    """`$TREESPEC_CACHE/costs/<model name>-<dtype>-r<KERNELS_REVISION>.json` (default cache
+    `~/.cache/treespec`): a curve measured on older kernels is not read (a new one is measured)."""
     name = (getattr(model.config, "name_or_path", "") or "model").replace("/", "--")
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    return cache_root() / "costs" / f"{name}-{dtype}.json"
+    return cache_root() / "costs" / f"{name}-{dtype}-r{KERNELS_REVISION}.json"
 
 
 class _Shape(BaseDrafter):
