@@ -6,10 +6,10 @@
 for the eager path (transformers' modules as they are), oneDNN prepacked linears, exact block weights
 (`core.packed`; "blocks" is the decoder's default "auto", which falls back to oneDNN for weights without
 blocks), the same compiled with torch.compile ("compiled", `core.compiled`) and the row-invariant kernels
-of bitwise numerics ("exact": exact attention and linears), plus each row relative
-to a one-token step (n = 1) of the same path and prefix. It is written as JSON (`save_cost_curve`;
-default `$TREESPEC_CACHE/costs/<model>-<dtype>-r<KERNELS_REVISION>.json`) for people and later tools (`load_cost_curve`,
-`interpolate`). The tree choice (`price_trees`, `machine_tree`) reads it: a step of a tree costs its
+of bitwise numerics ("exact": exact attention and linears), plus each row relative to a one-token step
+(n = 1) of the same path and prefix. It is written as JSON (`save_cost_curve`; default
+`$TREESPEC_CACHE/costs/<model>-<dtype>-r<KERNELS_REVISION>.json`) for people and later tools
+(`load_cost_curve`, `interpolate`). The tree choice (`price_trees`, `machine_tree`) reads it: a step of a tree costs its
 drafting (timed) plus the verification of its node count (from the curve); without a curve it times whole
 steps through `Decoder.step`.
 
