@@ -6,8 +6,9 @@
 1. Verification ms by node count (--nodes) and prefix length (--prefixes) for each path (--paths: eager,
    oneDNN or block linears, the block linears compiled, and the exact kernels of bitwise numerics;
    `treespec.training.costs`), printed and written as JSON (--out, default
-   $TREESPEC_CACHE/costs/<model>-<dtype>-r<revision>.json). Dynamic trees measure a quick curve of the path they run there on first use (`costs.ensure_cost_curve`); this is the fuller
-   one, and it replaces that file.
+   $TREESPEC_CACHE/costs/<model>-<dtype>-r<revision>.json). Dynamic trees measure a quick curve of
+   the path they run there on first use (`costs.ensure_cost_curve`); this is the fuller one, and it
+   replaces that file.
 2. For each node budget (--budgets): the best tree for the heads' acceptance table (acceptance.json of
    the heads folder), its expected accepted length, and one whole speculative step timed through
    `Decoder.step` (drafting included, the decoder's default linears); the budget with the most expected

@@ -9,9 +9,9 @@ blocks), the same compiled with torch.compile ("compiled", `core.compiled`) and 
 of bitwise numerics ("exact": exact attention and linears), plus each row relative to a one-token step
 (n = 1) of the same path and prefix. It is written as JSON (`save_cost_curve`; default
 `$TREESPEC_CACHE/costs/<model>-<dtype>-r<KERNELS_REVISION>.json`) for people and later tools
-(`load_cost_curve`, `interpolate`). The tree choice (`price_trees`, `machine_tree`) reads it: a step of a tree costs its
-drafting (timed) plus the verification of its node count (from the curve); without a curve it times whole
-steps through `Decoder.step`.
+(`load_cost_curve`, `interpolate`). The tree choice (`price_trees`, `machine_tree`) reads it: a step of
+a tree costs its drafting (timed) plus the verification of its node count (from the curve); without a
+curve it times whole steps through `Decoder.step`.
 
 Dynamic trees (`verify_cost_model`) need the curve of the path they run: on first use, when the cache
 folder has none, `ensure_cost_curve` measures a quick one (`QUICK_NODES` x `QUICK_PREFIXES`, the shape
