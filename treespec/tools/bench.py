@@ -23,6 +23,7 @@ Methods (all run in the same process on the same prompt token ids):
                       one drafter serves every call, so its calibration carries from prompt to prompt
     eagle_dynamic     the same over the EAGLE drafter's tree + the lookup branch
     dynamic_suffix    dynamic trees over the union of the heads' tree and a SuffixDrafter's tree of each step
+                      (up to 24 nodes, 16 deep: the pricer keeps the long copies that pay)
                       (`UnionDrafter`: the pricer calibrates each source on its own; no lookup branch,
                       the suffix trees match the prompt too)
     dynamic_all       dynamic trees over the union of the heads', the suffix drafter's and the recycling
@@ -485,9 +486,9 @@ def dynamic_runners(
         envelope = heads.tree or default_tree(32, heads.num_heads)
         runners["dynamic"] = dynamic(treespec.make_drafter(heads, envelope, model))
         for name in UNION_METHODS:
-            union = treespec.UnionDrafter(
-                treespec.make_drafter(heads, envelope, model), treespec.SuffixDrafter()
-            )
+            # the pricer keeps what pays, so the suffix tree may offer long copies (16 deep, 24 nodes)
+            suffix = treespec.SuffixDrafter(max_nodes=24, max_depth=16)
+            union = treespec.UnionDrafter(treespec.make_drafter(heads, envelope, model), suffix)
             if name == "dynamic_all":
                 vocab = model.get_output_embeddings().weight.shape[0]
                 union = treespec.UnionDrafter(union, treespec.RecyclingDrafter(vocab))
