@@ -134,8 +134,8 @@ def test_bench_eagle_methods(tmp_path, smollm2):
 
 @pytest.mark.integration
 def test_bench_dynamic_methods(tmp_path, smollm2):
-    """Dynamic trees (shipped heads + lookup, and the EAGLE drafter + lookup) stay equal to HF greedy in
-    float32 and report nodes per step and the predicted accepted length, priced by a given cost curve."""
+    """Dynamic trees (shipped heads + lookup, the EAGLE drafter + lookup, the unions of heads + suffix
+    (+ recycling)) stay equal to HF greedy in float32 and report nodes per step and the predicted accepted length, priced by a given cost curve."""
     import torch
 
     import treespec
@@ -150,9 +150,10 @@ def test_bench_dynamic_methods(tmp_path, smollm2):
     out = tmp_path / "b.json"
     argv = ["--num-prompts", "2", "--max-new-tokens", "8", "--dtype", "float32", "--lookup", "3"]
     argv += ["--eagle", str(folder), "--eagle-tree", "3", "--cost-curve", str(curve)]
-    result = bench.main([*argv, "--methods", "hf,dynamic,eagle_dynamic", "--out", str(out)])
+    methods = "hf,dynamic,eagle_dynamic,dynamic_suffix,dynamic_all"
+    result = bench.main([*argv, "--methods", methods, "--out", str(out)])
     overall = result["summary"][-1]["methods"]
-    for m in ("dynamic", "eagle_dynamic"):
+    for m in ("dynamic", "eagle_dynamic", "dynamic_suffix", "dynamic_all"):
         assert overall[m]["identical_to_hf"] == 2, m
         assert overall[m]["nodes_per_step"] >= 1 and overall[m]["predicted_accept_length"] >= 1
 
