@@ -135,7 +135,8 @@ def test_bench_eagle_methods(tmp_path, smollm2):
 @pytest.mark.integration
 def test_bench_dynamic_methods(tmp_path, smollm2):
     """Dynamic trees (shipped heads + lookup, the EAGLE drafter + lookup, the unions of heads + suffix
-    (+ recycling)) stay equal to HF greedy in float32 and report nodes per step and the predicted accepted length, priced by a given cost curve."""
+    (+ recycling)) stay equal to HF greedy in float32 and report nodes per step and the predicted accepted
+    length, priced by a given cost curve."""
     import torch
 
     import treespec

@@ -190,9 +190,16 @@ def test_resume_redoes_only_the_missing_or_corrupt_shard(made, tmp_path, model, 
     gone.unlink()
     damaged.write_bytes(original[damaged][: len(original[damaged]) // 2])
 
-    meta = make_distill_data(out, model, tokenizer, prompts_file, progress=False, **SETTINGS)
+    def answer(prompts, max_new_tokens, temperature, seed, eos_ids):  # another engine for the redone ones
+        return [unbatched_greedy(model, p, max_new_tokens) for p in prompts]
+
+    meta = make_distill_data(
+        out, model, tokenizer, prompts_file, progress=False, answer=answer, engine="redo", **SETTINGS
+    )
     after = mtimes(out)
     assert sorted(after) == files and meta["complete"]
+    engines = {s["file"]: s["engine"] for s in meta["shards"]}
+    assert engines == {name: "redo" if name in (gone.name, damaged.name) else "hf" for name in files}
     changed = {name for name in files if after[name] != before[name]}
     assert changed == {gone.name, damaged.name}
     for path, data in original.items():
@@ -364,8 +371,14 @@ def test_another_engine_answers_each_shard_in_one_call_and_its_answers_are_cut_a
         return [unbatched_greedy(model, p, max_new_tokens) + [EOS, 5, 6] for p in prompts]
 
     out = tmp_path / "engine"
-    make_distill_data(out, model, tokenizer, prompts_file, progress=False, answer=engine, **SETTINGS)
+    make_distill_data(
+        out, model, tokenizer, prompts_file, progress=False, answer=engine, engine="test 1.0", **SETTINGS
+    )
     shards = json.loads((made / "meta.json").read_text())["shards"]
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["last_run"]["engine"] == "test 1.0"
+    assert all(s["engine"] == "test 1.0" for s in meta["shards"])  # each shard names what answered it
+    assert all(s["engine"] == "hf" for s in shards)
     assert [n for n, _, _ in calls] == [
         s["prompts"] for s in sorted(shards, key=lambda s: s["split"] != "eval")
     ]

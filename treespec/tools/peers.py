@@ -96,6 +96,10 @@ class VllmPeer:
         if not self.info.get("ready"):
             raise PeerUnavailable(f"vLLM worker did not start: {self.info}")
 
+    def engine_name(self) -> str:
+        """What answers, as data manifests record it: "vllm <version>"."""
+        return f"vllm {self.info.get('vllm', '?')}"
+
     def _read(self) -> dict:
         line = self.process.stdout.readline()
         if not line:

@@ -359,8 +359,11 @@ def _write_meta(folder: Path, meta: dict) -> None:
     atomic_write_json(folder / META_NAME, meta, indent=1)
 
 
-def _shard_entry(plan: ShardPlan, shard: Shard, path: Path, seconds: float | None) -> dict:
-    """A meta.json record of one shard file; `plan` is the unlimited plan's shard."""
+def _shard_entry(
+    plan: ShardPlan, shard: Shard, path: Path, seconds: float | None, engine: str | None = None
+) -> dict:
+    """A meta.json record of one shard file; `plan` is the unlimited plan's shard; engine: what answered
+    its prompts (None: not recorded, shards made before engines were)."""
     lengths = shard.offsets[1:] - shard.offsets[:-1]  # [n]
     return {
         "file": plan.name,
@@ -372,6 +375,7 @@ def _shard_entry(plan: ShardPlan, shard: Shard, path: Path, seconds: float | Non
         "response_tokens": int((lengths - shard.prompt_lengths.long()).sum()),
         "sha256": _sha256_file(path),
         "seconds": seconds,
+        **({} if engine is None else {"engine": engine}),
     }
 
 
@@ -477,7 +481,8 @@ def _scan_shards(
         old = old_entries.get(plan.name)
         shard = _reusable(path, plan, settings_hash, old, vocab_size)
         if shard is not None:
-            entries[plan.name] = _shard_entry(plan, shard, path, (old or {}).get("seconds"))
+            old = old or {}
+            entries[plan.name] = _shard_entry(plan, shard, path, old.get("seconds"), old.get("engine"))
         wanted = limited.get(plan.name)
         if wanted is not None and (shard is None or len(shard.prompt_ids) < len(wanted.prompt_ids)):
             if wanted.split in splits:
@@ -567,15 +572,16 @@ def write_answers(
     prompts: list[list[int]],
     responses: list[list[int]],
     seconds: float | None = None,
+    engine: str | None = None,
 ) -> None:
     """Write one shard (prompt + response ids, atomically), check that it reads back, and record it in
-    meta.json (rewritten atomically)."""
+    meta.json (rewritten atomically), with the engine that answered it."""
     path = plan.folder / shard.name
     sequences = [p + r for p, r in zip(prompts, responses, strict=True)]
     write_shard(path, list(shard.prompt_ids), sequences, [len(p) for p in prompts], plan.settings_hash)
     stored = read_shard(path, plan.vocab_size)
     full = next(p for p in plan.full_plan if p.name == shard.name)  # the unlimited plan's shard
-    plan.entries[shard.name] = _shard_entry(full, stored, path, seconds)
+    plan.entries[shard.name] = _shard_entry(full, stored, path, seconds, engine)
     save_meta(plan)
 
 
@@ -625,6 +631,7 @@ def make_distill_data(
     progress: bool = True,
     splits: Sequence[str] = SPLITS,
     answer: ShardAnswerer | None = None,
+    engine: str | None = None,
 ) -> dict:
     """Generate (or resume) a self-distillation dataset in `out`; returns its meta.json content.
 
@@ -638,12 +645,15 @@ def make_distill_data(
     eval shards are generated before train shards.
     answer: another engine for the answers (e.g. vLLM's, `tools.peers.VllmPeer.run_batch`), called once
     per shard with all its prompts; default: HF `generate` in padded batches of `batch_size`.
+    engine: its name, recorded with each shard this run writes and in `last_run` (default "hf" without
+    `answer`, else "other").
     batch_size, limit and the engine are not checked on resume (batching and kernels can change rounding,
     so rarely a token; the data stays the model's own output); every other setting must match.
     The three parts: `plan_distill_data`, `generate_answers`, `write_answers`.
     """
     if batch_size < 1:
         raise ValueError("max_new_tokens, max_prompt_chars and batch_size must be >= 1")
+    engine = engine or ("hf" if answer is None else "other")
     settings = distill_settings(
         model,
         tokenizer,
@@ -664,6 +674,7 @@ def make_distill_data(
         data_source=data_source,
         batch_size=batch_size,
     )
+    plan.meta["last_run"]["engine"] = engine
     save_meta(plan)
     config = generation_config(settings, tokenizer.pad_token_id)
     meter = _Progress(plan.total, plan.total - sum(len(s.prompt_ids) for s in plan.pending), progress)
@@ -676,7 +687,7 @@ def make_distill_data(
         responses = generate_answers(
             model, encoded, config, batch_size=batch_size, answer=answer, seed=shard_seed, progress=advance
         )
-        write_answers(plan, shard, encoded, responses, round(time.perf_counter() - shard_start, 1))
+        write_answers(plan, shard, encoded, responses, round(time.perf_counter() - shard_start, 1), engine)
     meter.bar.close()
     plan.meta["last_run"].update(
         finished=_now(), new_tokens=meter.tokens, tokens_per_s=round(meter.rate(), 2)
