@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             splits=tuple(s.strip() for s in args.splits.split(",")),
             data_source=DEFAULT_SOURCE if prompts.resolve() == DEFAULT_PROMPTS.resolve() else None,
             answer=peer.run_batch if peer else None,
-            engine=peer.engine_name() if peer else "hf",
+            engine=peer.engine_name(args.temperature) if peer else "hf",
         )
     except DistillDataError as e:
         print(f"error: {e}", file=sys.stderr)

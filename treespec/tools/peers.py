@@ -96,9 +96,11 @@ class VllmPeer:
         if not self.info.get("ready"):
             raise PeerUnavailable(f"vLLM worker did not start: {self.info}")
 
-    def engine_name(self) -> str:
-        """What answers, as data manifests record it: "vllm <version>"."""
-        return f"vllm {self.info.get('vllm', '?')}"
+    def engine_name(self, temperature: float = 0.0) -> str:
+        """What answers, as data manifests record it: "vllm <version>" (sampling: the worker cannot seed
+        each request, so a redone shard would sample other tokens; the name says so)."""
+        name = f"vllm {self.info.get('vllm', '?')}"
+        return f"{name}, sampling seeded per engine, not per shard" if temperature > 0 else name
 
     def _read(self) -> dict:
         line = self.process.stdout.readline()
@@ -121,7 +123,8 @@ class VllmPeer:
         self, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int | None, stop_ids
     ) -> list[list[int]]:
         """Answers to many prompts at once (vLLM batches them itself), each ending with its stop token
-        when it hit one; temperature 0 is greedy, else plain sampling (no top-k / top-p) seeded by `seed`."""
+        when it hit one; temperature 0 is greedy, else plain sampling (no top-k / top-p). `seed` is not
+        passed on: vLLM's CPU build fails on per-request seeds (`engine_name` records it)."""
         request = {
             "batch": [list(p) for p in prompts],
             "max_new_tokens": max_new_tokens,

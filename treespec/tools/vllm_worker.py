@@ -117,7 +117,9 @@ def answer_batch(llm, request: dict) -> dict:
         top_k=-1,
         top_p=1.0,
         max_tokens=int(request["max_new_tokens"]),
-        seed=request.get("seed"),
+        # no per-request seed: vLLM 0.32's CPU build fails on one ("CPU Generator does not use offset")
+        # once batches grow; sampling follows the engine's own seed (0) instead, not reproducible per shard
+        seed=None,
         stop_token_ids=stop,
     )
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["batch"]]
