@@ -12,7 +12,8 @@ Two fast forms, chosen per weight (`mode="auto"`):
 
 - **one row of bfloat16 on a CPU without AMX** (a plain decoding step): treespec's `exact_linear` op, which
   beats oneDNN's bf16 GEMM at one row there (a SmolLM2 step: 24 against 31-38 ms on AVX-512 BF16 without
-  AMX, benchmarks/log/2026-12-03-d-*.md); oneDNN keeps every larger row count, and AMX CPUs keep oneDNN.
+  AMX, benchmarks/log/2026-12-03-d-drafters-data-bf16-step.md); oneDNN keeps every larger row count, and
+  AMX CPUs keep oneDNN.
 
 `mode="onednn"` skips the block search, `mode="torch"` (or `enabled=False`) leaves the model as it is.
 Results equal `F.linear` to float rounding (summation order), not bitwise.
