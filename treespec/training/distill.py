@@ -645,8 +645,7 @@ def make_distill_data(
     eval shards are generated before train shards.
     answer: another engine for the answers (e.g. vLLM's, `tools.peers.VllmPeer.run_batch`), called once
     per shard with all its prompts; default: HF `generate` in padded batches of `batch_size`.
-    engine: its name, recorded with each shard this run writes and in `last_run` (default "hf" without
-    `answer`, else "other").
+    engine: its name, recorded with each shard written and in `last_run` (default "hf", or "other").
     batch_size, limit and the engine are not checked on resume (batching and kernels can change rounding,
     so rarely a token; the data stays the model's own output); every other setting must match.
     The three parts: `plan_distill_data`, `generate_answers`, `write_answers`.
