@@ -485,7 +485,7 @@ def dynamic_runners(
             raise ValueError("the dynamic methods need heads")
         envelope = heads.tree or default_tree(32, heads.num_heads)
         runners["dynamic"] = dynamic(treespec.make_drafter(heads, envelope, model))
-        for name in UNION_METHODS:
+        for name in [m for m in UNION_METHODS if m in methods]:
             # the pricer keeps what pays, so the suffix tree may offer long copies (16 deep, 24 nodes)
             suffix = treespec.SuffixDrafter(max_nodes=24, max_depth=16)
             union = treespec.UnionDrafter(treespec.make_drafter(heads, envelope, model), suffix)

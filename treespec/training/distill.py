@@ -318,17 +318,25 @@ def _settings_hash(settings: dict, identity: dict, data: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def model_problems(old_model: dict, identity: dict) -> list[str]:
+    """How a folder's model record (meta.json's "model") differs from `identity` (`model_identity`): name,
+    sizes exactly, weights by fingerprint (up to float rounding); empty when it is the same model."""
+    problems = [
+        f"model {key}: folder has {old_model.get(key)!r}, now {identity.get(key)!r}"
+        for key in ("name", "hidden_size", "vocab_size")
+        if old_model.get(key) != identity.get(key)
+    ]
+    if not fingerprints_match(old_model.get("fingerprint", []), identity.get("fingerprint", [])):
+        problems.append("model weights differ (fingerprint)")
+    return problems
+
+
 def _check_meta(meta: dict, settings: dict, identity: dict, data: dict, folder: Path) -> None:
     """Refuse to resume into a folder made for another model, other settings or another prompts file."""
     problems = []
     if meta.get("format") != FORMAT:
         problems.append(f"format {meta.get('format')!r} is not {FORMAT!r}")
-    old_model = meta.get("model", {})
-    for key in ("name", "hidden_size", "vocab_size"):
-        if old_model.get(key) != identity[key]:
-            problems.append(f"model {key}: folder has {old_model.get(key)!r}, now {identity[key]!r}")
-    if not fingerprints_match(old_model.get("fingerprint", []), identity["fingerprint"]):
-        problems.append("model weights differ (fingerprint)")
+    problems += model_problems(meta.get("model", {}), identity)
     old_settings = meta.get("settings", {})
     for key in sorted(set(old_settings) | set(settings)):
         if old_settings.get(key) != settings.get(key):
@@ -708,8 +716,10 @@ class DistillData(NamedTuple):
 
 def data_folders(folders: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
     """One data folder, several ("a,b" or a list), as paths."""
-    if isinstance(folders, (str, os.PathLike)):
-        folders = [f for f in str(folders).split(",") if f.strip()] if isinstance(folders, str) else [folders]
+    if isinstance(folders, str):
+        folders = [f for f in folders.split(",") if f.strip()]
+    elif isinstance(folders, os.PathLike):
+        folders = [folders]
     out = [Path(f) for f in folders]
     if not out:
         raise ValueError("no distillation data folder given")
@@ -738,12 +748,13 @@ def load_distill_data(
     model = None
     for folder in paths:
         part, identity = _load_folder(folder, split)
-        if model is not None and identity != model:
+        problems = [] if model is None else model_problems(identity, model)
+        if problems:
             raise DistillDataError(
-                f"{folder}: made from another model than {paths[0]} (meta.json's model differs): "
+                f"{folder}: made from another model than {paths[0]} ({'; '.join(problems)}): "
                 "train on data of one model"
             )
-        model = identity
+        model = model or identity
         for field, values in zip(out, part, strict=True):
             field.extend(values)
     return out
