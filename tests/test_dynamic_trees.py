@@ -318,9 +318,55 @@ def test_the_step_time_beyond_the_cost_curve_is_learned_and_the_curve_made_monot
     result = treespec.generate(model, prompt, drafter, max_new_tokens=20, eos_token_id=[])
     assert result.token_ids == hf_greedy(model, prompt, 20)
     # the steps took far longer than the curve says: the rest (sampling, commit, Python) is learned
-    assert drafter.overhead > 100 * table[-1]
+    assert drafter.step_costs.line[0] > 100 * table[-1]
     drafter.start(treespec.drafters.base.SequenceStart(prompt, 64, None, "sdpa", None))
     assert drafter.step_started is None  # the time between sequences is not a step
+
+
+def test_step_costs_learn_the_rest_of_the_step_and_correct_the_curves_extra_cost():
+    from treespec.drafters.dynamic import StepCosts
+
+    curve = [0.0, 10.0, 14.0, 18.0, 22.0]  # extra cost 4 s per node; the truth: 2 s per node
+    costs = StepCosts(prior_weight=4.0)
+    assert costs.prices(curve) == curve  # nothing observed: the curve
+    gen = torch.Generator().manual_seed(0)
+    for step in range(400):  # every step also takes 3 s beyond verification, +-1 s of noise
+        n = 1 + step % 4
+        noise = float(torch.rand(1, generator=gen)) * 2 - 1
+        costs.record(curve[n] - curve[1], 10.0 + 2.0 * (n - 1) + 3.0 + noise - curve[n])
+    rest, slope = costs.line
+    assert rest == pytest.approx(3.0, abs=0.3) and slope == pytest.approx(-0.5, abs=0.1)
+    assert costs.prices(curve) == pytest.approx([0.0, 13.0, 15.0, 17.0, 19.0], abs=0.5)
+    # optimism has faded after 300 tree steps; with none observed it takes half the extra cost off
+    assert costs.prices(curve, optimistic=True) == pytest.approx(costs.prices(curve), abs=0.1)
+    assert StepCosts(explore=0.5).prices(curve, optimistic=True) == [0.0, 10.0, 12.0, 14.0, 16.0]
+    # a curve far off (extra cost 100x too high) is corrected at most to a tenth of what it says
+    wild = StepCosts()
+    for _ in range(100):
+        wild.record(0.0, 1.0)
+        wild.record(400.0, 1.0 - 396.0)
+    assert wild.line[1] == pytest.approx(-0.9)
+
+
+@pytest.mark.parametrize("explore", [0.5, 0.0])
+def test_a_tree_the_curve_overprices_is_tried_and_then_kept(explore):
+    """The curve says the 3-node tree costs 2x a plain step, just above break-even for its 1.8
+    expected tokens; it really costs 1.2x. Priced a little optimistically, it is tried, its real price
+    learned, and it is kept; without optimism the pricer never learns it and stays on plain steps."""
+    from treespec.drafters.dynamic import StepCosts, choose_nodes
+
+    values, parents = [1.0, 0.5, 0.3], [0, 0, 1]  # a chain: E[accepted] = 1.8 with both nodes
+    curve, truth = [0.0, 10.0, 19.0, 20.0], [0.0, 10.0, 11.0, 12.0]
+    costs, sizes = StepCosts(explore=explore), []
+    for _ in range(60):
+        hopeful = costs.prices(curve, optimistic=True)
+        kept, _ = choose_nodes(values, parents, lambda n, table=hopeful: table[n])
+        costs.record(curve[len(kept)] - curve[1], truth[len(kept)] - curve[len(kept)])
+        sizes.append(len(kept))
+    if explore:
+        assert sizes[-40:] == [3] * 40
+    else:
+        assert set(sizes) == {1}
 
 
 def test_a_lookup_branch_is_drafted_whatever_the_level_count():
@@ -341,7 +387,7 @@ def test_a_reused_dynamic_drafter_keeps_what_it_learned_and_stays_exact():
     model = tiny_model("llama")
     heads = random_heads(model, seed=4, sequential=True)
     inner = treespec.make_drafter(heads, treespec.default_tree(16, heads.num_heads), model)
-    drafter = DynamicTreeDrafter(inner, lambda n, prefix: 1.0 + 0.01 * (n - 1))
+    drafter = DynamicTreeDrafter(inner, lambda n, prefix: 1e-4 * (1.0 + 0.01 * (n - 1)))  # nodes ~free
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 3, 9, 3, 9, 3, 9]]
     first = treespec.generate(model, prompts[0], drafter, max_new_tokens=30, eos_token_id=[])
     assert first.token_ids == hf_greedy(model, prompts[0], 30)

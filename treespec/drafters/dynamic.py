@@ -13,9 +13,11 @@ Every step:
 3. nodes sorted by value (parents never after their children) are taken while they pay: the kept
    prefix of k nodes maximises E[accepted](k) / step seconds(k + 1), a step costing the drafting (timed
    as it runs), the verification of k + 1 nodes at this prefix length (this machine's cost curve,
-   `verify_seconds`, made non-decreasing in the node count) and the rest of the step (sampling, commit,
-   Python: learned as the running mean of each step's measured time beyond the other two). The kept
-   set can be the root alone;
+   `verify_seconds`) and the rest of the step (sampling, commit, Python), both corrected by what the
+   steps actually run took (`StepCosts`: a line through each step's time beyond drafting and the curve
+   against the curve's extra cost of its nodes, so a curve that misprices more nodes is corrected;
+   while few trees were run, their extra cost is priced a little optimistically, so a tree the curve
+   puts just above break-even gets tried). The kept set can be the root alone;
 4. when the root alone won `patience` steps in a row, drafting itself is skipped for a while (doubling
    up to `max_skip` steps), so a drafter that does not pay costs almost nothing;
 5. an inner drafter that drafts level by level (`limits_depth`: sequential heads, the EAGLE drafter)
@@ -196,6 +198,56 @@ class DraftCosts:
         return max(0.0, mean_t + slope * (levels - mean_d))
 
 
+class StepCosts:
+    """Seconds of a step beyond drafting by verified node count n, learned from the steps actually run.
+
+    The cost curve prices n nodes at curve[n]; a curve measured under other load can misprice the extra
+    cost of more nodes by 20-40% on a shared CPU, and a step also pays for sampling, commit and Python.
+    So a step of n nodes is priced at curve[n] + a + b x extra[n], with extra[n] = curve[n] - curve[1]:
+    `a` is the rest of the step, `b` corrects the curve's extra cost (-0.5: more nodes cost half what it
+    says). Both come from a least-squares line through every step's time beyond the curve (running
+    means), b shrunk towards 0 while few steps verified more than one node (`prior_weight` of them
+    count as one at b = 0) and kept in [-0.9, 3], so prices never fall with n.
+
+    `optimistic` prices take off a share (`explore`, shrinking the same way) of the extra cost: a tree
+    the curve prices just above break-even gets tried a few times rather than never, and those steps
+    teach b."""
+
+    def __init__(self, smoothing: float = 0.05, prior_weight: float = 4.0, explore: float = 0.5):
+        self.smoothing, self.prior_weight, self.explore = smoothing, prior_weight, explore
+        self.steps, self.tree_steps = 0, 0  # recorded steps; those that verified more than one node
+        # running means of x = extra[n], y = time beyond the curve, x^2, x y
+        self.mean_x = self.mean_y = self.mean_xx = self.mean_xy = 0.0
+
+    def record(self, extra: float, beyond_curve: float) -> None:
+        """A step whose nodes the curve prices `extra` seconds above one node took `beyond_curve` seconds
+        more than drafting + the curve."""
+        self.steps += 1
+        self.tree_steps += extra > 0
+        rate = max(1.0 / self.steps, self.smoothing)
+        self.mean_x += rate * (extra - self.mean_x)
+        self.mean_y += rate * (beyond_curve - self.mean_y)
+        self.mean_xx += rate * (extra * extra - self.mean_xx)
+        self.mean_xy += rate * (extra * beyond_curve - self.mean_xy)
+
+    @property
+    def line(self) -> tuple[float, float]:
+        """(a, b): a step's time beyond the curve is a + b x extra."""
+        var_x = self.mean_xx - self.mean_x**2
+        slope = (self.mean_xy - self.mean_x * self.mean_y) / var_x if var_x > 1e-12 else 0.0
+        slope *= self.tree_steps / (self.tree_steps + self.prior_weight)
+        slope = min(max(slope, -0.9), 3.0)
+        return self.mean_y - slope * self.mean_x, slope
+
+    def prices(self, curve: Sequence[float], optimistic: bool = False) -> list[float]:
+        """curve[n]: verification seconds of n nodes (index 0 unused, non-decreasing) -> step seconds
+        beyond drafting by node count."""
+        rest, slope = self.line
+        if optimistic:
+            slope -= self.explore * self.prior_weight / (self.tree_steps + self.prior_weight) * (1 + slope)
+        return [0.0] + [c + rest + slope * (c - curve[1]) for c in curve[1:]]
+
+
 class DynamicTreeDrafter(BaseDrafter):
     """Prunes the inner drafter's tree every step to the nodes worth verifying (module docstring).
 
@@ -242,16 +294,17 @@ class DynamicTreeDrafter(BaseDrafter):
         # on the same steps (the steps that drafted d levels or more)
         self.level_gains: dict[int, float] = {}
         self.gain_age: dict[int, int] = {}  # level d -> steps since its gain was last priced
-        self.overhead = 0.0  # running mean of each step's time beyond drafting and the curve's verification
+        self.step_costs = StepCosts()  # each node count's step time beyond drafting and the curve
         self.levels = self.max_levels  # levels the next step drafts
         self.verify_tables: dict[int, list[float]] = {}  # prefix bucket -> verify seconds by node count
         self._reset()
 
     def _reset(self) -> None:
-        """Per-sequence state; the calibration, drafting costs, level gains and overhead carry over."""
+        """Per-sequence state; the calibration, drafting costs, level gains and step costs carry over."""
         self.prefix = 0
         self.step_started: float | None = None  # when the last step's propose began (None: no step yet)
-        self.predicted_seconds = 0.0  # what the last step was expected to cost
+        self.predicted_seconds = 0.0  # drafting + the curve's verification of the last step
+        self.predicted_extra = 0.0  # the curve's extra cost of the last step over a one-node step
         self.root_only_streak, self.skip, self.skip_left = 0, 1, 0
         # the last step's tree, tokens [n], probs [n], calibration groups [n] (None: no tree)
         self.last: tuple[Tree, torch.Tensor, torch.Tensor, list[int]] | None = None
@@ -266,15 +319,14 @@ class DynamicTreeDrafter(BaseDrafter):
         self.counts["steps"] += 1
         t0 = time.perf_counter()
         if self.step_started is not None:  # the last step took t0 - step_started: learn the rest's cost
-            spent = t0 - self.step_started - self.predicted_seconds
-            self.overhead += 0.1 * (spent - self.overhead)
+            self.step_costs.record(self.predicted_extra, t0 - self.step_started - self.predicted_seconds)
         self.step_started = t0
-        verify = self.verify_table()
+        curve = self.verify_table()
         if self.skip_left > 0:  # trees have not paid lately: plain step, no drafting
             self.skip_left -= 1
             self.counts["skipped"] += 1
-            self.last = None
-            self.predicted_seconds = verify[1]
+            self.last, self.predicted_extra = None, 0.0
+            self.predicted_seconds = curve[1]
             return Proposal(
                 roots.reshape(1, 1).to(hidden.device), None, tree=self.root_tree, expected_accept=1.0
             )
@@ -287,13 +339,12 @@ class DynamicTreeDrafter(BaseDrafter):
             raise ValueError("a dynamic tree needs the inner drafter's node probabilities (Proposal.probs)")
         step, parents, node_levels, groups = self.inner_layout(full)
         values = self.node_values(full.probs[0].float().cpu(), parents, node_levels, groups, levels)
-        draft = self.draft_costs(levels)
-        kept, expected = choose_nodes(values, parents, lambda n: self.overhead + draft + verify[n])
-        self.predicted_seconds = drafting + verify[len(kept)]
+        draft, hopeful = self.draft_costs(levels), self.step_costs.prices(curve, optimistic=True)
+        kept, expected = choose_nodes(values, parents, lambda n: draft + hopeful[n])
+        self.predicted_seconds = drafting + curve[len(kept)]
+        self.predicted_extra = curve[len(kept)] - curve[1]
         if self.inner_limits_depth:
-            rates = level_rates(
-                values, node_levels, levels, lambda d: self.overhead + self.draft_costs(d), verify
-            )
+            rates = level_rates(values, node_levels, levels, self.draft_costs, self.step_costs.prices(curve))
             self.choose_levels(rates, levels)
         tree, order = self.pruned_tree(tuple(kept), step)
         index = torch.tensor(order, device=full.tokens.device)  # [n]
