@@ -69,6 +69,14 @@ def test_machine_tree_prices_once_then_reuses_its_choice(tmp_path, monkeypatch):
     monkeypatch.setattr(calibrate, "forward_costs", no_measuring)
     again, _ = machine_tree(model, heads, folder, budgets=(2, 4, 8), repeats=1)
     assert again.choices == tree.choices
+    # retrained heads (another acceptance table in the same folder) are priced again, not read back
+    kept = machine_tree_file(model, folder)
+    table = json.loads((folder / "acceptance.json").read_text())
+    table["acceptance"][0][0] *= 0.5
+    (folder / "acceptance.json").write_text(json.dumps(table))
+    assert machine_tree_file(model, folder) != kept
+    with pytest.raises(AssertionError, match="must be reused"):
+        machine_tree(model, heads, folder, budgets=(2, 4, 8), repeats=1)
 
 
 def test_heads_without_an_acceptance_table_keep_their_own_tree(tmp_path):

@@ -21,6 +21,7 @@ one. A file that exists but cannot be read is refused, never overwritten.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -434,10 +435,13 @@ def step_costs(
 
 
 def machine_tree_file(model, heads_folder: str | os.PathLike, path: str = "blocks") -> Path:
-    """Where `machine_tree` keeps its choice: next to the cost curves, per model, dtype, heads folder and
-    verification path ("blocks" or "compiled")."""
+    """Where `machine_tree` keeps its choice: next to the cost curves, per model, dtype, heads folder (and
+    the content of its acceptance.json: retrained heads are priced again) and verification path
+    ("blocks" or "compiled")."""
     curve_file = default_cost_file(model)
-    return curve_file.with_name(f"{curve_file.stem}-{Path(heads_folder).name}-{path}-tree.json")
+    table_file = Path(heads_folder) / "acceptance.json"
+    content = hashlib.sha256(table_file.read_bytes()).hexdigest()[:8] if table_file.is_file() else "none"
+    return curve_file.with_name(f"{curve_file.stem}-{Path(heads_folder).name}-{content}-{path}-tree.json")
 
 
 def machine_tree(
