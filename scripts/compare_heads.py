@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Compare trained heads on the same held-out positions: top-1 per head and the expected accepted length
+"""Compare trained heads on the same held-out positions: acceptance per head and the expected accepted length
 of the best tree at each node budget.
 
     python scripts/compare_heads.py --data data/distill/smollm2-135m-instruct \
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     model, _ = treespec.load_model(dtype=args.dtype)
     lm_head, embedding = model.get_output_embeddings().weight, model.get_input_embeddings().weight
     budgets = [int(b) for b in args.budgets.split(",")]
-    print(f"| heads | top-1 per head | expected accepted length at {' / '.join(map(str, budgets))} nodes |")
+    print(f"| heads | rank-0 acceptance per head (parent accepted) | expected accepted length at {' / '.join(map(str, budgets))} nodes |")
     print("|---|---|---|")
     for folder in args.heads.split(","):
         heads = treespec.MedusaHeads.from_pretrained(folder, model=model)
