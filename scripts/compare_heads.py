@@ -38,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     model, _ = treespec.load_model(dtype=args.dtype)
     lm_head, embedding = model.get_output_embeddings().weight, model.get_input_embeddings().weight
     budgets = [int(b) for b in args.budgets.split(",")]
-    print(f"| heads | rank-0 acceptance per head (parent accepted) | expected accepted length at {' / '.join(map(str, budgets))} nodes |")
+    sizes = " / ".join(map(str, budgets))
+    header = "| heads | rank-0 acceptance per head (parent accepted) | expected accepted length"
+    print(f"{header}, {sizes} nodes |")
     print("|---|---|---|")
     for folder in args.heads.split(","):
         heads = treespec.MedusaHeads.from_pretrained(folder, model=model)
