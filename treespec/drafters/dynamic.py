@@ -294,7 +294,7 @@ class DynamicTreeDrafter(BaseDrafter):
         # on the same steps (the steps that drafted d levels or more)
         self.level_gains: dict[int, float] = {}
         self.gain_age: dict[int, int] = {}  # level d -> steps since its gain was last priced
-        self.step_costs = StepCosts()  # each node count's step time beyond drafting and the curve
+        self.step_costs = StepCosts()  # a line through each step's time beyond drafting and the curve
         self.levels = self.max_levels  # levels the next step drafts
         self.verify_tables: dict[int, list[float]] = {}  # prefix bucket -> verify seconds by node count
         self._reset()
