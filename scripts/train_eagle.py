@@ -4,7 +4,7 @@
     python scripts/train_eagle.py --data data/distill/smollm2-135m-instruct --out runs/eagle-smollm2
     accelerate launch --multi_gpu --num_processes 2 scripts/train_eagle.py ...   # DDP, same script
 
-The run folder gets `drafter/` (config.json + model.safetensors: load it with
+The run folder gets `drafter/` (config.json + model.safetensors + training.json: load it with
 treespec.EagleDraftModel.from_pretrained), `training.json` (settings, loss curve, held-out per-position
 acceptance), `checkpoint/` (atomic; `--resume` continues from it) and `cache/` (the target's features,
 computed once). See treespec.training.eagle_train for what is trained and how.
@@ -58,6 +58,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[EagleTrainConfig, argpars
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache", default=None, help="folder of the target's features (default <out>/cache)")
     p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint")
+    p.add_argument(
+        "--init-from",
+        default=None,
+        help="a drafter folder (e.g. the committed one) to start from: a new training round, fresh optimizer",
+    )
+    p.add_argument("--no-bf16", action="store_true", help="target and training in float32 (default: bf16)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per process")
     args = p.parse_args(argv)
     layers = [int(x) for x in args.feature_layers.split(",")] if args.feature_layers else None
@@ -79,6 +85,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[EagleTrainConfig, argpars
         checkpoint_every=args.checkpoint_every,
         seed=args.seed,
         cache=args.cache,
+        bf16=not args.no_bf16,
+        init_from=args.init_from,
         extra={"model": args.model} if args.model else {},
     )
     return cfg, args

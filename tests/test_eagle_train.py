@@ -3,6 +3,7 @@ run resumes to the same weights, and the held-out chain acceptance counts what d
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,10 @@ def test_training_lowers_the_loss_and_writes_a_drafter_that_decodes_exactly(tiny
     assert len(record["eval"]["acceptance"]) == 5 and record["eval"]["anchors"] > 0
     draft = treespec.EagleDraftModel.from_pretrained(root / "run" / "drafter", model=model)
     assert draft.draft_vocab_size == 128 and draft.feature_layers == record["feature_layers"]
+    # beside the weights: the record, the rank acceptance table and the best 16-node tree under it
+    table = json.loads((root / "run" / "drafter" / "acceptance.json").read_text())["acceptance"]
+    assert table == record["eval"]["rank_acceptance"] and len(table) == 5
+    assert draft.tree == treespec.Tree.from_acceptance(table, 16)
     drafter = treespec.EagleDrafter(draft, treespec.Tree.from_choices([[0], [1], [0, 0]]), model)
     prompt = [1, 2, 3, 4]
     res = treespec.generate(model, prompt, drafter, max_new_tokens=10, eos_token_id=[])
@@ -85,13 +90,16 @@ def test_held_out_acceptance_counts_chains_like_decoding(tiny_setup):
     cfg = _config(root, "eval-check", max_steps=1)
     layers = treespec.drafters.eagle_model.default_feature_layers(model.config.num_hidden_layers)
     store = train_module.cached_features(model, cfg.data, Path(cfg.out) / "cache", "eval", layers, 512)
-    vocab = torch.arange(0, model.config.vocab_size, 7)[:300]
+    greedy = store["greedy"].unique()  # the target's tokens first, so that some guesses can be right
+    others = torch.arange(0, model.config.vocab_size, 7)
+    vocab = torch.cat([greedy, others[~torch.isin(others, greedy)]])[:300]
     draft = treespec.EagleDraftModel.for_model(model, vocab, feature_layers=layers).float()
     embed = model.get_input_embeddings().weight.detach().float()
     lm_draft = model.get_output_embeddings().weight.detach().float()[vocab]
     steps = 3
-    result = train_module.evaluate(draft, store, embed, lm_draft, steps)
-    reached, anchors = [0] * (steps + 1), 0
+    ranks = len(vocab)  # every rank, so that an untrained drafter's guesses count too
+    result = train_module.evaluate(draft, store, embed, lm_draft, steps, ranks=ranks)
+    reached, anchors, ranked = [0] * (steps + 1), 0, [[0] * ranks for _ in range(steps)]
     starts, prompts = store["starts"], store["prompt_lengths"]
     with torch.no_grad():
         for i in range(len(starts) - 1):
@@ -101,13 +109,48 @@ def test_held_out_acceptance_counts_chains_like_decoding(tiny_setup):
             for a in range(max(int(prompts[i]) - 2, 0), n - 2 - (steps - 1)):
                 anchors += 1
                 for j in range(steps):
-                    guess = int(draft.token_ids(draft.logits(outputs[j][0, a + j]).argmax()))
-                    if guess != int(batch["greedy"][0, a + j]):
+                    logits = draft.logits(outputs[j][0, a + j])
+                    order = draft.token_ids(logits.argsort(descending=True)).tolist()
+                    truth = int(batch["greedy"][0, a + j])
+                    if truth in order:
+                        ranked[j][order.index(truth)] += 1
+                    if order[0] != truth:
                         break
                     reached[j + 1] += 1
     assert result["anchors"] == anchors > 0
     expected = 1 + sum(r / anchors for r in reached[1:])
     assert result["expected_accept_length"] == pytest.approx(expected)
+    by_chain = [1 + sum(r / anchors for r in reached[1 : k + 1]) for k in range(1, steps + 1)]
+    assert result["expected_accept_length_by_chain"] == pytest.approx(by_chain)
+    reached[0] = anchors
+    rank_table = [[c / max(reached[j], 1) for c in row] for j, row in enumerate(ranked)]
+    assert result["rank_acceptance"] == [pytest.approx(row) for row in rank_table]
+    assert sum(map(sum, ranked)) > sum(reached[1:])  # some targets were guessed at ranks > 0
+
+
+def test_a_new_round_starts_from_the_given_drafter_and_keeps_its_history(tiny_setup):
+    """--init-from: round 2 starts from round 1's saved weights (0 steps: the same weights come out), its
+    record lists both rounds, and a drafter of another shape is refused with what to pass instead."""
+    root, model = tiny_setup
+    first = train_eagle(_config(root, "round1"), model=model)
+    again = train_eagle(
+        _config(root, "round2", max_steps=0, init_from=str(root / "round1" / "drafter")), model=model
+    )
+    a = treespec.EagleDraftModel.from_pretrained(root / "round1" / "drafter")
+    b = treespec.EagleDraftModel.from_pretrained(root / "round2" / "drafter")
+    for (name, pa), (_, pb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(pa, pb), name
+    assert [r["steps"] for r in again["rounds"]] == [first["steps"], 0]
+    assert again["rounds"][1]["init_from"] == str(root / "round1" / "drafter")
+    # a third round reads round 2's record (the training.json beside its weights) and adds itself
+    third = train_eagle(
+        _config(root, "round3", max_steps=3, init_from=str(root / "round2" / "drafter")), model=model
+    )
+    assert [r["steps"] for r in third["rounds"]] == [first["steps"], 0, 3]
+    with pytest.raises(ValueError, match="--draft-vocab-size"):
+        train_eagle(
+            _config(root, "bad", draft_vocab_size=64, init_from=str(root / "round1" / "drafter")), model=model
+        )
 
 
 def test_the_script_trains_and_reports(tiny_setup, capsys):

@@ -23,6 +23,7 @@ with the same batch order.
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -66,6 +67,9 @@ class EagleTrainConfig:
     checkpoint_every: int = 100
     seed: int = 0
     cache: str | None = None  # where the target's features are kept (default <out>/cache); runs may share it
+    bf16: bool = True  # the target in bf16 (features) and the layer's matmuls under bf16 autocast (CPU)
+    init_from: str | None = None  # a drafter folder to start from (a new round of a committed drafter)
+    tree_nodes: int = 16  # the tree.json written beside the drafter: the best tree of this many nodes
     extra: dict = field(default_factory=dict)
 
 
@@ -87,10 +91,12 @@ def cached_features(
     prompt_lengths [S], "layer{k}" [M, H] bf16 for each k in `layers` and for the last layer (the final,
     normed state: soft labels need it), lse [M] float32 (the log-normaliser of the target's logits) and
     greedy [M] int64 (its top token). Computed with one batched forward per length bucket and kept in
-    `cache`; a cache without some layer is recomputed with all of them."""
+    `cache` (one file per split, length cut and target dtype); a cache without some layer is recomputed
+    with all of them."""
     last = model.config.num_hidden_layers
     wanted = sorted(set(layers) | {last})
-    path = cache / f"features-{split}-T{max_length}-v{FEATURES_VERSION}.safetensors"
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")  # the target's: bf16 or float32
+    path = cache / f"features-{split}-T{max_length}-{dtype}-v{FEATURES_VERSION}.safetensors"
     data = load_distill_data(data_folder, split)
     if path.is_file():
         stored = load_file(str(path))
@@ -205,12 +211,17 @@ def at_anchor(x: Tensor, j: int) -> Tensor:
 
 
 @torch.no_grad()
-def evaluate(draft: EagleDraftModel, store, embed, lm_draft, steps: int, batch_tokens: int = 4096) -> dict:
-    """Chain acceptance on held-out sequences: acceptance[k] = P(step k right | steps < k right) and
-    the expected accepted length of a chain of `steps` drafted tokens (counting the target's own)."""
+def evaluate(
+    draft: EagleDraftModel, store, embed, lm_draft, steps: int, batch_tokens: int = 4096, ranks: int = 10
+) -> dict:
+    """Chain acceptance on held-out sequences: acceptance[k] = P(step k right | steps < k right), the
+    expected accepted length of a chain of `steps` drafted tokens (counting the target's own), and
+    rank_acceptance[k][r] = P(the target's token is step k's rank-r guess | steps < k right), the table
+    `Tree.from_acceptance` builds trees from (as the heads' acceptance.json)."""
     starts = store["starts"]
     lengths = [int(starts[i + 1] - starts[i]) for i in range(len(starts) - 1)]
     counts = torch.zeros(steps + 1)  # anchors whose first k steps were all right, k = 0..steps
+    rank_counts = torch.zeros(steps, ranks)  # ... and whose step k put the target's token at rank r
     for rows in length_batches(lengths, max_tokens=batch_tokens):
         batch = make_batch(store, rows, draft.feature_layers, embed, lm_draft)
         outputs = draft.unrolled(batch["features"], batch["emb"], steps)
@@ -223,13 +234,21 @@ def evaluate(draft: EagleDraftModel, store, embed, lm_draft, steps: int, batch_t
         counts[0] += float(anchors.sum())
         right = anchors
         for j, h in enumerate(outputs):
-            right = right & at_anchor(draft.logits(h).argmax(-1) == target, j)
+            logits = draft.logits(h).float()  # [b, T-1, V']
+            chosen = logits.gather(-1, target.clamp(min=0)[..., None])  # [b, T-1, 1]
+            rank = torch.where(target >= 0, (logits > chosen).sum(-1), ranks)  # [b, T-1]
+            rank = at_anchor(rank, j).masked_fill(~right, ranks)  # at the anchors still right
+            rank_counts[j] += torch.bincount(rank.flatten(), minlength=ranks + 1)[:ranks].float()
+            right = right & (rank == 0)
             counts[j + 1] += float(right.sum())
     reach = (counts / counts[0].clamp(min=1)).tolist()  # P(first k right), k = 0..steps
     acceptance = [reach[k + 1] / reach[k] if reach[k] > 0 else 0.0 for k in range(steps)]
     return {
         "acceptance": acceptance,
         "expected_accept_length": 1.0 + sum(reach[1:]),
+        # for a chain of k + 1 drafted tokens, k = 0..steps-1 (the last one is expected_accept_length)
+        "expected_accept_length_by_chain": [1.0 + sum(reach[1 : k + 2]) for k in range(steps)],
+        "rank_acceptance": (rank_counts / counts[:steps, None].clamp(min=1)).tolist(),
         "anchors": int(counts[0]),
     }
 
@@ -269,15 +288,17 @@ def _eagle_forward(
         order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(cfg.seed + epoch))
         rows = batches[int(order[offset])][rank::world] or batches[int(order[offset])][:1]
         batch = make_batch(train, rows, layers, embed, lm_draft)
-        outputs = ddp_draft(batch["features"], batch["emb"], cfg.ttt_steps)  # ttt_steps x [b, T-1, H]
-        loss, agreement = eagle_loss(draft, outputs, batch, cfg)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16 and lm_draft.device.type == "cpu"):
+            outputs = ddp_draft(batch["features"], batch["emb"], cfg.ttt_steps)  # ttt_steps x [b, T-1, H]
+            loss, agreement = eagle_loss(draft, outputs, batch, cfg)
         return StepOutput(loss, {"agreement": agreement}, {"top1": f"{agreement[0]:.3f}"})
 
     return forward
 
 
 def train_eagle(cfg: EagleTrainConfig, model=None, resume: bool = False, accelerator=None) -> dict:
-    """Train a draft layer for `model` (default: cfg.extra['model'] or the embedded default, float32).
+    """Train a draft layer for `model` (default: cfg.extra['model'] or the embedded default, in bf16 when
+    cfg.bf16), from the target's last layer or, with cfg.init_from, from an earlier round's drafter.
     Returns the training record (also <out>/training.json); the drafter is saved in <out>/drafter."""
     from accelerate import Accelerator
 
@@ -288,7 +309,7 @@ def train_eagle(cfg: EagleTrainConfig, model=None, resume: bool = False, acceler
     accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
     out, ckpt = Path(cfg.out), Path(cfg.out) / CHECKPOINT_DIR
     if model is None:
-        model, _ = load_model(cfg.extra.get("model"), dtype="float32")
+        model, _ = load_model(cfg.extra.get("model"), dtype="bfloat16" if cfg.bf16 else "float32")
     model.requires_grad_(False)
     layers = _feature_layers(cfg, model)
     train, held_out = _features(
@@ -296,10 +317,9 @@ def train_eagle(cfg: EagleTrainConfig, model=None, resume: bool = False, acceler
     )
 
     torch.manual_seed(cfg.seed)
-    draft_vocab = draft_vocabulary(cfg.data, cfg.draft_vocab_size, model.config.vocab_size)
-    draft = EagleDraftModel.for_model(model, draft_vocab, feature_layers=layers).float()
+    draft, rounds = _initial_draft(cfg, model, layers)
     embed = model.get_input_embeddings().weight.detach().float()  # [V, H]
-    lm_draft = model.get_output_embeddings().weight.detach().float()[draft_vocab]  # [V', H]
+    lm_draft = model.get_output_embeddings().weight.detach().float()[draft.draft_vocab]  # [V', H]
     optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     resumable = (*checkpoint.RESUMABLE_CHANGES, "cache")
     step, log = resume_from(
@@ -331,6 +351,13 @@ def train_eagle(cfg: EagleTrainConfig, model=None, resume: bool = False, acceler
     record = {}
     if accelerator.is_main_process:
         answer_positions = sum(max(n - int(train["prompt_lengths"][i]), 0) for i, n in enumerate(lengths))
+        final = final_eval(result.log, result.step, evaluate_eagle, _describe)
+        this_round = {
+            "init_from": cfg.init_from,
+            "steps": result.step,
+            "seconds": result.seconds,
+            "eval": final,
+        }
         record = {
             "config": asdict(cfg),
             "feature_layers": layers,
@@ -339,7 +366,8 @@ def train_eagle(cfg: EagleTrainConfig, model=None, resume: bool = False, acceler
             "seconds_this_run": result.seconds,
             "train_sequences": count,
             "train_answer_positions": int(answer_positions),
-            "eval": final_eval(result.log, result.step, evaluate_eagle, _describe),
+            "eval": final,
+            "rounds": [*rounds, this_round],  # every round behind these weights, the first one first
             # what decoding on CPU runs: the weights rounded to Q8_0 blocks (`round_to_blocks`)
             "eval_q8_0": evaluate_eagle(copy.deepcopy(draft).round_to_blocks()),
             "log": result.log,
@@ -347,8 +375,50 @@ def train_eagle(cfg: EagleTrainConfig, model=None, resume: bool = False, acceler
         draft.to(torch.bfloat16).save_pretrained(out / "drafter")
         draft.float()
         atomic_write_json(out / "training.json", record, indent=1)
+        _write_beside_drafter(out / "drafter", record, cfg.tree_nodes)
     accelerator.wait_for_everyone()
     return record
+
+
+def _initial_draft(cfg: EagleTrainConfig, model, layers: list[int]) -> tuple[EagleDraftModel, list]:
+    """The layer to train, float32: a new one (from the target's last layer) or cfg.init_from's weights,
+    with the rounds that trained them (from the `training.json` beside them, if any)."""
+    if not cfg.init_from:
+        draft_vocab = draft_vocabulary(cfg.data, cfg.draft_vocab_size, model.config.vocab_size)
+        return EagleDraftModel.for_model(model, draft_vocab, feature_layers=layers).float(), []
+    folder = Path(cfg.init_from)
+    draft = EagleDraftModel.from_pretrained(folder, model, dtype=torch.float32)  # checks the model
+    if list(draft.feature_layers) != layers or draft.draft_vocab_size != cfg.draft_vocab_size:
+        raise ValueError(
+            f"{folder} fuses layers {list(draft.feature_layers)} over {draft.draft_vocab_size} draft tokens, "
+            f"but this run asks for {layers} and {cfg.draft_vocab_size}: pass the same --feature-layers "
+            "and --draft-vocab-size to continue it"
+        )
+    record = folder / "training.json"
+    rounds = []
+    if record.is_file():
+        earlier = json.loads(record.read_text())
+        rounds = earlier.get("rounds") or [
+            {
+                "init_from": None,
+                "steps": earlier.get("steps"),
+                "seconds": earlier.get("seconds_this_run"),
+                "eval": earlier.get("eval"),
+            }
+        ]
+    return draft, rounds
+
+
+def _write_beside_drafter(folder: Path, record: dict, tree_nodes: int) -> None:
+    """training.json (the record), acceptance.json (held-out rank acceptance per chain step, the heads'
+    format) and tree.json (the `tree_nodes`-node tree with the most expected accepted tokens under it)."""
+    from ..core.tree import Tree
+
+    table = record["eval"]["rank_acceptance"]
+    atomic_write_json(folder / "training.json", record, indent=1)
+    atomic_write_json(folder / "acceptance.json", {"acceptance": table}, indent=1)
+    capacity = sum(len(table[0]) ** d for d in range(len(table) + 1))
+    Tree.from_acceptance(table, min(tree_nodes, capacity)).save(folder / "tree.json")
 
 
 def _describe(result: dict) -> str:
