@@ -174,3 +174,21 @@ def test_rounded_drafter_reads_its_weights_as_blocks_and_stays_exact():
     assert result.token_ids == hf_greedy(model, prompt, 20)
     if treespec.ops.available("cpu"):  # the block kernel is there: every linear layer ran through it
         assert linear_kinds(draft) == {"blocks-q8_0": 9}
+
+
+def test_a_new_drafter_starts_from_the_targets_last_layer_and_norms():
+    """for_model copies the last layer's MLP, output projection and norms, the final norm and the output rows
+    of the draft vocabulary, so the untrained layer sees inputs at the scale its weights were trained for."""
+    model = tiny_model("llama")
+    with torch.no_grad():
+        for norm in (model.model.norm, model.model.layers[-1].input_layernorm):
+            norm.weight.uniform_(0.2, 2.0)  # not the ones a fresh norm starts at
+    vocab = torch.tensor([5, 3, 9, 1])
+    draft = treespec.EagleDraftModel.for_model(model, vocab)
+    last = model.model.layers[-1]
+    assert torch.equal(draft.norm.weight, model.model.norm.weight)
+    assert torch.equal(draft.hidden_norm.weight, last.input_layernorm.weight)
+    assert torch.equal(draft.input_norm.weight, last.input_layernorm.weight)
+    assert torch.equal(draft.post_norm.weight, last.post_attention_layernorm.weight)
+    assert torch.equal(draft.down_proj.weight, last.mlp.down_proj.weight)
+    assert torch.equal(draft.lm_head.weight, model.lm_head.weight[vocab])

@@ -185,7 +185,8 @@ class EagleDraftModel(nn.Module):
 
     @torch.no_grad()
     def _init_from(self, model: nn.Module) -> None:
-        """Start from the target's last decoder layer and output rows; fc averages the feature layers."""
+        """Start from the target's last decoder layer (with its norms), its final norm and output rows; fc
+        averages the feature layers."""
         last = model.base_model.layers[-1]
         pairs = [
             (self.o_proj, last.self_attn.o_proj),
@@ -200,6 +201,17 @@ class EagleDraftModel(nn.Module):
             theirs = getattr(last.self_attn, name, None)
             if theirs is not None and theirs.weight.shape[0] == mine.weight.shape[0]:
                 mine.weight.copy_(torch.cat([theirs.weight, theirs.weight], dim=1) / 2)  # [out, 2H]
+        # the norms too: the layer's weights expect inputs at the target's scale, lm_head the final norm's
+        final = getattr(model.base_model, "norm", None)
+        for mine, theirs in (
+            (self.input_norm, getattr(last, "input_layernorm", None)),
+            (self.hidden_norm, getattr(last, "input_layernorm", None)),
+            (self.post_norm, getattr(last, "post_attention_layernorm", None)),
+            (self.norm, final),
+        ):
+            weight = getattr(theirs, "weight", None)
+            if weight is not None and weight.shape == mine.weight.shape:
+                mine.weight.copy_(weight)
         h, n = self.hidden_size, len(self.feature_layers)
         self.fc.weight.copy_(torch.eye(h).repeat(1, n) / n)  # [H, nH]: the mean of the feature layers
         self.lm_head.weight.copy_(model.get_output_embeddings().weight[self.draft_vocab])  # [V', H]
