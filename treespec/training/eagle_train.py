@@ -107,9 +107,11 @@ def cached_features(
         wanted = sorted(set(wanted) | {int(k[5:]) for k in stored if k.startswith("layer")})
     sequences = [s[:max_length] for s in data.sequences]
     lengths = [len(s) for s in sequences]
-    parts: dict[str, list] = {
-        k: [None] * len(sequences) for k in [f"layer{k}" for k in wanted] + ["lse", "greedy"]
-    }
+    starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    # written in place, batch by batch: the features of every token held once (several GB for 1M tokens)
+    hidden = model.config.hidden_size
+    tensors = {f"layer{k}": torch.empty(starts[-1], hidden, dtype=torch.bfloat16) for k in wanted}
+    tensors["lse"], tensors["greedy"] = torch.empty(starts[-1]), torch.empty(starts[-1], dtype=torch.long)
     lm = model.get_output_embeddings()
     device = lm.weight.device
     from tqdm import tqdm
@@ -126,13 +128,12 @@ def cached_features(
         logits = lm(out.last_hidden_state).float()  # [b, T, V]
         lse, greedy = logits.logsumexp(-1), logits.argmax(-1)  # [b, T] each
         for row, i in enumerate(batch):
-            n = lengths[i]
+            span = slice(starts[i], starts[i + 1])
             for k in wanted:  # hidden_states[last] is the final, normed state
-                parts[f"layer{k}"][i] = out.hidden_states[k][row, :n].to(torch.bfloat16).cpu()
-            parts["lse"][i], parts["greedy"][i] = lse[row, :n].cpu(), greedy[row, :n].cpu()
-    tensors = {k: torch.cat(v) for k, v in parts.items()}
+                tensors[f"layer{k}"][span] = out.hidden_states[k][row, : lengths[i]]
+            tensors["lse"][span], tensors["greedy"][span] = lse[row, : lengths[i]], greedy[row, : lengths[i]]
     tensors["tokens"] = torch.cat(sequences)
-    tensors["starts"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    tensors["starts"] = torch.tensor(starts)
     tensors["prompt_lengths"] = torch.tensor(data.prompt_lengths)
     cache.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp)))
