@@ -151,10 +151,10 @@ def test_bench_dynamic_methods(tmp_path, smollm2):
     out = tmp_path / "b.json"
     argv = ["--num-prompts", "2", "--max-new-tokens", "8", "--dtype", "float32", "--lookup", "3"]
     argv += ["--eagle", str(folder), "--eagle-tree", "3", "--cost-curve", str(curve)]
-    methods = "hf,dynamic,eagle_dynamic,dynamic_suffix,dynamic_all"
+    methods = "hf,dynamic,eagle_dynamic,eagle_dynamic_suffix,dynamic_suffix,dynamic_all"
     result = bench.main([*argv, "--methods", methods, "--out", str(out)])
     overall = result["summary"][-1]["methods"]
-    for m in ("dynamic", "eagle_dynamic", "dynamic_suffix", "dynamic_all"):
+    for m in ("dynamic", "eagle_dynamic", "eagle_dynamic_suffix", "dynamic_suffix", "dynamic_all"):
         assert overall[m]["identical_to_hf"] == 2, m
         assert overall[m]["nodes_per_step"] >= 1 and overall[m]["predicted_accept_length"] >= 1
 

@@ -22,6 +22,8 @@ Methods (all run in the same process on the same prompt token ids):
                       the nodes worth their cost here (`DynamicTreeDrafter`, this machine's cost curve);
                       one drafter serves every call, so its calibration carries from prompt to prompt
     eagle_dynamic     the same over the EAGLE drafter's tree + the lookup branch
+    eagle_dynamic_suffix  dynamic trees over the union of the EAGLE drafter's tree and the suffix tree (as
+                      dynamic_suffix, with the EAGLE drafter in place of the heads)
     dynamic_suffix    dynamic trees over the union of the heads' tree and a SuffixDrafter's tree of each step
                       (up to 24 nodes, 16 deep: the pricer keeps the long copies that pay)
                       (`UnionDrafter`: the pricer calibrates each source on its own; no lookup branch,
@@ -111,12 +113,13 @@ SPECULATIVE = (  # the methods that draft and verify
     "eagle_lookup",
     "dynamic",
     "eagle_dynamic",
+    "eagle_dynamic_suffix",
     "dynamic_suffix",
     "dynamic_all",
     "suffix",
     "recycling",
 )
-EAGLE_METHODS = ("eagle", "eagle_lookup", "eagle_dynamic")
+EAGLE_METHODS = ("eagle", "eagle_lookup", "eagle_dynamic", "eagle_dynamic_suffix")
 UNION_METHODS = ("dynamic_suffix", "dynamic_all")  # dynamic trees over a union of drafters' trees
 PEER_METHODS = {"vllm": 0, "vllm_ngram": None}  # name -> n-gram tokens (None: --vllm-ngram)
 METHODS = ("hf", "hf_prompt_lookup", "baseline", "baseline_sdpa", *SPECULATIVE, "hf_assisted", *PEER_METHODS)
@@ -415,7 +418,7 @@ def make_runners(
     }
     runners |= chain_runners(model, chains, ours, hf, branching_spec, lookup)
     runners |= training_free_runners(model, methods, ours)
-    if {"dynamic", "eagle_dynamic", *UNION_METHODS} & set(methods):
+    if {"dynamic", "eagle_dynamic", "eagle_dynamic_suffix", *UNION_METHODS} & set(methods):
         runners |= dynamic_runners(model, heads, chains, ours, methods, lookup, compile, cost_curve, numerics)
     missing = [name for name in methods if name not in runners]
     if missing:
@@ -486,9 +489,7 @@ def dynamic_runners(
         envelope = heads.tree or default_tree(32, heads.num_heads)
         runners["dynamic"] = dynamic(treespec.make_drafter(heads, envelope, model))
         for name in [m for m in UNION_METHODS if m in methods]:
-            # the pricer keeps what pays, so the suffix tree may offer long copies (16 deep, 24 nodes)
-            suffix = treespec.SuffixDrafter(max_nodes=24, max_depth=16)
-            union = treespec.UnionDrafter(treespec.make_drafter(heads, envelope, model), suffix)
+            union = treespec.UnionDrafter(treespec.make_drafter(heads, envelope, model), long_suffix())
             if name == "dynamic_all":
                 vocab = model.get_output_embeddings().weight.shape[0]
                 union = treespec.UnionDrafter(union, treespec.RecyclingDrafter(vocab))
@@ -497,7 +498,18 @@ def dynamic_runners(
     eagle = chains.get("eagle")
     if eagle is not None and "eagle_dynamic" in methods:
         runners["eagle_dynamic"] = dynamic(eagle.drafter(model))
+    if eagle is not None and "eagle_dynamic_suffix" in methods:
+        union_drafter = DynamicTreeDrafter(
+            treespec.UnionDrafter(eagle.drafter(model), long_suffix()), verify_seconds
+        )
+        runners["eagle_dynamic_suffix"] = ours(lambda: union_drafter)
     return runners
+
+
+def long_suffix():
+    """The suffix drafter of the union methods: the pricer keeps what pays, so it may offer long copies
+    (16 deep, 24 nodes)."""
+    return treespec.SuffixDrafter(max_nodes=24, max_depth=16)
 
 
 def start_peers(args, model) -> dict:
