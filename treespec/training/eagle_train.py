@@ -313,9 +313,7 @@ def train_eagle(cfg: EagleTrainConfig, model=None, resume: bool = False, acceler
         model, _ = load_model(cfg.extra.get("model"), dtype="bfloat16" if cfg.bf16 else "float32")
     model.requires_grad_(False)
     layers = _feature_layers(cfg, model)
-    train, held_out = _features(
-        cfg, model, layers, Path(cfg.cache) if cfg.cache else out / "cache", accelerator
-    )
+    train, held_out = _features(cfg, model, layers, Path(cfg.cache or out / "cache"), accelerator)
 
     torch.manual_seed(cfg.seed)
     draft, rounds = _initial_draft(cfg, model, layers)
@@ -331,9 +329,7 @@ def train_eagle(cfg: EagleTrainConfig, model=None, resume: bool = False, acceler
     )
     ddp_draft, optimizer = accelerator.prepare(draft, optimizer)
 
-    count = len(train["starts"]) - 1
-    if cfg.max_sequences:
-        count = min(count, cfg.max_sequences)
+    count = min(len(train["starts"]) - 1, cfg.max_sequences or len(train["starts"]))
     lengths = [int(train["starts"][i + 1] - train["starts"][i]) for i in range(count)]
 
     def evaluate_eagle(which: EagleDraftModel = draft) -> dict:
