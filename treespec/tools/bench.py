@@ -476,11 +476,13 @@ def dynamic_runners(
 
     verify_seconds = verify_cost_model(model, compile=compile, curve_file=cost_curve, numerics=numerics)
 
+    def priced(drafter):
+        """One DynamicTreeDrafter over `drafter` for every call."""
+        dynamic_drafter = DynamicTreeDrafter(drafter, verify_seconds)
+        return ours(lambda: dynamic_drafter)
+
     def dynamic(inner):
-        drafter = DynamicTreeDrafter(
-            treespec.LookupDrafter(inner, lookup) if lookup else inner, verify_seconds
-        )
-        return ours(lambda: drafter)
+        return priced(treespec.LookupDrafter(inner, lookup) if lookup else inner)
 
     runners = {}
     if {"dynamic", *UNION_METHODS} & set(methods):
@@ -489,27 +491,23 @@ def dynamic_runners(
         envelope = heads.tree or default_tree(32, heads.num_heads)
         runners["dynamic"] = dynamic(treespec.make_drafter(heads, envelope, model))
         for name in [m for m in UNION_METHODS if m in methods]:
-            union = treespec.UnionDrafter(treespec.make_drafter(heads, envelope, model), long_suffix())
+            union = with_long_suffix(treespec.make_drafter(heads, envelope, model))
             if name == "dynamic_all":
                 vocab = model.get_output_embeddings().weight.shape[0]
                 union = treespec.UnionDrafter(union, treespec.RecyclingDrafter(vocab))
-            union_drafter = DynamicTreeDrafter(union, verify_seconds)
-            runners[name] = ours(lambda d=union_drafter: d)
+            runners[name] = priced(union)
     eagle = chains.get("eagle")
     if eagle is not None and "eagle_dynamic" in methods:
         runners["eagle_dynamic"] = dynamic(eagle.drafter(model))
     if eagle is not None and "eagle_dynamic_suffix" in methods:
-        union_drafter = DynamicTreeDrafter(
-            treespec.UnionDrafter(eagle.drafter(model), long_suffix()), verify_seconds
-        )
-        runners["eagle_dynamic_suffix"] = ours(lambda: union_drafter)
+        runners["eagle_dynamic_suffix"] = priced(with_long_suffix(eagle.drafter(model)))
     return runners
 
 
-def long_suffix():
-    """The suffix drafter of the union methods: the pricer keeps what pays, so it may offer long copies
-    (16 deep, 24 nodes)."""
-    return treespec.SuffixDrafter(max_nodes=24, max_depth=16)
+def with_long_suffix(drafter):
+    """`drafter`'s tree united with a suffix tree (the union methods). The pricer keeps what pays, so the
+    suffix drafter may offer long copies (16 deep, 24 nodes)."""
+    return treespec.UnionDrafter(drafter, treespec.SuffixDrafter(max_nodes=24, max_depth=16))
 
 
 def start_peers(args, model) -> dict:

@@ -140,6 +140,12 @@ def cached_features(
     return tensors
 
 
+def sequence_lengths(store: dict[str, Tensor], limit: int | None = None) -> list[int]:
+    """The token counts of a feature store's sequences (the first `limit` of them, when given)."""
+    starts = store["starts"].tolist()
+    return [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)][:limit]
+
+
 def make_batch(
     store: dict[str, Tensor], rows: list[int], layers: list[int], embed: Tensor, lm_draft: Tensor
 ) -> dict[str, Tensor]:
@@ -219,8 +225,7 @@ def evaluate(
     expected accepted length of a chain of `steps` drafted tokens (counting the target's own), and
     rank_acceptance[k][r] = P(the target's token is step k's rank-r guess | steps < k right), the table
     `Tree.from_acceptance` builds trees from (as the heads' acceptance.json)."""
-    starts = store["starts"]
-    lengths = [int(starts[i + 1] - starts[i]) for i in range(len(starts) - 1)]
+    lengths = sequence_lengths(store)
     counts = torch.zeros(steps + 1)  # anchors whose first k steps were all right, k = 0..steps
     rank_counts = torch.zeros(steps, ranks)  # ... and whose step k put the target's token at rank r
     for rows in length_batches(lengths, max_tokens=batch_tokens):
@@ -329,8 +334,8 @@ def train_eagle(cfg: EagleTrainConfig, model=None, resume: bool = False, acceler
     )
     ddp_draft, optimizer = accelerator.prepare(draft, optimizer)
 
-    count = min(len(train["starts"]) - 1, cfg.max_sequences or len(train["starts"]))
-    lengths = [int(train["starts"][i + 1] - train["starts"][i]) for i in range(count)]
+    lengths = sequence_lengths(train, cfg.max_sequences or None)  # (0: all of them, as None)
+    count = len(lengths)
 
     def evaluate_eagle(which: EagleDraftModel = draft) -> dict:
         return evaluate(which, held_out, embed, lm_draft, max(cfg.ttt_steps, 5))
