@@ -103,9 +103,17 @@ def test_bench_draft_model_self_spec_and_assisted(tmp_path, smollm2, capsys):
     assert "accept rate" in printed and "x baseline" in printed
 
 
-def test_eagle_methods_need_a_drafter(capsys):
+def test_eagle_methods_default_to_the_shipped_drafter(capsys):
+    """Without --eagle the eagle methods use the default model's shipped drafter; another --model has
+    none, so they ask for --eagle FOLDER."""
+    from treespec.tools.models import DEFAULT_EAGLE_NAME, default_heads_folder
+
+    args = bench.parse_args(["--methods", "hf,eagle"])
+    assert args.eagle == str(default_heads_folder(DEFAULT_EAGLE_NAME))
+    assert (default_heads_folder(DEFAULT_EAGLE_NAME) / "model.safetensors").is_file()
+    assert bench.parse_args(["--methods", "eagle", "--eagle", "elsewhere"]).eagle == "elsewhere"
     with pytest.raises(SystemExit) as info:
-        bench.parse_args(["--methods", "hf,eagle"])
+        bench.parse_args(["--model", "some/other-model", "--methods", "hf,eagle"])
     assert info.value.code == 2
     assert "--eagle FOLDER" in capsys.readouterr().err
 

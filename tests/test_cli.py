@@ -333,6 +333,23 @@ def test_generate_with_an_eagle_drafter(tmp_path, capsys, smollm2):
 
 
 @pytest.mark.integration
+def test_generate_with_the_shipped_eagle_drafter(capsys):
+    """--drafter eagle: the default model's shipped EAGLE-style drafter; float32 greedy keeps the plain
+    loop's text and the trained drafter accepts more than one token per step. Another --model is refused
+    with the flag to pass."""
+    base = ["generate", "Why is the sky blue?", "--max-new-tokens", 32, "--dtype", "float32"]
+    code, plain, err = run([*base, "--drafter", "none"], capsys)
+    assert code == 0, err
+    code, out, err = run([*base, "--drafter", "eagle"], capsys)
+    assert code == 0, err
+    assert out.strip().splitlines()[:-1] == plain.strip().splitlines()[:-1]
+    summary = out.strip().splitlines()[-1]
+    assert float(summary.split("mean accepted length ")[1].split(",")[0]) > 1.3, summary
+    code, _, err = run(["generate", "Hi", "--model", "some/other-model", "--drafter", "eagle"], capsys)
+    assert code != 0 and "--eagle FOLDER" in err
+
+
+@pytest.mark.integration
 def test_generate_with_training_free_drafters_and_bitwise_numerics(tmp_path, capsys):
     cache = tmp_path / "suffix.json"
     base = ["generate", "Name three colours.", "--max-new-tokens", 12, "--dtype", "float32"]

@@ -176,6 +176,40 @@ def test_rounded_drafter_reads_its_weights_as_blocks_and_stays_exact():
         assert linear_kinds(draft) == {"blocks-q8_0": 9}
 
 
+def test_a_bf16_target_gets_a_float32_block_drafter_that_keeps_the_plain_text(tmp_path):
+    """On CPU `load_eagle_option` runs the drafter in float32 on Q8_0 blocks whatever the target's dtype
+    (the bf16 GEMMs at a tree level's few rows cost ~2x). Its drafts are the rounded layer's own, computed
+    in float32 (the reference: the same rounded weights through F.linear); with bitwise numerics a bf16
+    target keeps its plain loop's text."""
+    from treespec.tools.drafter_options import load_eagle_option
+
+    model = tiny_model(
+        "llama", dtype=torch.bfloat16, hidden_size=64, intermediate_size=128, num_attention_heads=4
+    )
+    random_eagle(model.float(), 3, draft_size=64).save_pretrained(tmp_path / "eagle")
+    model.to(torch.bfloat16)
+    source = load_eagle_option(str(tmp_path / "eagle"), model, "3")
+    assert source.module.fc.weight.dtype == torch.float32
+    again = source.module.fc.weight.clone()
+    source.module.round_to_blocks()  # already on the Q8_0 grid: rounding again changes nothing
+    assert torch.equal(source.module.fc.weight, again)
+    prompt = [4, 5, 6, 7, 8, 9]
+    options = treespec.DecodeOptions(numerics="bitwise")
+    plain = treespec.generate(model, prompt, None, max_new_tokens=16, eos_token_id=[], options=options)
+    fast = treespec.generate(
+        model, prompt, source.drafter(model), max_new_tokens=16, eos_token_id=[], options=options
+    )
+    assert fast.token_ids == plain.token_ids
+    features = target_features(model, prompt, source.module.feature_layers)  # [1, P, F] in bf16
+    proposals = []
+    for linears in ("auto", "torch"):  # the block kernel, and F.linear on the same rounded weights
+        drafter = treespec.EagleDrafter(source.module, source.tree, model, linears=linears)
+        drafter.start(treespec.SequenceStart([*prompt, 11], 64, None, "sdpa", features))
+        proposals.append(drafter.propose(torch.zeros(1, 64), torch.tensor([11])))
+    assert proposals[0].tokens.tolist() == proposals[1].tokens.tolist()
+    torch.testing.assert_close(proposals[0].probs, proposals[1].probs, rtol=1e-4, atol=1e-5)
+
+
 def test_a_new_drafter_starts_from_the_targets_last_layer_and_norms():
     """for_model copies the last layer's MLP, output projection and norms, the final norm and the output rows
     of the draft vocabulary, so the untrained layer sees inputs at the scale its weights were trained for."""

@@ -32,6 +32,8 @@ SHIPPED = [  # files `treespec generate` / `treespec bench` / self-speculative d
     "treespec/heads/smollm2-135m-instruct/tree.json",
     "treespec/heads/smollm2-135m-instruct-exit5/model.safetensors",
     "treespec/heads/smollm2-135m-instruct-exit10/tune.json",
+    "treespec/heads/smollm2-135m-instruct-eagle/model.safetensors",
+    "treespec/heads/smollm2-135m-instruct-eagle/tree.json",
     "treespec/data/spec_bench_question.jsonl",
     "treespec/csrc/tree_attention_cpu.cpp",
 ]

