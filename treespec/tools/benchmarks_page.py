@@ -57,7 +57,7 @@ METHOD_NAMES = {  # bench.py / bench_batch.py method -> what it is
     "dynamic": "treespec, dynamic trees (heads + prompt lookup)",
     "eagle": "treespec, EAGLE-style drafter",
     "eagle_lookup": "treespec, EAGLE-style drafter + prompt lookup",
-    "eagle_dynamic": "treespec, dynamic trees over the EAGLE-style drafter",
+    "eagle_dynamic": "treespec, dynamic trees (EAGLE-style drafter + prompt lookup)",
     "eagle_dynamic_suffix": "treespec, dynamic trees (EAGLE-style drafter + suffix trees)",
     "draft_model": "treespec, draft model",
     "draft_model_tree": "treespec, draft model + runner-up leaves",
