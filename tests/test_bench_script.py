@@ -165,6 +165,11 @@ def test_bench_dynamic_methods(tmp_path, smollm2):
     for m in ("dynamic", "eagle_dynamic", "eagle_dynamic_suffix", "dynamic_suffix", "dynamic_all"):
         assert overall[m]["identical_to_hf"] == 2, m
         assert overall[m]["nodes_per_step"] >= 1 and overall[m]["predicted_accept_length"] >= 1
+    # each prompt's record keeps what the pricer had learned after it (to tell why trees grew or shrank)
+    pricer = [p["methods"]["dynamic"]["pricer"] for p in json.loads(out.read_text())["prompts"]]
+    assert pricer[1]["tree_steps"] >= pricer[0]["tree_steps"] and isinstance(pricer[1]["rest_ms"], float)
+    assert 0 <= min(pricer[1]["acceptance_by_bin"]) <= max(pricer[1]["acceptance_by_bin"]) <= 1
+    assert result["prompts"][0]["methods"]["hf"]["pricer"] is None
 
 
 def test_numerics_runs_are_named_per_value(capsys):

@@ -480,7 +480,25 @@ class DynamicTreeDrafter(BaseDrafter):
 
     def report(self) -> DrafterReport:
         inner = self.inner.report()
-        return DrafterReport({**inner.stats, "dynamic": dict(self.counts)}, inner.cache_memory)
+        return DrafterReport(
+            {**inner.stats, "dynamic": dict(self.counts), "pricer": self.learned()}, inner.cache_memory
+        )
+
+    def learned(self) -> dict:
+        """What the pricer has learned so far (carried across sequences), for reports: the step-cost line
+        (rest of the step in ms, the slope correcting the curve's extra cost, tree steps behind it), the
+        level count the next step drafts and each level's mean gain, and the pooled calibration
+        (observed acceptance per draft-probability bin)."""
+        rest, slope = self.step_costs.line
+        pooled = self.calibration.accepted / self.calibration.proposed  # [bins]
+        return {
+            "rest_ms": round(rest * 1e3, 3),
+            "slope": round(slope, 4),
+            "tree_steps": self.step_costs.tree_steps,
+            "levels": self.levels,
+            "level_gains": {d: round(g, 4) for d, g in sorted(self.level_gains.items())},
+            "acceptance_by_bin": [round(float(a), 4) for a in pooled],
+        }
 
     def scorer(self) -> Scorer | None:
         return None

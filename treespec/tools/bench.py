@@ -360,6 +360,7 @@ def result_record(res) -> dict:
         "predicted_steps": sum(p is not None for p in s.predicted_accept),
         "speculative_memory": s.speculative_memory,
         "library_seconds": s.time_total,
+        "pricer": s.drafter.get("pricer"),  # dynamic trees: what the pricer had learned after this call
         "phase_seconds": {
             "prefill": s.time_prefill,
             "draft": s.time_draft,
@@ -594,6 +595,7 @@ def make_record(q: dict, ids: list[int], results: dict, methods: list[str]) -> d
             "speculative_memory": r.get("speculative_memory"),
             "library_seconds": r.get("library_seconds"),
             "phase_seconds": r.get("phase_seconds"),
+            "pricer": r.get("pricer"),
             "identical_to_hf": None,
             "first_diff": None,
             "identical_to_plain": None,
