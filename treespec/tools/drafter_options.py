@@ -47,14 +47,14 @@ def eagle_folder(option: str | None, model_option: str | None) -> str:
     if option:
         return option
     shipped = default_heads_folder(DEFAULT_EAGLE_NAME)
-    if model_option is None and (shipped / "config.json").is_file():
-        return str(shipped)
     if model_option is not None:
         raise ValueError(
             f"the shipped EAGLE-style drafter ({shipped}) belongs to the default model: for --model "
             f"{model_option} pass --eagle FOLDER (train one with scripts/train_eagle.py)"
         )
-    raise ValueError(f"no EAGLE-style drafter at {shipped}: pass --eagle FOLDER (scripts/train_eagle.py)")
+    if not (shipped / "config.json").is_file():
+        raise ValueError(f"no EAGLE-style drafter at {shipped}: pass --eagle FOLDER (scripts/train_eagle.py)")
+    return str(shipped)
 
 
 def load_heads(folder: Path | None, model: nn.Module, num_heads: int = 4) -> tuple[MedusaHeads, str]:
