@@ -3,6 +3,8 @@ count up to the drafter's declared tree), greedy output stays the base model's."
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import ARCHS, hf_greedy, random_heads, tiny_model
@@ -213,8 +215,11 @@ def test_draft_costs_measure_each_level_count_and_draw_a_line_through_them():
 
     costs = DraftCosts(smoothing=0.5)
     assert costs(3) == 0.0  # nothing measured yet
+    costs.record(4, 800.0)  # the first draft of a level count pays one-time costs: not learned
+    assert costs(4) == 0.0
     costs.record(4, 8.0)
     assert costs(4) == 8.0 and costs(2) == 4.0 and costs(0) == 0.0  # one count: proportional
+    costs.record(2, 500.0)
     costs.record(2, 5.0)
     assert costs(3) == pytest.approx(6.5) and costs(0) == pytest.approx(2.0)  # the line through both
     costs.record(2, 7.0)
@@ -250,7 +255,7 @@ def test_level_rates_price_every_level_count_against_brute_force(seed):
         assert rate == pytest.approx(best)
 
 
-def test_dynamic_drafter_drafts_the_level_count_that_pays_and_tries_one_deeper_now_and_then():
+def test_dynamic_drafter_drafts_the_level_count_that_pays_and_tries_every_level_now_and_then():
     from treespec.drafters.dynamic import DynamicTreeDrafter
 
     model = tiny_model("llama")
@@ -264,10 +269,13 @@ def test_dynamic_drafter_drafts_the_level_count_that_pays_and_tries_one_deeper_n
     for _ in range(3):  # the deepest drafted is the best, but 2 levels were priced lately: stay
         drafter.choose_levels([1.0, 3.0], drafted=1)
         assert drafter.levels == 1
-    drafter.choose_levels([1.0, 3.0], drafted=1)  # explore_after steps since: one level deeper
-    assert drafter.levels == 2
-    drafter.choose_levels([1.0, 3.0, 1.0], drafted=2)  # level 2 does not pay: back to 1
+    drafter.choose_levels([1.0, 3.0], drafted=1)  # explore_after steps since: every level again
+    assert drafter.levels == 3
+    stale = dict(drafter.level_gains)
+    drafter.choose_levels([1.0, 3.0, 1.0, 1.0], drafted=3)  # levels 2-3 do not pay: back to 1
     assert drafter.levels == 1
+    # a gain priced long ago moves halfway to the new price, not a fifth of the way
+    assert drafter.level_gains[2] == pytest.approx(stale[2] + 0.5 * (math.log(1 / 3) - stale[2]))
     for _ in range(10):  # the second level pays lately, the third was last priced long ago: try it
         drafter.choose_levels([1.0, 1.0, 9.0], drafted=2)
     assert drafter.level_gains[2] > 0 and drafter.levels == 3
@@ -321,6 +329,30 @@ def test_the_step_time_beyond_the_cost_curve_is_learned_and_the_curve_made_monot
     assert drafter.step_costs.line[0] > 100 * table[-1]
     drafter.start(treespec.drafters.base.SequenceStart(prompt, 64, None, "sdpa", None))
     assert drafter.step_started is None  # the time between sequences is not a step
+
+
+def test_a_step_far_slower_than_its_price_is_not_learned_unless_slow_steps_go_on():
+    """A compiled step of a new shape (or a first use) took seconds: learning it as the price of its
+    nodes would price every tree out for a long run (the heads + lookup collapse of Dec 4)."""
+    from treespec.drafters.dynamic import DynamicTreeDrafter
+
+    model = tiny_model("llama")
+    heads = random_heads(model, seed=3, sequential=True)
+    inner = treespec.make_drafter(heads, treespec.default_tree(8, heads.num_heads), model)
+    drafter = DynamicTreeDrafter(inner, lambda n, prefix: 0.01 * n, slow_step=4.0, max_slow_steps=8)
+    drafter.predicted_seconds, drafter.predicted_extra = 0.01, 0.0
+    drafter.learn_step(0.012)
+    assert drafter.step_costs.steps == 1 and drafter.step_costs.line[0] == pytest.approx(0.002)
+    drafter.learn_step(0.03)  # slower, but within 4x its price: learned
+    drafter.learn_step(5.0)  # one-time cost: left out
+    assert drafter.step_costs.steps == 2 and drafter.counts["slow_steps"] == 1
+    for _ in range(7):
+        drafter.learn_step(1.0)
+    assert drafter.step_costs.steps == 2 and drafter.counts["slow_steps"] == 8
+    drafter.learn_step(1.0)  # slow steps go on: the machine is slower now, and that is learned
+    assert drafter.step_costs.steps == 3 and drafter.counts["slow_steps"] == 8
+    drafter.learn_step(1.0)
+    assert drafter.step_costs.steps == 4
 
 
 def test_step_costs_learn_the_rest_of_the_step_and_correct_the_curves_extra_cost():

@@ -26,8 +26,9 @@ Every step:
    Every step also prices the level counts it could have drafted instead: for d up to the levels drafted,
    the best expected tokens per second with levels 1..d only (the lookup branch is drafted whole). What
    level d adds, log(rate_d / rate_d-1), is averaged over the steps that priced it; the next step drafts
-   the level count with the largest summed gains, and one level further than the deepest drafted is
-   tried again every `explore_after` steps while the deepest drafted is the best.
+   the level count with the largest summed gains, and every level is drafted again every `explore_after`
+   steps while the deepest drafted is the best (so each deeper level's gain is priced again). One-time
+   costs (the first draft of each level count, a step many times slower than its price) are not learned.
 
 The calibration groups are the drafting levels unless the inner proposal names others
 (`Proposal.groups`): a `UnionDrafter` gives each source (and the nodes both sources proposed) groups of
@@ -172,13 +173,21 @@ def level_rates(
 
 class DraftCosts:
     """Seconds to draft d levels: a running mean per measured d; other d on the least-squares line
-    through the measured ones (one measured d: proportional to d)."""
+    through the measured ones (one measured d: proportional to d).
+
+    The first draft of each level count is not learned: it pays one-time costs (weights packed on first
+    use, compilation) that can be 100x a draft, and a level count priced that high is never drafted
+    again, so never priced again."""
 
     def __init__(self, smoothing: float = 0.2):
         self.smoothing = smoothing
         self.measured: dict[int, float] = {}
+        self.warmed: set[int] = set()  # level counts drafted at least once
 
     def record(self, levels: int, seconds: float) -> None:
+        if levels not in self.warmed:
+            self.warmed.add(levels)
+            return
         old = self.measured.get(levels)
         self.measured[levels] = seconds if old is None else old + self.smoothing * (seconds - old)
 
@@ -266,6 +275,8 @@ class DynamicTreeDrafter(BaseDrafter):
         max_skip: int = 8,
         explore_after: int = 16,
         prefix_bucket: int = 16,
+        slow_step: float = 4.0,
+        max_slow_steps: int = 8,
     ):
         if inner.scorer() is not None:
             raise ValueError(
@@ -276,6 +287,7 @@ class DynamicTreeDrafter(BaseDrafter):
         self.verify_seconds = verify_seconds
         self.patience, self.max_skip = patience, max_skip
         self.explore_after, self.prefix_bucket = explore_after, prefix_bucket
+        self.slow_step, self.max_slow_steps = slow_step, max_slow_steps
         self.inner_limits_depth = inner.limits_depth
         self.parents = inner.tree.parents.tolist()  # [N]
         # the drafting level that makes each node (0: always drafted: the root, a lookup branch)
@@ -308,7 +320,8 @@ class DynamicTreeDrafter(BaseDrafter):
         self.root_only_streak, self.skip, self.skip_left = 0, 1, 0
         # the last step's tree, tokens [n], probs [n], calibration groups [n] (None: no tree)
         self.last: tuple[Tree, torch.Tensor, torch.Tensor, list[int]] | None = None
-        self.counts = {"steps": 0, "skipped": 0, "nodes": 0, "levels": 0}
+        self.slow_streak = 0  # steps in a row too slow to learn from (`learn_step`)
+        self.counts = {"steps": 0, "skipped": 0, "nodes": 0, "levels": 0, "slow_steps": 0}
 
     def start(self, sequence: SequenceStart) -> None:
         self._reset()
@@ -319,7 +332,7 @@ class DynamicTreeDrafter(BaseDrafter):
         self.counts["steps"] += 1
         t0 = time.perf_counter()
         if self.step_started is not None:  # the last step took t0 - step_started: learn the rest's cost
-            self.step_costs.record(self.predicted_extra, t0 - self.step_started - self.predicted_seconds)
+            self.learn_step(t0 - self.step_started)
         self.step_started = t0
         curve = self.verify_table()
         if self.skip_left > 0:  # trees have not paid lately: plain step, no drafting
@@ -369,6 +382,20 @@ class DynamicTreeDrafter(BaseDrafter):
             groups=torch.tensor([groups_kept]),  # [1, n]
         )
 
+    def learn_step(self, seconds: float) -> None:
+        """Teach `step_costs` what the last step took, unless it took over `slow_step` times its learned
+        price: such a step paid a one-time cost (compilation of a new shape, a first use, a pause), not
+        the price of its nodes. After `max_slow_steps` such steps in a row the machine has changed, and
+        they are learned."""
+        rest, slope = self.step_costs.line
+        price = max(self.predicted_seconds, self.predicted_seconds + rest + slope * self.predicted_extra)
+        if seconds > self.slow_step * price and self.slow_streak < self.max_slow_steps:
+            self.slow_streak += 1
+            self.counts["slow_steps"] += 1
+            return
+        self.slow_streak = 0
+        self.step_costs.record(self.predicted_extra, seconds - self.predicted_seconds)
+
     def inner_layout(self, full: Proposal) -> tuple[Tree | None, list[int], list[int], list[int]]:
         """The inner proposal's layout: (its per-step tree, None for the inner `tree`; parents [N],
         drafting levels [N] and calibration groups [N] of its nodes)."""
@@ -407,15 +434,18 @@ class DynamicTreeDrafter(BaseDrafter):
 
     def choose_levels(self, rates: Sequence[float], drafted: int) -> None:
         """Learn from this step's `rates` (levels 0..drafted, all priced on this step) what each level
-        adds: gain_d = log(rate_d / rate_d-1). The next step drafts the level count whose summed gains
-        are the largest, or one level further than the deepest drafted when that was the best and the
-        next level has not been priced for `explore_after` steps."""
+        adds: gain_d = log(rate_d / rate_d-1), a running mean that moves halfway to a gain not priced
+        for `explore_after` steps (it was priced under older costs). The next step drafts the level
+        count whose summed gains are the largest, or every level when that count was the deepest drafted
+        and a deeper level has not been priced for `explore_after` steps: every deeper gain is priced
+        again, so a level priced low once (in a warm-up, under load) is not left out for good."""
         for d in self.gain_age:
             self.gain_age[d] += 1
         for d in range(1, len(rates)):
             gain = math.log(rates[d] / rates[d - 1])
             old = self.level_gains.get(d)
-            self.level_gains[d] = gain if old is None else old + 0.2 * (gain - old)
+            rate = 0.5 if self.gain_age.get(d, 0) >= self.explore_after else 0.2
+            self.level_gains[d] = gain if old is None else old + rate * (gain - old)
             self.gain_age[d] = 0
         best, total, best_total = 0, 0.0, 0.0
         for d in range(1, self.max_levels + 1):
@@ -424,11 +454,11 @@ class DynamicTreeDrafter(BaseDrafter):
             total += self.level_gains[d]
             if total > best_total:
                 best, best_total = d, total
-        if best == drafted < self.max_levels and self.gain_age.get(best + 1, self.explore_after) >= (
-            self.explore_after
-        ):
-            best += 1
-        self.levels = best
+        stale = any(
+            self.gain_age.get(d, self.explore_after) >= self.explore_after
+            for d in range(best + 1, self.max_levels + 1)
+        )
+        self.levels = self.max_levels if best == drafted < self.max_levels and stale else best
 
     def pruned_tree(self, kept: tuple[int, ...], step: Tree | None = None) -> tuple[Tree, list[int]]:
         """The tree of the kept nodes of the inner tree (sorted, root first; `step`: of the inner
