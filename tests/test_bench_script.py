@@ -159,10 +159,17 @@ def test_bench_dynamic_methods(tmp_path, smollm2):
     out = tmp_path / "b.json"
     argv = ["--num-prompts", "2", "--max-new-tokens", "8", "--dtype", "float32", "--lookup", "3"]
     argv += ["--eagle", str(folder), "--eagle-tree", "3", "--cost-curve", str(curve)]
-    methods = "hf,dynamic,eagle_dynamic,eagle_dynamic_suffix,dynamic_suffix,dynamic_all"
+    methods = "hf,dynamic,eagle_dynamic,eagle_dynamic_suffix,eagle_dynamic_all,dynamic_suffix,dynamic_all"
     result = bench.main([*argv, "--methods", methods, "--out", str(out)])
     overall = result["summary"][-1]["methods"]
-    for m in ("dynamic", "eagle_dynamic", "eagle_dynamic_suffix", "dynamic_suffix", "dynamic_all"):
+    for m in (
+        "dynamic",
+        "eagle_dynamic",
+        "eagle_dynamic_suffix",
+        "eagle_dynamic_all",
+        "dynamic_suffix",
+        "dynamic_all",
+    ):
         assert overall[m]["identical_to_hf"] == 2, m
         assert overall[m]["nodes_per_step"] >= 1 and overall[m]["predicted_accept_length"] >= 1
     # each prompt's record keeps what the pricer had learned after it (to tell why trees grew or shrank)
@@ -170,6 +177,7 @@ def test_bench_dynamic_methods(tmp_path, smollm2):
     assert pricer[1]["tree_steps"] >= pricer[0]["tree_steps"] and isinstance(pricer[1]["rest_ms"], float)
     assert 0 <= min(pricer[1]["acceptance_by_bin"]) <= max(pricer[1]["acceptance_by_bin"]) <= 1
     assert result["prompts"][0]["methods"]["hf"]["pricer"] is None
+    assert result["config"]["lookup"] == 3  # dynamic and eagle_dynamic draft a lookup branch
 
 
 def test_numerics_runs_are_named_per_value(capsys):

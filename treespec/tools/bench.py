@@ -31,6 +31,7 @@ Methods (all run in the same process on the same prompt token ids):
                       the suffix trees match the prompt too)
     dynamic_all       dynamic trees over the union of the heads', the suffix drafter's and the recycling
                       drafter's trees (two nested `UnionDrafter`s; each source calibrated on its own)
+    eagle_dynamic_all the same with the EAGLE drafter in place of the heads
     suffix            a SuffixDrafter: trees from the longest suffix match in the request and in a cache
                       of earlier answers (one drafter for every call, so its cache carries over)
     recycling         a RecyclingDrafter: trees walked through the target's own top-k after each token,
@@ -117,10 +118,13 @@ SPECULATIVE = (  # the methods that draft and verify
     "eagle_dynamic_suffix",
     "dynamic_suffix",
     "dynamic_all",
+    "eagle_dynamic_all",
     "suffix",
     "recycling",
 )
-EAGLE_METHODS = ("eagle", "eagle_lookup", "eagle_dynamic", "eagle_dynamic_suffix")
+EAGLE_METHODS = ("eagle", "eagle_lookup", "eagle_dynamic", "eagle_dynamic_suffix", "eagle_dynamic_all")
+# methods with a prompt-lookup branch of --lookup tokens
+LOOKUP_METHODS = ("lookup", "treespec_lookup", "eagle_lookup", "dynamic", "eagle_dynamic")
 UNION_METHODS = ("dynamic_suffix", "dynamic_all")  # dynamic trees over a union of drafters' trees
 PEER_METHODS = {"vllm": 0, "vllm_ngram": None}  # name -> n-gram tokens (None: --vllm-ngram)
 METHODS = ("hf", "hf_prompt_lookup", "baseline", "baseline_sdpa", *SPECULATIVE, "hf_assisted", *PEER_METHODS)
@@ -426,7 +430,7 @@ def make_runners(
     }
     runners |= chain_runners(model, chains, ours, hf, branching_spec, lookup)
     runners |= training_free_runners(model, methods, ours)
-    if {"dynamic", "eagle_dynamic", "eagle_dynamic_suffix", *UNION_METHODS} & set(methods):
+    if {"dynamic", *EAGLE_METHODS[2:], *UNION_METHODS} & set(methods):
         runners |= dynamic_runners(model, heads, chains, ours, methods, lookup, compile, cost_curve, numerics)
     missing = [name for name in methods if name not in runners]
     if missing:
@@ -500,16 +504,21 @@ def dynamic_runners(
         runners["dynamic"] = dynamic(treespec.make_drafter(heads, envelope, model))
         for name in [m for m in UNION_METHODS if m in methods]:
             union = with_long_suffix(treespec.make_drafter(heads, envelope, model))
-            if name == "dynamic_all":
-                vocab = model.get_output_embeddings().weight.shape[0]
-                union = treespec.UnionDrafter(union, treespec.RecyclingDrafter(vocab))
-            runners[name] = priced(union)
+            runners[name] = priced(with_recycling(union, model) if name == "dynamic_all" else union)
     eagle = chains.get("eagle")
     if eagle is not None and "eagle_dynamic" in methods:
         runners["eagle_dynamic"] = dynamic(eagle.drafter(model))
     if eagle is not None and "eagle_dynamic_suffix" in methods:
         runners["eagle_dynamic_suffix"] = priced(with_long_suffix(eagle.drafter(model)))
+    if eagle is not None and "eagle_dynamic_all" in methods:
+        runners["eagle_dynamic_all"] = priced(with_recycling(with_long_suffix(eagle.drafter(model)), model))
     return runners
+
+
+def with_recycling(drafter, model):
+    """`drafter`'s tree united with the recycling drafter's (the `*_all` methods)."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    return treespec.UnionDrafter(drafter, treespec.RecyclingDrafter(vocab))
 
 
 def with_long_suffix(drafter):
@@ -821,7 +830,7 @@ def describe_run(
         "tree_choices": [list(c) for c in tree.choices] if tree is not None else None,
         "threads": torch.get_num_threads(),
         "max_new_tokens": args.max_new_tokens,
-        "lookup": args.lookup if {"lookup", "treespec_lookup"} & set(args.methods) else None,
+        "lookup": args.lookup if set(LOOKUP_METHODS) & set(args.methods) else None,
         "compile": args.compile,
         "num_prompts": len(prompts),
         "workload": args.workload,
