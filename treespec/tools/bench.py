@@ -122,7 +122,8 @@ SPECULATIVE = (  # the methods that draft and verify
     "suffix",
     "recycling",
 )
-EAGLE_METHODS = ("eagle", "eagle_lookup", "eagle_dynamic", "eagle_dynamic_suffix", "eagle_dynamic_all")
+DYNAMIC_EAGLE_METHODS = ("eagle_dynamic", "eagle_dynamic_suffix", "eagle_dynamic_all")
+EAGLE_METHODS = ("eagle", "eagle_lookup", *DYNAMIC_EAGLE_METHODS)
 # methods with a prompt-lookup branch of --lookup tokens
 LOOKUP_METHODS = ("lookup", "treespec_lookup", "eagle_lookup", "dynamic", "eagle_dynamic")
 UNION_METHODS = ("dynamic_suffix", "dynamic_all")  # dynamic trees over a union of drafters' trees
@@ -430,7 +431,7 @@ def make_runners(
     }
     runners |= chain_runners(model, chains, ours, hf, branching_spec, lookup)
     runners |= training_free_runners(model, methods, ours)
-    if {"dynamic", *EAGLE_METHODS[2:], *UNION_METHODS} & set(methods):
+    if {"dynamic", *DYNAMIC_EAGLE_METHODS, *UNION_METHODS} & set(methods):
         runners |= dynamic_runners(model, heads, chains, ours, methods, lookup, compile, cost_curve, numerics)
     missing = [name for name in methods if name not in runners]
     if missing:
