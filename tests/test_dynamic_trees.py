@@ -226,6 +226,23 @@ def test_draft_costs_measure_each_level_count_and_draw_a_line_through_them():
     assert costs(2) == 6.0  # a running mean of the measurements
 
 
+def test_a_pause_inside_a_draft_is_not_learned_as_its_price():
+    """Pauses only add time: a draft far above the mean counts as twice the mean, one below it moves the
+    mean halfway (a level count priced out by one pause would not be drafted, so not priced, again)."""
+    from treespec.drafters.dynamic import DraftCosts
+
+    costs = DraftCosts()  # smoothing 0.2
+    costs.record(1, 99.0)  # warm-up: not learned
+    costs.record(1, 1.0)
+    costs.record(1, 100.0)  # a pause: as 2.0
+    assert costs(1) == pytest.approx(1.2)
+    costs.record(1, 1.0)
+    assert costs(1) == pytest.approx(1.1)
+    for _ in range(12):  # a real slowdown (3x) is learned within a dozen drafts
+        costs.record(1, 3.0)
+    assert costs(1) > 2.5
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_level_rates_price_every_level_count_against_brute_force(seed):
     from treespec.drafters.dynamic import level_rates

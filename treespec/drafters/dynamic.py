@@ -177,7 +177,9 @@ class DraftCosts:
 
     The first draft of each level count is not learned: it pays one-time costs (weights packed on first
     use, compilation) that can be 100x a draft, and a level count priced that high is never drafted
-    again, so never priced again."""
+    again, so never priced again. For the same reason (a pause of the machine inside a draft) a later
+    draft counts as twice the mean at most and a faster one moves the mean halfway; a real slowdown
+    still raises the mean 1.2x per draft."""
 
     def __init__(self, smoothing: float = 0.2):
         self.smoothing = smoothing
@@ -189,7 +191,13 @@ class DraftCosts:
             self.warmed.add(levels)
             return
         old = self.measured.get(levels)
-        self.measured[levels] = seconds if old is None else old + self.smoothing * (seconds - old)
+        if old is None:
+            self.measured[levels] = seconds
+            return
+        # pauses only add time: a draft above the mean counts as twice the mean at most, one below it
+        # moves the mean halfway (a count priced high by a pause comes back within a few drafts)
+        rate = self.smoothing if seconds > old else max(self.smoothing, 0.5)
+        self.measured[levels] = old + rate * (min(seconds, 2.0 * old) - old)
 
     def __call__(self, levels: int) -> float:
         if levels in self.measured:
