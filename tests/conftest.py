@@ -205,3 +205,18 @@ def repeating_prompts(seed: int, count: int) -> list[list[int]]:
         span = [rng.randrange(96) for _ in range(rng.randrange(3, 7))]
         out.append([rng.randrange(96) for _ in range(rng.randrange(1, 5))] + span * rng.randrange(2, 4))
     return out
+
+
+@pytest.fixture
+def steady_clock(monkeypatch):
+    """The dynamic pricer reads a clock that advances 0.1 ms per read: tests of what it chooses do not
+    depend on the load of the machine running them."""
+    from treespec.drafters import dynamic
+
+    ticks = [0.0]
+
+    def clock() -> float:
+        ticks[0] += 1e-4
+        return ticks[0]
+
+    monkeypatch.setattr(dynamic.time, "perf_counter", clock)

@@ -271,7 +271,7 @@ def test_sampling_keeps_the_base_models_distribution():
         assert total_variation(count, p) < 0.06  # noise at n=1600 over 10 tokens is ~0.025
 
 
-def test_under_a_dynamic_tree_it_stays_exact():
+def test_under_a_dynamic_tree_it_stays_exact(steady_clock):
     model = tiny_model("llama", dtype=torch.float32)
     suffix = SuffixDrafter(fixed_tree=True)
     drafter = treespec.DynamicTreeDrafter(suffix, lambda nodes, prefix: 1e-3 * (1 + 0.05 * nodes))

@@ -272,7 +272,7 @@ def test_sampling_keeps_the_base_models_distribution():
 # ----- wrappers over a tree of each step -----
 
 
-def test_wrappers_take_an_inner_tree_of_each_step():
+def test_wrappers_take_an_inner_tree_of_each_step(steady_clock):
     """DynamicTreeDrafter and LookupDrafter over SuffixDrafter's own trees (no fixed_tree): exact, and
     the dynamic tree keeps the deep suffix paths on a repeated request."""
     model = tiny_model("llama", dtype=torch.float32)
