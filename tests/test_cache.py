@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import hf_greedy, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -106,3 +106,32 @@ def test_memory_report_splits_committed_and_speculative():
         "speculative": 32 * per_token,
         "allocated": 100 * per_token,
     }
+
+
+def test_the_cache_goes_under_the_keyword_this_transformers_reads():
+    """transformers before the `cache=` keyword takes `past_key_values=`; an unknown keyword vanishes into
+    **kwargs and every forward would silently run without treespec's cache (seen on a GPU machine with
+    transformers 5.17: sampled text went wrong). The keyword is read off the installed transformers."""
+    import inspect
+
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaModel
+
+    from treespec.core.cache import CACHE_KWARG
+
+    for forward in (LlamaModel.forward, LlamaDecoderLayer.forward):
+        assert CACHE_KWARG in inspect.signature(forward).parameters
+
+
+def test_a_model_that_ignores_the_cache_is_refused(monkeypatch):
+    """A forward that writes no K/V into the cache (the cache went under a keyword the model does not
+    read) raises at the prefill instead of decoding from an empty cache."""
+    import treespec.core.decoder as decoder_module
+    from treespec.core.cache import CacheNotWrittenError
+
+    model = tiny_model("llama", dtype=torch.float32)
+    monkeypatch.setattr(decoder_module, "CACHE_KWARG", "not_a_cache_keyword")
+    with pytest.raises(CacheNotWrittenError, match="did not write treespec's KV cache"):
+        treespec.generate(model, [1, 2, 3], None, max_new_tokens=4)
+    monkeypatch.undo()
+    plain = treespec.generate(model, [1, 2, 3], None, max_new_tokens=4, eos_token_id=[])
+    assert plain.token_ids == hf_greedy(model, [1, 2, 3], 4)

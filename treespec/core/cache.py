@@ -19,14 +19,25 @@ transformers as a `Cache`, so any HF decoder model writes its K/V here through `
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.models.llama.modeling_llama import LlamaModel
 
 from .. import ops
 from .attention import AttentionPlan
+
+# The keyword under which transformers' model and decoder-layer forwards take a cache: "cache" in recent
+# 5.x releases, "past_key_values" before (there an unknown "cache=" vanishes into **kwargs and every
+# forward would run without the cache). One name per installed transformers, read off one model class.
+CACHE_KWARG = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+
+
+class CacheNotWrittenError(RuntimeError):
+    """A forward that should have written the cache did not (the model ignored the cache argument)."""
 
 
 class CacheCapacityError(ValueError):
@@ -151,6 +162,7 @@ class TreeKVLayer(PreallocatedLayer):
         owner = self.owner
         if not owner.rows:  # a forward nobody began (a plain HF call): every row
             owner.begin(range(owner.num_rows), key_states.shape[2])
+        owner.writes += 1
         rows, dst = owner._write_index  # [A, 1] and [A, n], or (start, end) slices for one row
         if owner._one_block:
             self.keys[:, :, rows:dst] = key_states
@@ -189,6 +201,7 @@ class TreeKVCache(KVCacheBase):
         self.block = 0  # n: tokens the current forward writes per row
         self._write_index: tuple | None = None
         self._write_end = 0
+        self.writes = 0  # layers that wrote the current forward's block (`check_written`)
         self._one_block = False  # the forward covers every row from one start: a slice write
         self._rows_host = self._starts_host = torch.zeros(0, dtype=torch.long)
 
@@ -217,6 +230,7 @@ class TreeKVCache(KVCacheBase):
                 "(longest prompt + max_new_tokens + speculation size)"
             )
         self.rows, self.block, self._write_end = rows, n, end
+        self.writes = 0
         # [A] each, on the CPU (the kernels read them on the host): the rows and their committed lengths
         self._rows_host = torch.tensor(rows, dtype=torch.long)
         self._starts_host = torch.tensor(starts, dtype=torch.long)
@@ -284,6 +298,15 @@ class TreeKVCache(KVCacheBase):
         for row, (src, dst) in moves.items():
             self._copy_slots(row, src, dst)
         self._end_forward()
+
+    def check_written(self) -> None:
+        """Refuse a forward after which no layer wrote its block: the model ran without this cache."""
+        if self.rows and self.writes == 0:
+            raise CacheNotWrittenError(
+                "the model's forward did not write treespec's KV cache: it ignored the cache argument "
+                f"{CACHE_KWARG!r} (this model class or transformers version names it otherwise); "
+                "upgrade transformers (pip install -U transformers) or report the model class"
+            )
 
     def commit_all(self) -> None:
         """Accept every row's whole block as written (a prefill, plain decoding)."""

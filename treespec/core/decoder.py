@@ -32,7 +32,7 @@ import torch
 from ..drafters.base import Drafter, Proposal, RootOnlyDrafter, SequenceStart
 from .acceptance import RULES, SamplingConfig, verify
 from .attention import KERNELS, AttentionPlan, auto_kernel, require_exact_ops, tree_attention_enabled
-from .cache import CacheCapacityError, TreeKVCache
+from .cache import CACHE_KWARG, CacheCapacityError, TreeKVCache
 from .compiled import CompiledForward
 from .packed import MODES as LINEAR_MODES
 from .packed import packed_linears, shared_forward
@@ -86,16 +86,16 @@ def full_forward(
     when given, returns (hidden [B, n, H], features [B, n, len(feature_layers) * H]) concatenated in order."""
     if not feature_layers:
         out = model.base_model(
-            input_ids=ids, position_ids=positions, cache=cache, use_cache=True, tree_attention=plan
+            input_ids=ids, position_ids=positions, use_cache=True, tree_attention=plan, **{CACHE_KWARG: cache}
         )
         return out.last_hidden_state
     out = model.base_model(
         input_ids=ids,
         position_ids=positions,
-        cache=cache,
         use_cache=True,
         tree_attention=plan,
         output_hidden_states=True,
+        **{CACHE_KWARG: cache},
     )
     features = torch.cat([out.hidden_states[i] for i in feature_layers], dim=-1)  # [B, n, F]
     return out.last_hidden_state, features
@@ -312,6 +312,7 @@ class Decoder:
             if self.feature_layers:
                 out, features = out
             logits = output_logits(self.model, out[0, -1])  # out [1, P, H] -> [V]
+        self.cache.check_written()
         self.cache.commit_all()
         root = self.sampling.sample(logits, self.generator)
         rows = self.cache.num_rows

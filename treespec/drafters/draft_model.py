@@ -25,6 +25,7 @@ import time
 import torch
 
 from ..core.attention import AttentionPlan, auto_kernel, tree_attention_enabled
+from ..core.cache import CACHE_KWARG
 from ..core.spec_cache import STORAGES, SpeculativeKVCache
 from ..core.tree import Tree
 from .base import BaseDrafter, DrafterReport, Proposal, SequenceStart, single_row
@@ -173,7 +174,11 @@ class DraftModelDrafter(BaseDrafter):
         positions = torch.arange(cache.length, cache.length + len(tokens), device=self.device)[None]  # [1, n]
         with tree_attention_enabled(self.model):
             out = self.model.base_model(
-                input_ids=ids, position_ids=positions, cache=cache, use_cache=True, tree_attention=self.plan
+                input_ids=ids,
+                position_ids=positions,
+                use_cache=True,
+                tree_attention=self.plan,
+                **{CACHE_KWARG: cache},
             )
         cache.advance(len(tokens))
         return self.model.get_output_embeddings()(out.last_hidden_state[0, -1])  # [V]

@@ -24,6 +24,7 @@ import time
 import torch
 
 from ..core.attention import AttentionPlan
+from ..core.cache import CACHE_KWARG
 from .base import BaseDrafter, DrafterReport, Proposal, Scorer, SequenceStart, single_row
 from .draft_model import DraftStats, accepted_prefix, chain_tree
 from .heads import ExitHead
@@ -56,8 +57,8 @@ def run_layers(model, hidden, positions, cache, start: int, stop: int, plan: Att
             attention_mask=None,
             position_embeddings=position_embeddings,
             position_ids=positions,
-            cache=cache,
             use_cache=cache is not None,
+            **{CACHE_KWARG: cache},
             **extra,
         )
     return hidden
