@@ -108,3 +108,14 @@ def test_tree_mask_reaches_the_attention_of_every_layer():
             branch = prefix + tokens[tree.path_to(node)].tolist()
             expected = model(input_ids=torch.tensor([branch])).logits[0, -1]
             torch.testing.assert_close(logits[node], expected, rtol=1e-9, atol=1e-9)
+
+
+def test_auto_kernel_is_the_compiled_op_on_the_cpu_and_sdpa_on_cuda():
+    """On an H200 the CUDA kernel was correct but slower than SDPA (docs/kernels.md): "auto" leaves it out."""
+    from treespec import ops
+    from treespec.core.attention import auto_kernel
+
+    assert auto_kernel(torch.device("cuda"), torch.bfloat16) == "sdpa"
+    assert auto_kernel("cuda:0", torch.float16) == "sdpa"
+    assert auto_kernel(torch.device("cpu"), torch.float64) == "sdpa"  # a dtype the op does not take
+    assert auto_kernel(torch.device("cpu"), torch.float32) == ("compiled" if ops.available("cpu") else "sdpa")

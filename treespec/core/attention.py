@@ -213,8 +213,13 @@ KERNELS = {
 
 
 def auto_kernel(device: torch.device, dtype: torch.dtype) -> str:
-    """What kernel="auto" means for a model on `device` in `dtype`: "compiled" when treespec's extension
-    builds and takes them, else "sdpa"."""
+    """What kernel="auto" means for a model on `device` in `dtype`: on the CPU "compiled" when treespec's
+    extension builds and takes the dtype, else "sdpa". On CUDA "sdpa": the CUDA kernel is correct but
+    slower than torch SDPA with a dense mask on most shapes measured on an H200 (docs/kernels.md), so it
+    runs only when asked for (kernel="compiled")."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return "sdpa"
     return "compiled" if ops.dtype_supported(device, dtype) and ops.available(device) else "sdpa"
 
 
