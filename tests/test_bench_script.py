@@ -4,12 +4,16 @@ the thin script wrapper, and smoke runs on the embedded model (tiny settings, fl
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import load_script
 
 from treespec.tools import bench
 from treespec.tools.models import default_data_file
+
+# the checkout's distillation data (the model's own answers to the training prompts)
+WARM = str(Path(__file__).resolve().parents[1] / "data" / "distill" / "smollm2-135m-instruct")
 
 
 def test_shipped_questions_cover_every_category():
@@ -159,6 +163,7 @@ def test_bench_dynamic_methods(tmp_path, smollm2):
     out = tmp_path / "b.json"
     argv = ["--num-prompts", "2", "--max-new-tokens", "8", "--dtype", "float32", "--lookup", "3"]
     argv += ["--eagle", str(folder), "--eagle-tree", "3", "--cost-curve", str(curve)]
+    argv += ["--suffix-warm", WARM]  # the suffix methods start from the model's own earlier answers
     methods = "hf,dynamic,eagle_dynamic,eagle_dynamic_suffix,eagle_dynamic_all,dynamic_suffix,dynamic_all"
     result = bench.main([*argv, "--methods", methods, "--out", str(out)])
     overall = result["summary"][-1]["methods"]
@@ -178,6 +183,18 @@ def test_bench_dynamic_methods(tmp_path, smollm2):
     assert 0 <= min(pricer[1]["acceptance_by_bin"]) <= max(pricer[1]["acceptance_by_bin"]) <= 1
     assert result["prompts"][0]["methods"]["hf"]["pricer"] is None
     assert result["config"]["lookup"] == 3  # dynamic and eagle_dynamic draft a lookup branch
+    assert result["config"]["suffix_warm"] == WARM
+
+
+def test_each_method_gets_its_own_warm_suffix_cache():
+    """--suffix-warm: every method starts from the same earlier answers in a cache of its own (one
+    method's answers must not reach another's cache in the same run); without it, a cold cache."""
+    new_cache = bench.suffix_cache_factory(WARM)
+    first, second = new_cache(), new_cache()
+    assert first is not second and first.num_requests == second.num_requests > 1000
+    first.add([1, 2, 3])
+    assert first.num_requests == second.num_requests + 1
+    assert bench.suffix_cache_factory(None)().num_requests == 0
 
 
 def test_numerics_runs_are_named_per_value(capsys):

@@ -26,6 +26,7 @@ from treespec.training.distill import (
     load_prompts,
     make_distill_data,
     plan_shards,
+    read_answers,
     read_shard,
     trim_response,
 )
@@ -397,3 +398,13 @@ def test_an_engine_that_loses_answers_is_refused(tmp_path, model, tokenizer, pro
         make_distill_data(
             tmp_path / "d", model, tokenizer, prompts_file, progress=False, answer=engine, **SETTINGS
         )
+
+
+def test_answers_are_the_tokens_after_each_prompt(made):
+    """`read_answers` (what warms a SuffixCache): each train sequence's answer, in shard order."""
+    data = load_distill_data(made, "train")
+    answers = read_answers(made)
+    assert len(answers) == len(data.sequences) > 0
+    for answer, seq, length in zip(answers, data.sequences, data.prompt_lengths, strict=True):
+        assert answer == seq[length:].tolist() and len(answer) >= 1
+    assert len(read_answers(made, "eval")) == len(load_distill_data(made, "eval").sequences)

@@ -279,3 +279,21 @@ def test_under_a_dynamic_tree_it_stays_exact(steady_clock):
         result = treespec.generate(model, prompt, drafter, max_new_tokens=40, eos_token_id=[])
         assert result.token_ids == hf_greedy(model, prompt, 40)
     assert result.stats.steps < 25  # the repeated request: deep trees pay
+
+
+def test_a_cache_warmed_with_earlier_answers_drafts_them_and_keeps_room():
+    """`SuffixCache.from_sequences`: earlier answers (e.g. the model's answers to other prompts) are
+    there from the first request on, with `room` tokens left before the oldest are evicted."""
+    answers = [[4, 5, 6, 7, 8, 9], [20, 21, 22], [4, 5, 6, 30]]
+    cache = SuffixCache.from_sequences(answers, room=10)
+    assert cache.requests() == answers and cache.max_tokens == 6 + 1 + 3 + 1 + 4 + 1 + 10
+    drafter = started(SuffixDrafter(cache, remember=False), [[1, 4, 5]])  # a request ending in 4 5
+    nodes = nodes_of(propose(drafter, [5]))
+    assert nodes[(0,)] == (6, 1.0)  # both warm answers with "4 5" go on with 6
+    assert {nodes[(0, 0)], nodes[(0, 1)]} == {(7, 0.5), (30, 0.5)}  # then 7 or 30, half each
+    cache.add(list(range(100, 109)))  # 9 tokens + a separator fill the room: nothing evicted yet
+    assert cache.num_requests == 4
+    cache.add([1, 2])  # over the bound: the oldest warm answer goes first
+    assert cache.requests()[0] == [20, 21, 22] and cache.num_tokens + cache.num_requests <= cache.max_tokens
+    with pytest.raises(ValueError, match="token ids"):
+        SuffixCache.from_sequences([[1, -2]])

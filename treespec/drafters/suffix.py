@@ -185,6 +185,18 @@ class SuffixCache:
             deque()
         )  # stream length of each request (its sentinel included), oldest first
 
+    @classmethod
+    def from_sequences(
+        cls, sequences: Iterable[Iterable[int]], room: int = 131072, ngram: int = 3
+    ) -> SuffixCache:
+        """A cache holding `sequences` (earlier answers, e.g. the model's own answers to other prompts:
+        `training.distill.read_answers`) with `room` more tokens for the requests still to come."""
+        sequences = [_check_tokens(s, "a suffix cache request") for s in sequences]
+        cache = cls(sum(len(s) + 1 for s in sequences) + max(2, room), ngram)
+        for tokens in sequences:
+            cache.add(tokens)
+        return cache
+
     @property
     def num_requests(self) -> int:
         return len(self.sizes)

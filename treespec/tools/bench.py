@@ -259,6 +259,13 @@ def add_drafter_arguments(p: argparse.ArgumentParser) -> None:
         help="python of vLLM's environment (default .venv-vllm, `make vllm-env`)",
     )
     p.add_argument("--vllm-ngram", type=int, default=5, help="vllm_ngram: tokens per step (default 5)")
+    p.add_argument(
+        "--suffix-warm",
+        default=None,
+        help="suffix methods: warm each method's global suffix cache with the answers of this "
+        "distillation data folder's train split (the model's own earlier answers to other prompts, e.g. "
+        "data/distill/smollm2-135m-instruct); default: a cold cache",
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -403,6 +410,7 @@ def make_runners(
     compile: bool = False,
     cost_curve: str | None = None,
     numerics: str = "fast",
+    new_suffix_cache=None,
 ) -> dict:
     """name -> run(ids, max_new_tokens) -> dict(token_ids, steps, accepted, library_seconds).
     compile: every treespec method verifies through torch.compile (`Decoder(compile=True)`); numerics: how
@@ -411,6 +419,7 @@ def make_runners(
     chains: from `load_chain_drafters` (the draft-model methods and hf_assisted need "draft_model",
     self_spec needs "exit_head")."""
     chains = chains or {}
+    new_suffix_cache = new_suffix_cache or treespec.SuffixCache
     ours = partial(treespec_runner, model, tokenizer, compile=compile, numerics=numerics)
 
     def hf(ids, max_new_tokens, **extra):
@@ -430,9 +439,10 @@ def make_runners(
         "treespec_lookup": ours(lambda: treespec.LookupDrafter(heads_drafter(), lookup)),
     }
     runners |= chain_runners(model, chains, ours, hf, branching_spec, lookup)
-    runners |= training_free_runners(model, methods, ours)
+    runners |= training_free_runners(model, methods, ours, new_suffix_cache)
     if {"dynamic", *DYNAMIC_EAGLE_METHODS, *UNION_METHODS} & set(methods):
-        runners |= dynamic_runners(model, heads, chains, ours, methods, lookup, compile, cost_curve, numerics)
+        prices = (compile, cost_curve, numerics)
+        runners |= dynamic_runners(model, heads, chains, ours, methods, lookup, prices, new_suffix_cache)
     missing = [name for name in methods if name not in runners]
     if missing:
         raise ValueError(
@@ -465,12 +475,25 @@ def chain_runners(model, chains: dict, ours, hf, branching_spec: str, lookup: in
     return runners
 
 
-def training_free_runners(model, methods: list[str], ours) -> dict:
+def suffix_cache_factory(folder: str | None):
+    """() -> a fresh global SuffixCache for one method: cold (folder None), else holding the answers of
+    distillation data `folder` (its train split: the model's answers to the training prompts, never to
+    an evaluation prompt)."""
+    if not folder:
+        return treespec.SuffixCache
+    from ..training.distill import read_answers
+
+    answers = read_answers(folder)
+    return lambda: treespec.SuffixCache.from_sequences(answers)
+
+
+def training_free_runners(model, methods: list[str], ours, new_suffix_cache) -> dict:
     """suffix / recycling: one drafter object for every call, as a user reuses it (its cache of earlier
-    answers, or its table of the target's top-k, carries over from prompt to prompt)."""
+    answers, or its table of the target's top-k, carries over from prompt to prompt). new_suffix_cache():
+    a fresh global suffix cache (cold, or warmed with earlier answers: --suffix-warm), one per method."""
     runners = {}
     if "suffix" in methods:
-        suffix = treespec.SuffixDrafter()
+        suffix = treespec.SuffixDrafter(new_suffix_cache())
         runners["suffix"] = ours(lambda: suffix)
     if "recycling" in methods:
         recycling = treespec.RecyclingDrafter(model.get_output_embeddings().weight.shape[0])
@@ -479,13 +502,21 @@ def training_free_runners(model, methods: list[str], ours) -> dict:
 
 
 def dynamic_runners(
-    model, heads, chains, ours, methods, lookup: int, compile: bool, cost_curve, numerics: str
+    model, heads, chains, ours, methods, lookup: int, prices: tuple, new_suffix_cache
 ) -> dict:
     """The dynamic-tree methods: one drafter for every call, as a user reuses it (its learning carries
     over), pricing trees on this machine's verification cost curve of the kernels that run (measured
-    quickly on first use)."""
+    quickly on first use). prices: (compile, cost_curve, numerics) of that curve."""
     from ..drafters.dynamic import DynamicTreeDrafter
     from ..training.costs import verify_cost_model
+
+    compile, cost_curve, numerics = prices
+
+    def with_long_suffix(drafter):
+        """`drafter`'s tree united with a suffix tree (the union methods). The pricer keeps what pays, so
+        the suffix drafter may offer long copies (16 deep, 24 nodes)."""
+        suffix = treespec.SuffixDrafter(new_suffix_cache(), max_nodes=24, max_depth=16)
+        return treespec.UnionDrafter(drafter, suffix)
 
     verify_seconds = verify_cost_model(model, compile=compile, curve_file=cost_curve, numerics=numerics)
 
@@ -520,12 +551,6 @@ def with_recycling(drafter, model):
     """`drafter`'s tree united with the recycling drafter's (the `*_all` methods)."""
     vocab = model.get_output_embeddings().weight.shape[0]
     return treespec.UnionDrafter(drafter, treespec.RecyclingDrafter(vocab))
-
-
-def with_long_suffix(drafter):
-    """`drafter`'s tree united with a suffix tree (the union methods). The pricer keeps what pays, so the
-    suffix drafter may offer long copies (16 deep, 24 nodes)."""
-    return treespec.UnionDrafter(drafter, treespec.SuffixDrafter(max_nodes=24, max_depth=16))
 
 
 def start_peers(args, model) -> dict:
@@ -832,6 +857,7 @@ def describe_run(
         "threads": torch.get_num_threads(),
         "max_new_tokens": args.max_new_tokens,
         "lookup": args.lookup if set(LOOKUP_METHODS) & set(args.methods) else None,
+        "suffix_warm": args.suffix_warm,
         "compile": args.compile,
         "num_prompts": len(prompts),
         "workload": args.workload,
@@ -896,6 +922,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
         heads, tree, heads_desc, tree_desc = load_heads_and_tree(args, model)
     chains = load_chain_drafters(args, model)
     ours = [m for m in args.methods if m not in PEER_METHODS]
+    new_suffix_cache = suffix_cache_factory(args.suffix_warm)
     runners = {}
     for numerics in args.numerics:
         made = make_runners(
@@ -910,6 +937,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
             args.compile,
             args.cost_curve,
             numerics,
+            new_suffix_cache,
         )
         names = run_names(list(made), [numerics])
         runners |= {name: run for name, run in zip(names, made.values(), strict=True) if name not in runners}

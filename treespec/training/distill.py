@@ -714,6 +714,15 @@ class DistillData(NamedTuple):
     prompt_ids: list[str]
 
 
+def read_answers(
+    folders: str | os.PathLike | Sequence[str | os.PathLike], split: str = "train"
+) -> list[list[int]]:
+    """The answers (each sequence's tokens after its prompt) of `load_distill_data(folders, split)`: the
+    model's own earlier answers to those prompts, e.g. to warm a `SuffixCache`."""
+    data = load_distill_data(folders, split)
+    return [seq[length:].tolist() for seq, length in zip(data.sequences, data.prompt_lengths, strict=True)]
+
+
 def data_folders(folders: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
     """One data folder, several ("a,b" or a list), as paths."""
     if isinstance(folders, str):
