@@ -30,6 +30,14 @@ def test_a_worker_that_dies_at_start_is_reported_with_its_log(tmp_path):
     assert "no vllm here" in log.read_text()
 
 
+def test_a_worker_that_dies_at_start_without_a_log_file_is_quoted_in_the_error(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'first line' >&2\necho 'no vllm here' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    with pytest.raises(PeerUnavailable, match="(?s)exited \\(code 3\\).*first line\nno vllm here"):
+        VllmPeer(tmp_path, "float32", python=fake)
+
+
 def test_bench_knows_the_vllm_methods():
     args = bench.parse_args(["--methods", "hf,vllm,vllm_ngram", "--vllm-ngram", "3"])
     assert args.methods == ["hf", "vllm", "vllm_ngram"] and args.vllm_ngram == 3

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -74,8 +75,13 @@ class VllmPeer:
                 "--draft-tokens",
                 str(draft_tokens),
             ]
-        self.log_path = Path(log) if log else None
-        stderr = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        # the worker's stderr always goes to a file, so that a failure can quote it; without `log` a
+        # temporary one, removed by close()
+        self._own_log = log is None
+        self.log_path = (
+            Path(log) if log else Path(tempfile.mkstemp(prefix="treespec-vllm-", suffix=".log")[1])
+        )
+        stderr = open(self.log_path, "w")  # noqa: SIM115
         # vLLM serves with one thread unless OMP_NUM_THREADS says otherwise: give it the threads torch has
         env = {
             **os.environ,
@@ -106,8 +112,7 @@ class VllmPeer:
         line = self.process.stdout.readline()
         if not line:
             code = self.process.wait()
-            where = f"; its log: {self.log_path}" if self.log_path else ""
-            raise PeerUnavailable(f"the vLLM worker exited (code {code}){where}")
+            raise PeerUnavailable(f"the vLLM worker exited (code {code}){self._log_tail()}")
         return json.loads(line)
 
     def _ask(self, request: dict) -> dict:
@@ -139,6 +144,15 @@ class VllmPeer:
         accepted_per_position."""
         return self._ask({"metrics": True})
 
+    def _log_tail(self, lines: int = 15) -> str:
+        """The end of the worker's stderr, for an error message ("" if it wrote none)."""
+        try:
+            tail = self.log_path.read_text(errors="replace").strip().splitlines()[-lines:]
+        except OSError:
+            return ""
+        where = "" if self._own_log else f" (whole log: {self.log_path})"
+        return f"; the end of its log{where}:\n" + "\n".join(tail) if tail else ""
+
     def close(self) -> None:
         if self.process.poll() is None:
             self.process.stdin.close()
@@ -146,6 +160,8 @@ class VllmPeer:
                 self.process.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.process.kill()
+        if self._own_log:
+            self.log_path.unlink(missing_ok=True)
 
     def __del__(self):  # best effort: never leave an engine running
         try:
