@@ -191,7 +191,7 @@ class SuffixCache:
     ) -> SuffixCache:
         """A cache holding `sequences` (earlier answers, e.g. the model's own answers to other prompts:
         `training.distill.read_answers`) with `room` more tokens for the requests still to come."""
-        sequences = [_check_tokens(s, "a suffix cache request") for s in sequences]
+        sequences = [list(s) for s in sequences]  # `add` checks the token ids
         cache = cls(sum(len(s) + 1 for s in sequences) + max(2, room), ngram)
         for tokens in sequences:
             cache.add(tokens)

@@ -441,8 +441,9 @@ def make_runners(
     runners |= chain_runners(model, chains, ours, hf, branching_spec, lookup)
     runners |= training_free_runners(model, methods, ours, new_suffix_cache)
     if {"dynamic", *DYNAMIC_EAGLE_METHODS, *UNION_METHODS} & set(methods):
-        prices = (compile, cost_curve, numerics)
-        runners |= dynamic_runners(model, heads, chains, ours, methods, lookup, prices, new_suffix_cache)
+        runners |= dynamic_runners(
+            model, heads, chains, ours, methods, lookup, compile, cost_curve, numerics, new_suffix_cache
+        )
     missing = [name for name in methods if name not in runners]
     if missing:
         raise ValueError(
@@ -502,15 +503,22 @@ def training_free_runners(model, methods: list[str], ours, new_suffix_cache) -> 
 
 
 def dynamic_runners(
-    model, heads, chains, ours, methods, lookup: int, prices: tuple, new_suffix_cache
+    model,
+    heads,
+    chains,
+    ours,
+    methods,
+    lookup: int,
+    compile: bool,
+    cost_curve,
+    numerics: str,
+    new_suffix_cache,
 ) -> dict:
     """The dynamic-tree methods: one drafter for every call, as a user reuses it (its learning carries
     over), pricing trees on this machine's verification cost curve of the kernels that run (measured
-    quickly on first use). prices: (compile, cost_curve, numerics) of that curve."""
+    quickly on first use). new_suffix_cache(): a fresh global suffix cache for each suffix union."""
     from ..drafters.dynamic import DynamicTreeDrafter
     from ..training.costs import verify_cost_model
-
-    compile, cost_curve, numerics = prices
 
     def with_long_suffix(drafter):
         """`drafter`'s tree united with a suffix tree (the union methods). The pricer keeps what pays, so
