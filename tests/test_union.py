@@ -294,3 +294,23 @@ def test_wrappers_take_an_inner_tree_of_each_step(steady_clock):
     chain = [i for i, p in enumerate(tree.choices, start=1) if p[0] == rank]
     assert proposal.tree is tree and proposal.tokens[0, chain].tolist()[:3] == [7, 5, 6]
     assert levels[0, chain].tolist() == groups[0, chain].tolist() == [0] * 4
+
+
+def test_the_union_reports_both_drafters_memory_and_the_step_counts_the_suffix_cache():
+    """Memory of a kind both sides hold adds up (the recycling table beside another "allocated" cache),
+    and a decode's speculative memory counts the suffix drafter's cache of earlier answers."""
+    model = tiny_model("llama", dtype=torch.float32)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    recycling = [treespec.RecyclingDrafter(vocab) for _ in range(2)]
+    table = recycling[0].report().cache_memory["allocated"]
+    assert table > 0
+    both = UnionDrafter(*recycling).report().cache_memory
+    assert both["allocated"] == 2 * table
+    cache = SuffixCache.from_sequences([[5, 6, 7, 8] * 10])
+    union = UnionDrafter(SuffixDrafter(cache), treespec.RecyclingDrafter(vocab))
+    assert union.report().cache_memory == {"suffix_cache": cache.memory_bytes(), "allocated": table}
+    result = treespec.generate(model, [5, 6, 7], union, max_new_tokens=8, eos_token_id=[])
+    stats = result.stats
+    expected = stats.cache_memory["speculative"] + table + stats.draft_cache_memory["suffix_cache"]
+    assert stats.speculative_memory == expected
+    assert stats.draft_cache_memory["suffix_cache"] >= cache.memory_bytes() > 0

@@ -27,7 +27,7 @@ class GenerationStats:
     time_commit: float = 0.0
     time_total: float = 0.0
     cache_memory: dict[str, int] = field(default_factory=dict)
-    draft_cache_memory: dict[str, int] = field(default_factory=dict)  # a draft model's own cache
+    draft_cache_memory: dict[str, int] = field(default_factory=dict)  # the drafter's caches and tables
     drafter: dict = field(default_factory=dict)  # what the drafter measured itself (draft models)
     # per step: the drafter's predicted accepted length (dynamic trees; None when it made none) and the
     # nodes verified
@@ -97,9 +97,11 @@ class GenerationStats:
 
     @property
     def speculative_memory(self) -> int:
-        """Bytes speculation adds: the target cache's reserved tree block and the drafter's own cache."""
+        """Bytes speculation adds: the target cache's reserved tree block, the drafter's own cache and
+        tables, and a suffix drafter's cache of earlier answers."""
         extra = self.draft_cache_memory
-        return self.cache_memory.get("speculative", 0) + extra.get("allocated", 0) + extra.get("scratch", 0)
+        drafter = sum(extra.get(kind, 0) for kind in ("allocated", "scratch", "suffix_cache"))
+        return self.cache_memory.get("speculative", 0) + drafter
 
     @property
     def tokens_per_second(self) -> float:

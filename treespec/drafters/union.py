@@ -189,10 +189,14 @@ class UnionDrafter(BaseDrafter):
 
     def report(self) -> DrafterReport:
         """Both drafters' statistics and caches, and the union's counts (rows drafted, nodes in the step
-        trees, nodes proposed by the primary only, the secondary only, both)."""
+        trees, nodes proposed by the primary only, the secondary only, both); memory of a kind both hold
+        (e.g. "allocated": a draft model's cache and the recycling table) adds up."""
         first, second = self.primary.report(), self.secondary.report()
         stats = {**second.stats, **first.stats, "union": dict(self.counts)}
-        return DrafterReport(stats, {**second.cache_memory, **first.cache_memory})
+        memory = dict(first.cache_memory)
+        for kind, size in second.cache_memory.items():
+            memory[kind] = memory.get(kind, 0) + size
+        return DrafterReport(stats, memory)
 
     def scorer(self) -> Scorer | None:
         return None  # refused at construction for drafters with their own
