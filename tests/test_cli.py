@@ -13,7 +13,7 @@ from conftest import tiny_model
 import treespec
 from treespec.tools import cli, drafter_options
 from treespec.tools.cli import main
-from treespec.tools.models import default_heads_folder
+from treespec.tools.models import default_heads_folder, default_suffix_cache_file
 from treespec.tools.trace import Step, Trace
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -363,6 +363,23 @@ def test_generate_with_training_free_drafters_and_bitwise_numerics(tmp_path, cap
         assert code == 0, err
         texts.append(out.strip().splitlines()[:-1])
     assert texts[1] == texts[0] and texts[2] == texts[0]  # bitwise: speculation keeps the plain text
-    assert treespec.SuffixCache.load(cache).num_requests == 1  # the answer was saved
+    shipped = treespec.SuffixCache.load(default_suffix_cache_file()).num_requests
+    assert treespec.SuffixCache.load(cache).num_requests == shipped + 1  # the shipped answers, then this one
     code, _, err = run([*base, "--drafter", "suffix", "--lookup", 4], capsys)
     assert code != 0 and "--lookup" in err
+
+
+def test_the_default_models_suffix_drafter_starts_from_its_shipped_answers(tmp_path):
+    """--drafter suffix: a --suffix-cache file when it exists, else the default model's shipped answers;
+    another model starts empty."""
+    shipped = cli.training_free_drafter("suffix", None, None, default_model=True).cache
+    assert shipped.num_requests > 1000
+    assert cli.training_free_drafter("suffix", None, None, default_model=False).cache.num_requests == 0
+    missing = tmp_path / "not-yet.json"  # where this run's answers will be saved
+    assert (
+        cli.training_free_drafter("suffix", None, str(missing), True).cache.num_requests
+        == shipped.num_requests
+    )
+    own = tmp_path / "own.json"
+    treespec.SuffixCache.from_sequences([[1, 2, 3]]).save(own)
+    assert cli.training_free_drafter("suffix", None, str(own), True).cache.num_requests == 1

@@ -297,3 +297,16 @@ def test_a_cache_warmed_with_earlier_answers_drafts_them_and_keeps_room():
     assert cache.requests()[0] == [20, 21, 22] and cache.num_tokens + cache.num_requests <= cache.max_tokens
     with pytest.raises(ValueError, match="token ids"):
         SuffixCache.from_sequences([[1, -2]])
+
+
+def test_the_shipped_cache_holds_the_default_models_training_answers_only():
+    """heads/smollm2-135m-instruct-suffix/suffix-cache.json is what scripts/make_suffix_cache.py writes
+    from the committed distillation data's train split: every answer, in order (the split holds no
+    held-out prompt)."""
+    from treespec.tools.models import default_suffix_cache_file
+    from treespec.training.distill import read_answers
+
+    shipped = SuffixCache.load(default_suffix_cache_file())
+    folder = "data/distill/smollm2-135m-instruct"
+    assert shipped.requests() == read_answers(folder)  # the train split's answers (not the eval split's)
+    assert shipped.max_tokens == shipped.num_tokens + shipped.num_requests + 131072  # room for new requests

@@ -34,6 +34,7 @@ SHIPPED = [  # files `treespec generate` / `treespec bench` / self-speculative d
     "treespec/heads/smollm2-135m-instruct-exit10/tune.json",
     "treespec/heads/smollm2-135m-instruct-eagle/model.safetensors",
     "treespec/heads/smollm2-135m-instruct-eagle/tree.json",
+    "treespec/heads/smollm2-135m-instruct-suffix/suffix-cache.json",
     "treespec/data/spec_bench_question.jsonl",
     "treespec/csrc/tree_attention_cpu.cpp",
 ]

@@ -181,9 +181,8 @@ class SuffixCache:
             raise ValueError(f"max_tokens must be an int >= 2, got {max_tokens!r}")
         self.max_tokens = max_tokens
         self.index = SuffixIndex(ngram)
-        self.sizes: deque[int] = (
-            deque()
-        )  # stream length of each request (its sentinel included), oldest first
+        # stream length of each request (its sentinel included), oldest first
+        self.sizes: deque[int] = deque()
 
     @classmethod
     def from_sequences(

@@ -27,7 +27,12 @@ import treespec
 
 from ..core.tree import Tree
 from . import drafter_options as options
-from .models import MissingDefaultModelError, default_data_file, default_heads_folder
+from .models import (
+    MissingDefaultModelError,
+    default_data_file,
+    default_heads_folder,
+    default_suffix_cache_file,
+)
 from .trace import Trace
 
 PROGRAMS = {  # subcommand -> (module with main(argv, prog), one-line help); they parse their own options
@@ -250,8 +255,8 @@ def _add_generate(commands) -> None:
         "--suffix-cache",
         metavar="FILE.json",
         default=None,
-        help="--drafter suffix: earlier answers to draft from, loaded when the file exists and saved "
-        "back with this answer added",
+        help="--drafter suffix: earlier answers to draft from, loaded when the file exists (else the "
+        "default model starts from its shipped answers) and saved back with this answer added",
     )
     p.add_argument(
         "--numerics",
@@ -321,11 +326,14 @@ def chain_drafter_factory(args: argparse.Namespace, model) -> Callable[[int | No
     return lambda gamma=None: chain.drafter(model, gamma, storage=args.storage, branching=args.branching)
 
 
-def training_free_drafter(name: str, model, cache_file: str | None):
-    """--drafter suffix / recycling / none: the drafter (None for plain decoding)."""
+def training_free_drafter(name: str, model, cache_file: str | None, default_model: bool = False):
+    """--drafter suffix / recycling / none: the drafter (None for plain decoding). The suffix drafter's
+    cache: `cache_file` when it exists, else (default_model) the default model's shipped earlier answers,
+    else an empty one."""
     if name == "suffix":
-        exists = cache_file is not None and Path(cache_file).exists()
-        return treespec.SuffixDrafter(treespec.SuffixCache.load(cache_file) if exists else None)
+        shipped = default_suffix_cache_file() if default_model else None
+        start = next((Path(f) for f in (cache_file, shipped) if f is not None and Path(f).is_file()), None)
+        return treespec.SuffixDrafter(treespec.SuffixCache.load(start) if start else None)
     if name == "recycling":
         return treespec.RecyclingDrafter(model.get_output_embeddings().weight.shape[0])
     return None
@@ -354,7 +362,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tree_choice = None if chained or args.tree is None else options.parse_tree(args.tree)
     model, tokenizer = treespec.load_model(args.model, dtype=args.dtype, device=args.device)
     if args.drafter != "heads":
-        drafter = training_free_drafter(args.drafter, model, args.suffix_cache)
+        drafter = training_free_drafter(
+            args.drafter, model, args.suffix_cache, default_model=args.model is None
+        )
     elif args.eagle:
         drafter = options.load_eagle_option(args.eagle, model, args.eagle_tree).drafter(model)
     else:

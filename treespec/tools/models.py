@@ -27,6 +27,7 @@ _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DEFAULT_FOLDER = "smollm2-135m-instruct"
 DEFAULT_HEADS_NAME = _DEFAULT_FOLDER  # heads/<name>: Medusa heads + tree.json; <name>-exit5, -exit10
 DEFAULT_EAGLE_NAME = _DEFAULT_FOLDER + "-eagle"  # heads/<name>: the EAGLE-style drafter + tree.json
+DEFAULT_SUFFIX_NAME = _DEFAULT_FOLDER + "-suffix"  # heads/<name>/suffix-cache.json: its earlier answers
 BENCH_QUESTIONS = "spec_bench_question.jsonl"
 _PACKAGE = Path(__file__).resolve().parents[1]  # treespec/
 
@@ -55,6 +56,13 @@ def default_heads_folder(name: str = DEFAULT_HEADS_NAME) -> Path:
     folder may be missing (a checkout without heads): check `.is_dir()`.
     """
     return _shipped("heads", name)
+
+
+def default_suffix_cache_file() -> Path:
+    """The default model's shipped `SuffixCache` (suffix-cache.json): its own greedy answers to the
+    distillation data's training prompts, for `SuffixDrafter` to start from (`SuffixCache.load`). May be
+    missing (a checkout without it): check `.is_file()`."""
+    return _shipped("heads", DEFAULT_SUFFIX_NAME) / "suffix-cache.json"
 
 
 def default_data_file(name: str = BENCH_QUESTIONS) -> Path:
