@@ -10,7 +10,7 @@ import pytest
 from conftest import load_script
 
 from treespec.tools import bench
-from treespec.tools.models import default_data_file
+from treespec.tools.models import default_data_file, default_suffix_cache_file
 
 # the checkout's distillation data (the model's own answers to the training prompts)
 WARM = str(Path(__file__).resolve().parents[1] / "data" / "distill" / "smollm2-135m-instruct")
@@ -164,7 +164,8 @@ def test_bench_dynamic_methods(tmp_path, smollm2):
     argv = ["--num-prompts", "2", "--max-new-tokens", "8", "--dtype", "float32", "--lookup", "3"]
     argv += ["--eagle", str(folder), "--eagle-tree", "3", "--cost-curve", str(curve)]
     argv += ["--suffix-warm", WARM]  # the suffix methods start from the model's own earlier answers
-    methods = "hf,dynamic,eagle_dynamic,eagle_dynamic_suffix,eagle_dynamic_all,dynamic_suffix,dynamic_all"
+    methods = "hf,dynamic,eagle_dynamic,eagle_dynamic_suffix,eagle_dynamic_all,eagle_heads_all,dynamic_suffix"
+    methods += ",dynamic_all"
     result = bench.main([*argv, "--methods", methods, "--out", str(out)])
     overall = result["summary"][-1]["methods"]
     for m in (
@@ -172,6 +173,7 @@ def test_bench_dynamic_methods(tmp_path, smollm2):
         "eagle_dynamic",
         "eagle_dynamic_suffix",
         "eagle_dynamic_all",
+        "eagle_heads_all",
         "dynamic_suffix",
         "dynamic_all",
     ):
@@ -188,12 +190,14 @@ def test_bench_dynamic_methods(tmp_path, smollm2):
 
 def test_each_method_gets_its_own_warm_suffix_cache():
     """--suffix-warm: every method starts from the same earlier answers in a cache of its own (one
-    method's answers must not reach another's cache in the same run); without it, a cold cache."""
-    new_cache = bench.suffix_cache_factory(WARM)
-    first, second = new_cache(), new_cache()
-    assert first is not second and first.num_requests == second.num_requests > 1000
-    first.add([1, 2, 3])
-    assert first.num_requests == second.num_requests + 1
+    method's answers must not reach another's cache in the same run), from a distillation folder or a
+    saved cache file; without it, a cold cache."""
+    for warm in (WARM, default_suffix_cache_file()):
+        new_cache = bench.suffix_cache_factory(str(warm))
+        first, second = new_cache(), new_cache()
+        assert first is not second and first.num_requests == second.num_requests > 1000
+        first.add([1, 2, 3])
+        assert first.num_requests == second.num_requests + 1
     assert bench.suffix_cache_factory(None)().num_requests == 0
 
 

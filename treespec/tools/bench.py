@@ -32,6 +32,9 @@ Methods (all run in the same process on the same prompt token ids):
     dynamic_all       dynamic trees over the union of the heads', the suffix drafter's and the recycling
                       drafter's trees (two nested `UnionDrafter`s; each source calibrated on its own)
     eagle_dynamic_all the same with the EAGLE drafter in place of the heads
+    eagle_heads_all   dynamic trees over the union of the EAGLE drafter's, the heads', the suffix drafter's
+                      and the recycling drafter's trees (every source this library has but the lookup
+                      branch, which the suffix trees cover)
     suffix            a SuffixDrafter: trees from the longest suffix match in the request and in a cache
                       of earlier answers (one drafter for every call, so its cache carries over)
     recycling         a RecyclingDrafter: trees walked through the target's own top-k after each token,
@@ -119,14 +122,16 @@ SPECULATIVE = (  # the methods that draft and verify
     "dynamic_suffix",
     "dynamic_all",
     "eagle_dynamic_all",
+    "eagle_heads_all",
     "suffix",
     "recycling",
 )
-DYNAMIC_EAGLE_METHODS = ("eagle_dynamic", "eagle_dynamic_suffix", "eagle_dynamic_all")
+DYNAMIC_EAGLE_METHODS = ("eagle_dynamic", "eagle_dynamic_suffix", "eagle_dynamic_all", "eagle_heads_all")
 EAGLE_METHODS = ("eagle", "eagle_lookup", *DYNAMIC_EAGLE_METHODS)
 # methods with a prompt-lookup branch of --lookup tokens
 LOOKUP_METHODS = ("lookup", "treespec_lookup", "eagle_lookup", "dynamic", "eagle_dynamic")
 UNION_METHODS = ("dynamic_suffix", "dynamic_all")  # dynamic trees over a union of drafters' trees
+HEADS_METHODS = ("treespec", "treespec_sdpa", "treespec_lookup", "dynamic", "eagle_heads_all", *UNION_METHODS)
 PEER_METHODS = {"vllm": 0, "vllm_ngram": None}  # name -> n-gram tokens (None: --vllm-ngram)
 METHODS = ("hf", "hf_prompt_lookup", "baseline", "baseline_sdpa", *SPECULATIVE, "hf_assisted", *PEER_METHODS)
 TREESPEC_METHODS = ("baseline", "baseline_sdpa", *SPECULATIVE)  # the methods that take --numerics
@@ -264,7 +269,8 @@ def add_drafter_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="suffix methods: warm each method's global suffix cache with the answers of this "
         "distillation data folder's train split (the model's own earlier answers to other prompts, e.g. "
-        "data/distill/smollm2-135m-instruct); default: a cold cache",
+        "data/distill/smollm2-135m-instruct), or from a saved cache file (e.g. the default model's "
+        "heads/smollm2-135m-instruct-suffix/suffix-cache.json); default: a cold cache",
     )
 
 
@@ -477,11 +483,13 @@ def chain_runners(model, chains: dict, ours, hf, branching_spec: str, lookup: in
 
 
 def suffix_cache_factory(folder: str | None):
-    """() -> a fresh global SuffixCache for one method: cold (folder None), else holding the answers of
-    distillation data `folder` (its train split: the model's answers to the training prompts, never to
-    an evaluation prompt)."""
+    """() -> a fresh global SuffixCache for one method: cold (folder None), loaded from `folder` when it
+    is a saved cache file, else holding the answers of distillation data `folder` (its train split: the
+    model's answers to the training prompts, never to an evaluation prompt)."""
     if not folder:
         return treespec.SuffixCache
+    if Path(folder).is_file():
+        return lambda: treespec.SuffixCache.load(folder)
     from ..training.distill import read_answers
 
     answers = read_answers(folder)
@@ -552,6 +560,12 @@ def dynamic_runners(
         runners["eagle_dynamic_suffix"] = priced(with_long_suffix(eagle.drafter(model)))
     if eagle is not None and "eagle_dynamic_all" in methods:
         runners["eagle_dynamic_all"] = priced(with_recycling(with_long_suffix(eagle.drafter(model)), model))
+    if eagle is not None and "eagle_heads_all" in methods:
+        if heads is None:
+            raise ValueError("eagle_heads_all needs heads")
+        envelope = heads.tree or default_tree(32, heads.num_heads)
+        both = treespec.UnionDrafter(eagle.drafter(model), treespec.make_drafter(heads, envelope, model))
+        runners["eagle_heads_all"] = priced(with_recycling(with_long_suffix(both), model))
     return runners
 
 
@@ -926,7 +940,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
         raise SystemExit(f"no prompts selected for the {args.workload} workload")
     device = next(model.parameters()).device
     heads, tree, heads_desc, tree_desc = None, None, "-", "-"
-    if {"treespec", "treespec_sdpa", "treespec_lookup", "dynamic", *UNION_METHODS} & set(args.methods):
+    if set(HEADS_METHODS) & set(args.methods):
         heads, tree, heads_desc, tree_desc = load_heads_and_tree(args, model)
     chains = load_chain_drafters(args, model)
     ours = [m for m in args.methods if m not in PEER_METHODS]
