@@ -60,6 +60,7 @@ METHOD_NAMES = {  # bench.py / bench_batch.py method -> what it is
     "eagle_dynamic": "treespec, dynamic trees (EAGLE-style drafter + prompt lookup)",
     "eagle_dynamic_suffix": "treespec, dynamic trees (EAGLE-style drafter + suffix trees)",
     "eagle_dynamic_all": "treespec, dynamic trees (EAGLE-style drafter + suffix + recycling)",
+    "eagle_heads_all": "treespec, dynamic trees (EAGLE-style drafter + heads + suffix + recycling)",
     "draft_model": "treespec, draft model",
     "draft_model_tree": "treespec, draft model + runner-up leaves",
     "self_spec": "treespec, self-speculative (exit head)",
