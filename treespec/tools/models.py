@@ -117,13 +117,20 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
     atomic_folder(folder, write)  # a crash leaves the old folder or the new one, never neither
 
 
-def fast_dtype(device: torch.device | str | None = None) -> torch.dtype:
-    """The quicker of bfloat16 and float32 for decoding on `device`: bfloat16 on a CUDA device that has it
-    and on a CPU with bf16 matrix instructions (AVX512-BF16 / AMX, through oneDNN), else float32 (where
-    bf16 matmuls are emulated, several times slower than float32)."""
+def fast_dtype(device: torch.device | str | None = None, block_weights: bool = False) -> torch.dtype:
+    """The quicker of bfloat16 and float32 for treespec's decoding on `device`: bfloat16 on a CUDA device
+    that has it and on a CPU with bf16 matrix instructions (AVX512-BF16 / AMX, through oneDNN), else float32
+    (where bf16 matmuls are emulated, several times slower than float32).
+
+    block_weights: the model's float32 weights are exact quantized blocks (the default model), which
+    treespec reads in that compact form (`core.blocks`). On a CPU without AMX float32 then wins: on an
+    AMD EPYC with AVX512-BF16 and no AMX, the plain loop made 43.8 tokens/s in float32 against 34.3 in bf16,
+    dynamic trees 54.5 against 42.3 (benchmarks/log/2026-12-04-e-dtype-probe.py, one process)."""
     device = torch.device(device or "cpu")
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    if block_weights and not torch.cpu._is_amx_tile_supported():
+        return torch.float32
     return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
 
 
@@ -134,11 +141,11 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load (model, tokenizer). `None` loads the embedded default SmolLM2-135M-Instruct.
 
-    dtype: torch dtype or its name ("bfloat16", "float32", ...; "auto": `fast_dtype(device)`); default
-    float32 (exact greedy output). device: default "cpu".
+    dtype: torch dtype or its name ("bfloat16", "float32", ...; "auto": `fast_dtype(device)`, with block
+    weights for the default model); default float32 (exact greedy output). device: default "cpu".
     """
     if dtype == "auto":
-        dtype = fast_dtype(device)
+        dtype = fast_dtype(device, block_weights=name_or_path is None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     dtype = dtype or torch.float32
