@@ -56,7 +56,7 @@ def load_heads(
     if price:
         tree, source = pick_tree(MACHINE, heads, "--tree", folder, model, compile=compile)
         return heads, tree, f"trained heads from {folder}; tree {source}"
-    tree = heads.tree or treespec.default_tree(32, heads.num_heads)
+    tree = heads.tree or treespec.default_tree(16, heads.num_heads)
     return heads, tree, f"trained heads from {folder}"
 
 
@@ -67,9 +67,10 @@ def make_drafter(model, heads, tree, args):
         static = lambda: treespec.as_drafter(model, heads, tree)  # noqa: E731
         return (lambda: treespec.LookupDrafter(static(), args.lookup)) if args.lookup else static
     cache = default_suffix_cache_file()
-    # suffix nodes beside the heads' tree up to BLOCK_ROWS_MAX in all: every step stays in the compile size
-    # class the warm-up compiled (2-24 nodes; a new class would compile inside a timed prompt)
-    room = BLOCK_ROWS_MAX - tree.num_nodes + 1  # the root is shared
+    # suffix nodes beside the heads' tree up to BLOCK_ROWS_MAX in all (the root is shared): every step stays
+    # in the compile size class the warm-up compiled (2-24 nodes; a new class would compile inside a timed
+    # prompt), unless the heads' own tree is larger
+    room = max(2, BLOCK_ROWS_MAX - tree.num_nodes + 1)
     start = treespec.SuffixCache.load(cache) if cache.is_file() else None
     suffix = treespec.SuffixDrafter(start, max_nodes=room, max_depth=room - 1)
     union = treespec.UnionDrafter(treespec.make_drafter(heads, tree, model), suffix)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,17 @@ from treespec.tools.peers import PeerUnavailable, VllmPeer, vllm_python
 VLLM_PYTHON = Path(
     os.environ.get("TREESPEC_VLLM_PYTHON", Path(__file__).parents[1] / ".venv-vllm/bin/python")
 )
+
+
+def start_vllm(*args, **kwargs) -> VllmPeer:
+    """A VllmPeer, retried once: in some full test runs (3 of 6 clean-clone CIs, never alone) vLLM's engine
+    failed to start in the second test that starts one; cause not found. The first failure's log goes to
+    the warnings summary, so a run that passes still shows it."""
+    try:
+        return VllmPeer(*args, **kwargs)
+    except PeerUnavailable as error:
+        warnings.warn(f"vLLM did not start; retrying once. {error}", stacklevel=2)
+        return VllmPeer(*args, **kwargs)
 
 
 def test_a_missing_vllm_environment_says_how_to_make_one(tmp_path):
@@ -38,6 +50,19 @@ def test_a_worker_that_dies_at_start_without_a_log_file_is_quoted_in_the_error(t
         VllmPeer(tmp_path, "float32", python=fake)
 
 
+def test_a_long_worker_log_is_quoted_from_its_first_error(tmp_path):
+    fake = tmp_path / "python"
+    noise = "".join(f"echo 'noise {i}' >&2\n" for i in range(40))
+    tail = "".join(f"echo 'tail {i}' >&2\n" for i in range(80))
+    fake.write_text(f"#!/bin/sh\n{noise}echo 'ERROR the root cause' >&2\n{tail}exit 1\n")
+    fake.chmod(0o755)
+    with pytest.raises(PeerUnavailable) as error:
+        VllmPeer(tmp_path, "float32", python=fake)
+    message = str(error.value)
+    assert "ERROR the root cause" in message and "tail 79" in message and "..." in message
+    assert "noise" not in message and "tail 40" not in message
+
+
 def test_bench_knows_the_vllm_methods():
     args = bench.parse_args(["--methods", "hf,vllm,vllm_ngram", "--vllm-ngram", "3"])
     assert args.methods == ["hf", "vllm", "vllm_ngram"] and args.vllm_ngram == 3
@@ -54,7 +79,7 @@ def test_vllm_greedy_equals_treespec_plain_greedy_and_its_batches_answer_the_sam
     ids = treespec.encode_prompt("Name three primary colors.", tokenizer)
     other = treespec.encode_prompt("What is 2+2? Answer with a number only.", tokenizer)  # ends early
     stop = eos_token_ids(model, tokenizer)
-    peer = VllmPeer(default_model_folder(), "float32", python=VLLM_PYTHON)
+    peer = start_vllm(default_model_folder(), "float32", python=VLLM_PYTHON)
     try:
         theirs = peer.run(ids, 24)["token_ids"]
         batch = peer.run_batch([other, ids], 24, 0.0, None, stop)  # distillation answers
@@ -99,7 +124,7 @@ def test_vllm_serves_an_exported_eagle_drafter_without_changing_its_output(smoll
     )  # untrained: the layout is the point
     folder = export_eagle3(draft, model, tmp_path / "eagle3", dtype=torch.float32)
     ids = treespec.encode_prompt("Name three primary colors.", tokenizer)
-    peer = VllmPeer(default_model_folder(), "float32", python=VLLM_PYTHON, draft=folder, draft_tokens=2)
+    peer = start_vllm(default_model_folder(), "float32", python=VLLM_PYTHON, draft=folder, draft_tokens=2)
     try:
         theirs = peer.run(ids, 16)["token_ids"]
         metrics = peer.spec_metrics()

@@ -144,14 +144,20 @@ class VllmPeer:
         accepted_per_position."""
         return self._ask({"metrics": True})
 
-    def _log_tail(self, lines: int = 15) -> str:
-        """The end of the worker's stderr, for an error message ("" if it wrote none)."""
+    def _log_tail(self, lines: int = 60) -> str:
+        """The worker's stderr for an error message ("" if it wrote none): from its first error on (vLLM
+        logs the root cause of a failed start before the traceback that ends the log), at most `lines`
+        lines, the first and the last half when longer."""
         try:
-            tail = self.log_path.read_text(errors="replace").strip().splitlines()[-lines:]
+            text = self.log_path.read_text(errors="replace").strip().splitlines()
         except OSError:
             return ""
+        first = next((i for i, line in enumerate(text) if "ERROR" in line or "Traceback" in line), 0)
+        text = text[first:]
+        if len(text) > lines:
+            text = [*text[: lines // 2], "...", *text[-(lines // 2) :]]
         where = "" if self._own_log else f" (whole log: {self.log_path})"
-        return f"; the end of its log{where}:\n" + "\n".join(tail) if tail else ""
+        return f"; its log{where}:\n" + "\n".join(text) if text else ""
 
     def close(self) -> None:
         if self.process.poll() is None:
