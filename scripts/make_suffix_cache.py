@@ -38,9 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     cache.save(out)
     memory, size = cache.memory_bytes() / 2**20, out.stat().st_size / 2**20
     print(
-        f"{out}: {cache.num_requests} answers, {cache.num_tokens} tokens, {memory:.1f} MiB in memory", end=""
+        f"{out}: {cache.num_requests} answers, {cache.num_tokens} tokens, {memory:.1f} MiB in memory, "
+        f"{size:.1f} MiB on disk"
     )
-    print(f", {size:.1f} MiB on disk")
     return 0
 
 

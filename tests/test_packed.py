@@ -96,7 +96,7 @@ def test_one_bf16_row_takes_exact_linear_without_amx_and_more_rows_take_onednn(m
     and for every larger row count; each equals its reference on fresh random inputs."""
     from treespec.core import packed
 
-    monkeypatch.setattr(packed, "_cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(packed, "cpu_has_amx", lambda: amx)
     calls = []
     exact_product = PackedMatrix._exact
     monkeypatch.setattr(

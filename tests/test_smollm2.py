@@ -9,6 +9,7 @@ import torch
 from conftest import hf_greedy, random_heads, spec_bench_prompts
 
 import treespec
+from treespec.core import packed
 from treespec.tools import models
 
 pytestmark = pytest.mark.integration
@@ -133,7 +134,7 @@ def test_missing_default_wheel_says_how_to_install(monkeypatch):
 def test_auto_dtype_keeps_float32_block_weights_on_cpus_without_amx(monkeypatch, amx, bf16):
     """dtype "auto": bf16 where oneDNN computes it, except for block weights (the default model) on a
     CPU without AMX, where float32 reads the quantized blocks faster."""
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(packed, "cpu_has_amx", lambda: amx)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: bf16)
     fast = torch.bfloat16 if bf16 else torch.float32
     assert models.fast_dtype("cpu") == fast

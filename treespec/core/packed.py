@@ -65,7 +65,8 @@ def _supported(tensor: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _cpu_has_amx() -> bool:
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (bf16 matrix products much faster than on AVX-512 alone)."""
     return bool(torch.cpu._is_amx_tile_supported())
 
 
@@ -76,7 +77,7 @@ def one_row_exact(weight: torch.Tensor) -> bool:
         weight.dtype == torch.bfloat16
         and weight.device.type == "cpu"
         and ops.available("cpu")
-        and not _cpu_has_amx()
+        and not cpu_has_amx()
     )
 
 

@@ -544,14 +544,17 @@ def dynamic_runners(
     def dynamic(inner):
         return priced(treespec.LookupDrafter(inner, lookup) if lookup else inner)
 
-    runners = {}
-    if {"dynamic", *UNION_METHODS} & set(methods):
+    def heads_drafter():
+        """The heads drafting their tree.json (else a 32-node default tree): the largest tree a step uses."""
         if heads is None:
             raise ValueError("the dynamic methods need heads")
-        envelope = heads.tree or default_tree(32, heads.num_heads)
-        runners["dynamic"] = dynamic(treespec.make_drafter(heads, envelope, model))
+        return treespec.make_drafter(heads, heads.tree or default_tree(32, heads.num_heads), model)
+
+    runners = {}
+    if {"dynamic", *UNION_METHODS} & set(methods):
+        runners["dynamic"] = dynamic(heads_drafter())
         for name in [m for m in UNION_METHODS if m in methods]:
-            union = with_long_suffix(treespec.make_drafter(heads, envelope, model))
+            union = with_long_suffix(heads_drafter())
             runners[name] = priced(with_recycling(union, model) if name == "dynamic_all" else union)
     eagle = chains.get("eagle")
     if eagle is not None and "eagle_dynamic" in methods:
@@ -561,10 +564,7 @@ def dynamic_runners(
     if eagle is not None and "eagle_dynamic_all" in methods:
         runners["eagle_dynamic_all"] = priced(with_recycling(with_long_suffix(eagle.drafter(model)), model))
     if eagle is not None and "eagle_heads_all" in methods:
-        if heads is None:
-            raise ValueError("eagle_heads_all needs heads")
-        envelope = heads.tree or default_tree(32, heads.num_heads)
-        both = treespec.UnionDrafter(eagle.drafter(model), treespec.make_drafter(heads, envelope, model))
+        both = treespec.UnionDrafter(eagle.drafter(model), heads_drafter())
         runners["eagle_heads_all"] = priced(with_recycling(with_long_suffix(both), model))
     return runners
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from ..core import packed
 from ..io import atomic_folder, cache_root
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -129,7 +130,7 @@ def fast_dtype(device: torch.device | str | None = None, block_weights: bool = F
     device = torch.device(device or "cpu")
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    if block_weights and not torch.cpu._is_amx_tile_supported():
+    if block_weights and not packed.cpu_has_amx():
         return torch.float32
     return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
 
