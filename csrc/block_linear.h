@@ -6,12 +6,34 @@
 //       nibble and for k = 32b + 16 + j in its high nibble (j < 16)                       (GGUF Q4_1 values)
 //   q8: w[n, k] = d[n, b] * q, q = q8[n, k] in [-127, 127]                                 (GGUF Q8_0 values)
 //   d, m: [N, K / 32] float16 values stored as float32, so every weight is computed exactly.
+//
+// Row-invariant: each out[r, n] is one fixed sequence of fp32 operations on row r of x and weight row n,
+// whatever M is, wherever the row sits in a tile, whichever columns a call covers and however many
+// threads share the work.
 #pragma once
 
 #include <cstdint>
 
 namespace treespec {
 
+// One weight matrix as the CPU linear kernels read it (block_linear_cpu.cpp, exact_linear_cpu.cpp).
+enum class WeightKind : int { kFloat32 = 0, kBFloat16 = 1, kQ4_1 = 2, kQ8_0 = 3 };
+
+struct LinearWeights {
+  WeightKind kind = WeightKind::kFloat32;
+  int64_t N = 0, K = 0;          // out_features, in_features
+  const void* w = nullptr;       // dense [N, K] (float32 / bf16 bits) or the blocks' q (uint8 [N, K/2], int8 [N, K])
+  const float* d = nullptr;      // [N, K / 32] block scales (blocks only)
+  const float* m = nullptr;      // [N, K / 32] block minimums (Q4_1 only)
+  const float* bias = nullptr;   // [N] float32, or nullptr
+};
+
+// Columns [n0, n1) of out[r * ldo + n] = x[r * K ..] . w[n] (+ bias[n]) for r < M, on the calling thread.
+// Row-invariant (above) for every kind; the dense kinds sum as exact_linear_cpu does (exact.h).
+void linear_columns(const LinearWeights& w, const float* x, int64_t M, float* out, int64_t ldo, int64_t n0,
+                    int64_t n1);
+
+// The whole product, parallel over columns (at::parallel_for); out [M, N] contiguous.
 void q4_linear_cpu(const float* x, int64_t M, int64_t K, const uint8_t* q4, const float* d, const float* m,
                    float* out, int64_t N);
 void q8_linear_cpu(const float* x, int64_t M, int64_t K, const int8_t* q8, const float* d, float* out, int64_t N);

@@ -6,138 +6,226 @@
 // d and m are float16 values stored as float32, so d * q is exact in float32 and fma(d, q, m) rounds once,
 // exactly as the float32 weights were computed from the file: every weight the kernel uses is bit for bit
 // the model's weight. Only the summation order of the dot products differs from a float32 GEMM.
-// out[M, N] = x[M, K] @ w^T, float32, K a multiple of 32. AVX2 + FMA; a scalar loop elsewhere.
 //
-// Row-invariant: every row of x is summed in the same order whatever M is and wherever the row sits in a
-// tile, so a row's output bits never depend on the other rows (speculative verification of N rows gives
-// each row what a one-row forward gives it; docs/kernels.md, "bitwise mode").
+// Engines: AVX-512 (16 lanes: a block is two vectors), AVX2 + FMA (8 lanes: four vectors), scalar. Each
+// output sums into one accumulator per vector of a block (block after block, one FMA each), then adds the
+// accumulators and their lanes in one fixed order: the row-invariant summation order. A tile of R rows x C
+// weight rows rebuilds each weight block once (in registers) for all R rows, and keeps 2RC (AVX-512)
+// independent FMA chains in flight, so one row (a plain step) is not bound by the FMA latency and many
+// rows (a verified tree) pay for the arithmetic, not for rebuilding the weights.
 
-#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#endif
 
+#include <ATen/Parallel.h>
+
+#include <algorithm>
 #include <cstdint>
 
 #include "block_linear.h"
+#include "exact.h"
 
 namespace treespec {
 namespace {
 
-#if defined(__AVX2__) && defined(__FMA__)
-inline float hsum(__m256 v) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define TREESPEC_BLOCK_AVX512 1
+constexpr int PV = 2;  // vectors per block
+typedef __m512 bvec;
+
+// The 32 weights of block b of one weight row: w[0] = k in [32b, 32b + 16), w[1] = [32b + 16, 32b + 32).
+template <bool Q4>
+inline void block_weights(const uint8_t* q, const float* d, const float* m, int64_t b, bvec w[PV]) {
+  const __m512 vd = _mm512_set1_ps(d[b]);
+  if (Q4) {
+    const __m512i all = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * b)));
+    const __m512i lo = _mm512_and_si512(all, _mm512_set1_epi32(0x0F));
+    const __m512i hi = _mm512_srli_epi32(all, 4);
+    const __m512 vm = _mm512_set1_ps(m[b]);
+    w[0] = _mm512_fmadd_ps(vd, _mm512_cvtepi32_ps(lo), vm);
+    w[1] = _mm512_fmadd_ps(vd, _mm512_cvtepi32_ps(hi), vm);
+  } else {
+    const int8_t* s = reinterpret_cast<const int8_t*>(q) + 32 * b;
+    w[0] = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)))));
+    w[1] = _mm512_mul_ps(
+        vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16)))));
+  }
+}
+inline bvec bzero() { return _mm512_setzero_ps(); }
+inline bvec bload(const float* p) { return _mm512_loadu_ps(p); }
+inline bvec bfma(bvec a, bvec b, bvec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float bsum(const bvec* acc) { return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])); }
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#define TREESPEC_BLOCK_AVX2 1
+constexpr int PV = 4;
+typedef __m256 bvec;
+
+template <bool Q4>
+inline void block_weights(const uint8_t* q, const float* d, const float* m, int64_t b, bvec w[PV]) {
+  const __m256 vd = _mm256_set1_ps(d[b]);
+  if (Q4) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * b));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(bytes, mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    const __m256 vm = _mm256_set1_ps(m[b]);
+    w[0] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), vm);
+    w[1] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), vm);
+    w[2] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), vm);
+    w[3] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), vm);
+  } else {
+    const int8_t* s = reinterpret_cast<const int8_t*>(q) + 32 * b;
+    for (int i = 0; i < 4; ++i) {
+      const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + 8 * i));
+      w[i] = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
+    }
+  }
+}
+inline bvec bzero() { return _mm256_setzero_ps(); }
+inline bvec bload(const float* p) { return _mm256_loadu_ps(p); }
+inline bvec bfma(bvec a, bvec b, bvec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float bsum(const bvec* acc) {
+  const __m256 v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-
-// The 32 weights of one Q4_1 block: bytes j hold q[j] (low nibble) and q[j + 16] (high nibble).
-inline void q4_block(const uint8_t* qs, float d, float m, __m256 w[4]) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(bytes, mask);
-  const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-  const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
-  w[0] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), vm);
-  w[1] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), vm);
-  w[2] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), vm);
-  w[3] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), vm);
-}
-
-inline void q8_block(const int8_t* qs, float d, __m256 w[4]) {
-  const __m256 vd = _mm256_set1_ps(d);
-  for (int i = 0; i < 4; ++i) {
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * i));
-    w[i] = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
-  }
-}
-
-// R rows of x against one weight row n: out[r, n] for r < R. Each row sums into the same 4 independent
-// accumulators (the block's 8-wide quarters q go to accumulator q) for every R, then adds them in one
-// fixed order: the row-invariant summation order (one chain of dependent FMAs per row would also leave a
-// one-row product waiting on the FMA latency four times per block).
-template <int R, bool Q4>
-inline void row_tile(const float* x, int64_t K, const void* qrow, const float* d, const float* m, float* out,
-                     int64_t N) {
-  constexpr int C = 4;
-  __m256 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  const int64_t blocks = K / 32;
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m256 w[4];
-    if (Q4)
-      q4_block(static_cast<const uint8_t*>(qrow) + 16 * b, d[b], m[b], w);
-    else
-      q8_block(static_cast<const int8_t*>(qrow) + 32 * b, d[b], w);
-    for (int r = 0; r < R; ++r) {
-      const float* xb = x + r * K + 32 * b;
-      for (int q = 0; q < 4; ++q)
-        acc[r][q % C] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8 * q), w[q], acc[r][q % C]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    __m256 sum = acc[r][0];
-    for (int c = 1; c < C; ++c) sum = _mm256_add_ps(sum, acc[r][c]);
-    out[r * N] = hsum(sum);
-  }
-}
 #endif
 
-template <bool Q4>
-inline void scalar_row(const float* x, int64_t K, const void* qrow, const float* d, const float* m, float* out) {
-  float acc = 0.f;
-  for (int64_t k = 0; k < K; ++k) {
-    const int64_t b = k / 32, j = k % 32;
-    float w;
-    if (Q4) {
-      const uint8_t byte = static_cast<const uint8_t*>(qrow)[16 * b + (j % 16)];
-      const int q = j < 16 ? (byte & 0x0F) : (byte >> 4);
-      w = __builtin_fmaf(d[b], static_cast<float>(q), m[b]);
-    } else {
-      w = d[b] * static_cast<float>(static_cast<const int8_t*>(qrow)[k]);
+#if defined(TREESPEC_BLOCK_AVX512) || defined(TREESPEC_BLOCK_AVX2)
+constexpr int kLanes = 32 / PV;
+
+// R rows of x against C weight rows n0 .. n0 + C - 1: out[r * ldo + c] for r < R, c < C.
+template <int R, int C, bool Q4>
+inline void tile(const float* x, int64_t K, const uint8_t* q, const float* d, const float* m, float* out,
+                 int64_t ldo) {
+  const int64_t blocks = K / 32, row_bytes = Q4 ? K / 2 : K;
+  bvec acc[R][C][PV];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      for (int v = 0; v < PV; ++v) acc[r][c][v] = bzero();
+  for (int64_t b = 0; b < blocks; ++b) {
+    bvec w[C][PV];
+    for (int c = 0; c < C; ++c) block_weights<Q4>(q + c * row_bytes, d + c * blocks, Q4 ? m + c * blocks : nullptr, b, w[c]);
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * K + 32 * b;
+      for (int v = 0; v < PV; ++v) {
+        const bvec xv = bload(xb + kLanes * v);
+        for (int c = 0; c < C; ++c) acc[r][c][v] = bfma(xv, w[c][v], acc[r][c][v]);
+      }
     }
-    acc += x[k] * w;
   }
-  *out = acc;
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r * ldo + c] = bsum(acc[r][c]);
 }
 
-// x rows per tile: R x 4 accumulators + 4 weight registers + 1 load must fit the register file (32 vector
-// registers with AVX-512VL, 16 with AVX2 only)
-#if defined(__AVX512VL__)
+// Weight rows per tile for a tile of R rows (the accumulators, weights and one x vector fit the registers).
+template <int R>
+constexpr int columns_for() {
+#if defined(TREESPEC_BLOCK_AVX512)
+  return R == 1 ? 4 : (R <= 3 ? 3 : 2);
+#else
+  return R == 1 ? 2 : 1;
+#endif
+}
+
+template <int R, bool Q4>
+inline void row_block(const float* x, int64_t K, const uint8_t* q, const float* d, const float* m, float* out,
+                      int64_t ldo, int64_t n0, int64_t n1) {
+  constexpr int C = columns_for<R>();
+  const int64_t blocks = K / 32, row_bytes = Q4 ? K / 2 : K;
+  int64_t n = n0;
+  for (; n + C <= n1; n += C)
+    tile<R, C, Q4>(x, K, q + n * row_bytes, d + n * blocks, Q4 ? m + n * blocks : nullptr, out + n, ldo);
+  for (; n < n1; ++n)
+    tile<R, 1, Q4>(x, K, q + n * row_bytes, d + n * blocks, Q4 ? m + n * blocks : nullptr, out + n, ldo);
+}
+
+#if defined(TREESPEC_BLOCK_AVX512)
 constexpr int kRows = 6;
 #else
 constexpr int kRows = 2;
 #endif
 
 template <bool Q4>
-void quant_linear(const float* x, int64_t M, int64_t K, const void* q, const float* d, const float* m, float* out,
-                  int64_t N) {
-  const int64_t row_bytes = Q4 ? K / 2 : K;
-  const int64_t blocks = K / 32;
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; ++n) {
-    const void* qrow = static_cast<const uint8_t*>(q) + n * row_bytes;
-    const float* dn = d + n * blocks;
-    const float* mn = Q4 ? m + n * blocks : nullptr;
-#if defined(__AVX2__) && defined(__FMA__)
-    int64_t r = 0;
-    for (; r + kRows <= M; r += kRows) row_tile<kRows, Q4>(x + r * K, K, qrow, dn, mn, out + r * N + n, N);
-    switch (M - r) {
-      case 1: row_tile<1, Q4>(x + r * K, K, qrow, dn, mn, out + r * N + n, N); break;
-      case 2: row_tile<2, Q4>(x + r * K, K, qrow, dn, mn, out + r * N + n, N); break;
-      case 3: row_tile<3, Q4>(x + r * K, K, qrow, dn, mn, out + r * N + n, N); break;
-      case 4: row_tile<4, Q4>(x + r * K, K, qrow, dn, mn, out + r * N + n, N); break;
-      case 5: row_tile<5, Q4>(x + r * K, K, qrow, dn, mn, out + r * N + n, N); break;
-      default: break;
-    }
-#else
-    for (int64_t r = 0; r < M; ++r) scalar_row<Q4>(x + r * K, K, qrow, dn, mn, out + r * N + n);
+void block_columns(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* d, const float* m,
+                   float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  int64_t r = 0;
+  for (; r + kRows <= M; r += kRows) row_block<kRows, Q4>(x + r * K, K, q, d, m, out + r * ldo, ldo, n0, n1);
+  const float* xr = x + r * K;
+  float* o = out + r * ldo;
+  switch (M - r) {
+    case 1: row_block<1, Q4>(xr, K, q, d, m, o, ldo, n0, n1); break;
+#if defined(TREESPEC_BLOCK_AVX512)
+    case 2: row_block<2, Q4>(xr, K, q, d, m, o, ldo, n0, n1); break;
+    case 3: row_block<3, Q4>(xr, K, q, d, m, o, ldo, n0, n1); break;
+    case 4: row_block<4, Q4>(xr, K, q, d, m, o, ldo, n0, n1); break;
+    case 5: row_block<5, Q4>(xr, K, q, d, m, o, ldo, n0, n1); break;
 #endif
+    default: break;
   }
 }
 
+#else  // scalar: the same weights, summed in k order
+
+template <bool Q4>
+void block_columns(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* d, const float* m,
+                   float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  const int64_t blocks = K / 32, row_bytes = Q4 ? K / 2 : K;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* qrow = q + n * row_bytes;
+    for (int64_t r = 0; r < M; ++r) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t b = n * blocks + k / 32, j = k % 32;
+        float w;
+        if (Q4) {
+          const uint8_t byte = qrow[16 * (k / 32) + (j % 16)];
+          w = __builtin_fmaf(d[b], static_cast<float>(j < 16 ? (byte & 0x0F) : (byte >> 4)), m[b]);
+        } else {
+          w = d[b] * static_cast<float>(reinterpret_cast<const int8_t*>(qrow)[k]);
+        }
+        acc += x[r * K + k] * w;
+      }
+      out[r * ldo + n] = acc;
+    }
+  }
+}
+#endif
+
+// Weight rows per parallel task: enough work per task to amortise its scheduling, and tasks enough to
+// balance the threads.
+constexpr int64_t kTaskColumns = 32;
+
+template <bool Q4>
+void quant_linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* d, const float* m,
+                  float* out, int64_t N) {
+  const int64_t tasks = (N + kTaskColumns - 1) / kTaskColumns;
+  at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t)
+      block_columns<Q4>(x, M, K, q, d, m, out, N, t * kTaskColumns, std::min(N, (t + 1) * kTaskColumns));
+  });
+}
+
 }  // namespace
+
+void linear_columns(const LinearWeights& w, const float* x, int64_t M, float* out, int64_t ldo, int64_t n0,
+                    int64_t n1) {
+  if (n0 >= n1 || M == 0) return;
+  const uint8_t* q = static_cast<const uint8_t*>(w.w);
+  switch (w.kind) {
+    case WeightKind::kQ4_1: block_columns<true>(x, M, w.K, q, w.d, w.m, out, ldo, n0, n1); break;
+    case WeightKind::kQ8_0: block_columns<false>(x, M, w.K, q, w.d, nullptr, out, ldo, n0, n1); break;
+    case WeightKind::kFloat32:
+    case WeightKind::kBFloat16:
+      exact_linear_columns(x, M, w.K, w.w, w.kind == WeightKind::kBFloat16, out, ldo, n0, n1);
+      break;
+  }
+  if (w.bias != nullptr)
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t n = n0; n < n1; ++n) out[r * ldo + n] += w.bias[n];
+}
 
 void q4_linear_cpu(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* d, const float* m,
                    float* out, int64_t N) {
@@ -145,7 +233,7 @@ void q4_linear_cpu(const float* x, int64_t M, int64_t K, const uint8_t* q, const
 }
 
 void q8_linear_cpu(const float* x, int64_t M, int64_t K, const int8_t* q, const float* d, float* out, int64_t N) {
-  quant_linear<false>(x, M, K, q, d, nullptr, out, N);
+  quant_linear<false>(x, M, K, reinterpret_cast<const uint8_t*>(q), d, nullptr, out, N);
 }
 
 }  // namespace treespec

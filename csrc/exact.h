@@ -16,6 +16,9 @@
 namespace treespec {
 
 void exact_linear_cpu(const float* x, int64_t M, int64_t K, const void* w, bool w_bf16, float* out, int64_t N);
+// Columns [n0, n1) of the same product into out[r * ldo + n], on the calling thread (same bits per element).
+void exact_linear_columns(const float* x, int64_t M, int64_t K, const void* w, bool w_bf16, float* out, int64_t ldo,
+                          int64_t n0, int64_t n1);
 void tree_attention_exact_cpu(const TreeAttentionParams& p);
 
 }  // namespace treespec

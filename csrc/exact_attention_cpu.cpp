@@ -209,10 +209,14 @@ template <typename T>
 void run(const TreeAttentionParams& p) {
   const int tiles = (p.n + kTokens - 1) / kTokens;
   const int64_t tasks = static_cast<int64_t>(p.batch) * p.kv_heads * tiles;
-  at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
+  auto worker = [&](int64_t first, int64_t last) {
     Scratch scratch;
     for (int64_t task = first; task < last; ++task) run_task<T>(p, task, scratch);
-  });
+  };
+  if (p.serial)
+    worker(0, tasks);
+  else
+    at::parallel_for(0, tasks, 1, worker);
 }
 
 }  // namespace

@@ -65,27 +65,38 @@ inline void row_tile(const float* x, int64_t K, const W* w, float* out, int64_t 
 }
 
 template <typename W>
+void columns(const float* x, int64_t M, int64_t K, const W* w, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  int64_t r = 0;
+  for (; r + kRows <= M; r += kRows)
+    for (int64_t n = n0; n < n1; ++n) row_tile<kRows, W>(x + r * K, K, w + n * K, out + r * ldo + n, ldo);
+  for (int64_t n = n0; n < n1; ++n) {
+    switch (M - r) {
+      case 1: row_tile<1, W>(x + r * K, K, w + n * K, out + r * ldo + n, ldo); break;
+      case 2: row_tile<2, W>(x + r * K, K, w + n * K, out + r * ldo + n, ldo); break;
+      case 3: row_tile<3, W>(x + r * K, K, w + n * K, out + r * ldo + n, ldo); break;
+      default: break;
+    }
+  }
+}
+
+template <typename W>
 void linear(const float* x, int64_t M, int64_t K, const W* w, float* out, int64_t N) {
   const int64_t blocks = (N + kColumns - 1) / kColumns;
   at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t block = first; block < last; ++block) {
-      const int64_t n0 = block * kColumns, n1 = std::min(N, n0 + kColumns);
-      int64_t r = 0;
-      for (; r + kRows <= M; r += kRows)
-        for (int64_t n = n0; n < n1; ++n) row_tile<kRows, W>(x + r * K, K, w + n * K, out + r * N + n, N);
-      for (int64_t n = n0; n < n1; ++n) {
-        switch (M - r) {
-          case 1: row_tile<1, W>(x + r * K, K, w + n * K, out + r * N + n, N); break;
-          case 2: row_tile<2, W>(x + r * K, K, w + n * K, out + r * N + n, N); break;
-          case 3: row_tile<3, W>(x + r * K, K, w + n * K, out + r * N + n, N); break;
-          default: break;
-        }
-      }
-    }
+    for (int64_t block = first; block < last; ++block)
+      columns<W>(x, M, K, w, out, N, block * kColumns, std::min(N, block * kColumns + kColumns));
   });
 }
 
 }  // namespace
+
+void exact_linear_columns(const float* x, int64_t M, int64_t K, const void* w, bool w_bf16, float* out, int64_t ldo,
+                          int64_t n0, int64_t n1) {
+  if (w_bf16)
+    columns<uint16_t>(x, M, K, static_cast<const uint16_t*>(w), out, ldo, n0, n1);
+  else
+    columns<float>(x, M, K, static_cast<const float*>(w), out, ldo, n0, n1);
+}
 
 void exact_linear_cpu(const float* x, int64_t M, int64_t K, const void* w, bool w_bf16, float* out, int64_t N) {
   if (w_bf16)

@@ -39,6 +39,9 @@ struct TreeAttentionParams {
   int batch = 0, heads = 0, kv_heads = 0, n = 0, kv_len = 0, head_dim = 0, words = 0;
   float scale = 1.0f;            // softmax scale applied to q.k
   DType dtype = DType::kFloat32;
+  // CPU: run every task on the calling thread (a caller that is itself one thread of a parallel region,
+  // e.g. the native step, must not open a nested one)
+  bool serial = false;
   // CUDA split-K workspace (flash-decoding): splits > 1 needs work_o [B*n*H*splits*D] and
   // work_ml [B*n*H*splits*2] floats; see tree_attention_cuda_plan.
   int splits = 1;

@@ -855,7 +855,7 @@ struct ThreadBuffers {
 
 template <typename T>
 void run(const TreeAttentionParams& p) {
-  const int threads = at::get_num_threads();
+  const int threads = p.serial ? 1 : at::get_num_threads();
   const Plan pl = make_plan(p, threads, std::is_same<T, uint16_t>::value && amx_enabled(p));
   Partials part;
   if (pl.splits > 1) {
@@ -867,7 +867,7 @@ void run(const TreeAttentionParams& p) {
   }
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(threads, pl.tasks);
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  auto worker = [&](int64_t, int64_t) {
     thread_local ThreadBuffers buf;
     buf.rs.reserve(pl);
 #ifdef TREESPEC_HAVE_AMX
@@ -885,7 +885,11 @@ void run(const TreeAttentionParams& p) {
     FmaEngine<T> e(p, pl, buf.f0, buf.f1, buf.f2, buf.f3);
     for (int64_t task = next.fetch_add(1); task < pl.tasks; task = next.fetch_add(1))
       run_task<T>(p, pl, task, e, buf.rs, buf.tiles, part, buf.acc);
-  });
+  };
+  if (p.serial)
+    worker(0, 1);
+  else
+    at::parallel_for(0, workers, 1, worker);
 }
 
 }  // namespace

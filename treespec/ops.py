@@ -52,9 +52,11 @@ _SOURCES_CPU = (
     "block_linear_cpu.cpp",
     "exact_attention_cpu.cpp",
     "exact_linear_cpu.cpp",
+    "native_step_cpu.cpp",
+    "native_bindings.cpp",
 )
 _SOURCES_CUDA = ("bindings_cuda.cpp", "tree_attention_cuda.cu")
-_HEADERS = ("tree_attention.h", "tensor_args.h", "block_linear.h", "exact.h", "vec.h")
+_HEADERS = ("tree_attention.h", "tensor_args.h", "block_linear.h", "exact.h", "vec.h", "native_step.h")
 
 _lock = threading.Lock()
 _state: dict = {"tried": False, "ok": False, "cuda": False, "error": None, "path": None, "seconds": None}

@@ -254,6 +254,17 @@ class TreeKVCache(KVCacheBase):
             return plan
         return replace(plan, rows=self._rows_host, prefix_lens=self._starts_host)
 
+    def forward_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The current forward's rows and their committed lengths (int64 [A] CPU tensors each), for a
+        kernel that writes the block itself (`core.native`)."""
+        if not self.rows:
+            raise RuntimeError("TreeKVCache.begin(rows, n) must prepare the forward first")
+        return self._rows_host, self._starts_host
+
+    def mark_written(self, layers: int) -> None:
+        """A kernel wrote the current forward's block in `layers` layers itself (no `update` calls)."""
+        self.writes += layers
+
     def _write_start(self) -> int:
         return max(self.lengths[r] for r in self.rows) if self.rows else max(self.lengths)
 

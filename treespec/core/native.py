@@ -1,0 +1,196 @@
+"""The native step: one C++ call runs every layer of a Llama-family verification forward (csrc/native_step.h).
+
+    NativeStep(model, exact)(tokens [A, n], positions [A, n], cache, plan) -> hidden [A, n, H]
+
+The same scorer contract as `decoder.full_forward` (and `compiled.CompiledForward`): the tokens' K/V land
+in the `TreeKVCache` at each row's committed end, attention reads each row's prefix plus its tree block
+under the plan's ancestor bits, and the final hidden states come back (logits stay with the caller's
+lm_head). It reads the HF module's own weights: dense float32 / bfloat16 tensors, or the exact Q4_1 / Q8_0
+blocks that `core.packed` recovered from them, never a copy made per step; norm weights are widened to
+float32 once. The rotary tables come from the model's own rotary module, once per cache size. Nothing of
+HF's Python forward runs per step: no module dispatch, no small aten ops.
+
+It covers Llama, Qwen2 and Mistral decoders (RMSNorm, rotary, grouped-query attention with optional
+q/k/v/o biases, SiLU-gated MLP) on the CPU in float32 or bfloat16; `unsupported_reason` says why any
+other model or setting runs the HF forward instead. The HF forward stays the reference: tests compare the
+two on fresh random models (tests/test_native.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import ops
+from .packed import weight_key
+from .runtime import TargetRuntime
+
+MODEL_TYPES = ("llama", "qwen2", "mistral")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # a fixed table per position (no length-dependent update)
+STEPS = ("auto", "native", "hf")
+KINDS = {"float32": 0, "bfloat16": 1, "q4_1": 2, "q8_0": 3}  # csrc WeightKind
+
+
+def _layers(model):
+    inner = getattr(model, "model", None)
+    return None if inner is None else getattr(inner, "layers", None)
+
+
+def model_reason(model) -> str | None:
+    """None when the native step can run `model`, else why not (a phrase)."""
+    config = model.config
+    if config.model_type not in MODEL_TYPES:
+        return f"model type {config.model_type!r} (it covers {', '.join(MODEL_TYPES)})"
+    param = next(model.parameters())
+    if param.device.type != "cpu" or param.dtype not in (torch.float32, torch.bfloat16):
+        return f"{param.device.type} {param.dtype} weights (it runs float32 or bfloat16 on the CPU)"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r} (it computes SiLU)"
+    if getattr(config, "final_logit_softcapping", None):
+        return "logit soft-capping"
+    if type(getattr(model, "lm_head", None)) is not torch.nn.Linear:
+        return "an lm_head that is not a plain nn.Linear"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return "pretraining_tp > 1"
+    inner, layers = getattr(model, "model", None), _layers(model)
+    if layers is None or not isinstance(getattr(inner, "embed_tokens", None), torch.nn.Embedding):
+        return "a module layout other than model.model.{embed_tokens, layers, norm}"
+    rotary = getattr(inner, "rotary_emb", None)
+    if rotary is None or getattr(rotary, "rope_type", "default") not in ROPE_TYPES:
+        return f"rope type {getattr(rotary, 'rope_type', None)!r} (it takes {', '.join(ROPE_TYPES)})"
+    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
+        return "sliding-window layers"
+    head_dim = layers[0].self_attn.head_dim
+    if head_dim % 2 or head_dim > 512:
+        return f"head_dim {head_dim}"
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        if any(type(m) is not torch.nn.Linear for m in linears):
+            return "linear layers that are not plain nn.Linear (adapters, quantized modules)"
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "variance_epsilon"):
+                return f"a {type(norm).__name__} norm"
+    return None
+
+
+def unsupported_reason(model, kernel: str, linears: str, compile: bool, own_scorer: bool) -> str | None:
+    """None when a decoder with these settings can verify through the native step, else why not."""
+    reason = model_reason(model)
+    if reason is not None:
+        return reason
+    if compile:
+        return "compile=True (the torch.compile path runs the HF forward)"
+    if own_scorer:
+        return "the drafter brings its own scorer"
+    if kernel not in ("compiled", "exact"):
+        return f"kernel={kernel!r} (the native step runs treespec's own attention kernels)"
+    if linears not in ("auto", "exact"):
+        return f"linears={linears!r} (the native step runs treespec's own linear kernels)"
+    if not ops.available("cpu"):
+        return f"treespec's compiled CPU ops did not build ({ops.build_info()['error']})"
+    return None
+
+
+def _linear_slots(module: torch.nn.Linear, blocks) -> tuple[int, list[torch.Tensor]]:
+    """(weight kind, [w or q, d, m, bias]) of one linear: its exact blocks when `blocks` has them."""
+    empty = torch.empty(0)
+    bias = empty if module.bias is None else module.bias.detach().float().contiguous()
+    if blocks is not None:
+        m = empty if blocks.m is None else blocks.m
+        return KINDS[blocks.kind], [blocks.q, blocks.d, m, bias]
+    w = module.weight.detach()
+    return KINDS[str(w.dtype).removeprefix("torch.")], [w.contiguous(), empty, empty, bias]
+
+
+class NativeStep:
+    """The scorer over the native step (module docstring). exact: the row-invariant attention kernel
+    ("bitwise" numerics); the linear kernels are row-invariant either way."""
+
+    def __init__(self, model, exact: bool = False):
+        self.model, self.exact = model, exact
+        self.layers = _layers(model)
+        self._native = None
+        self._key: tuple | None = None
+        self._cache = None  # the TreeKVCache bound to the native model
+        self._cos = self._sin = None  # [P, D] float32 rotary tables
+
+    def refresh(self) -> None:
+        """Rebuild the native model when a weight changed since the last build (once per prefill)."""
+        key = tuple(weight_key(p) for p in self.model.parameters())
+        if key != self._key:
+            self._native, self._cache, self._key = self._build(), None, key
+
+    def _build(self):
+        model, layers = self.model, self.layers
+        config, inner = model.config, model.model
+        packing = TargetRuntime.of(model).packing
+        blocks = {}
+        if packing is not None:
+            for linear in packing.linears:
+                linear.refresh()
+                if linear.matrix.blocks is not None:
+                    blocks[id(linear.module)] = linear.matrix.blocks.blocks
+        attn0 = layers[0].self_attn
+        tensors = [inner.embed_tokens.weight.detach().contiguous(), inner.norm.weight.detach().float().contiguous()]
+        kinds = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            tensors += [
+                layer.input_layernorm.weight.detach().float().contiguous(),
+                layer.post_attention_layernorm.weight.detach().float().contiguous(),
+            ]
+            for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+                kind, slots = _linear_slots(module, blocks.get(id(module)))
+                kinds.append(kind)
+                tensors += slots
+        kind, slots = _linear_slots(model.lm_head, blocks.get(id(model.lm_head)))
+        kinds.append(kind)
+        tensors += slots
+        dims = [
+            len(layers),
+            config.hidden_size,
+            config.num_attention_heads,
+            getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            attn0.head_dim,
+            config.intermediate_size,
+            inner.embed_tokens.weight.shape[0],
+        ]
+        eps = float(layers[0].input_layernorm.variance_epsilon)
+        return torch.classes.treespec.NativeModel(dims, [eps, float(attn0.scaling)], tensors, kinds)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The lm_head over hidden [..., H] -> logits [..., V], on the native step's threads."""
+        return self._native.logits(hidden)
+
+    def _bind(self, cache) -> None:
+        """Bind the cache's tensors and size the rotary tables for its capacity (when either changed)."""
+        if self._native is None:
+            self.refresh()
+        if cache is not self._cache:
+            self._native.bind_cache([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
+            self._cache = cache
+        if self._cos is None or self._cos.shape[0] < cache.max_len:
+            rotary = self.model.model.rotary_emb
+            dtype = next(self.model.parameters()).dtype
+            positions = torch.arange(cache.max_len)[None]  # [1, P]
+            cos, sin = rotary(torch.zeros(1, dtype=dtype), positions)  # [1, P, D] in the model's dtype
+            self._cos, self._sin = cos[0].float().contiguous(), sin[0].float().contiguous()
+
+    def __call__(self, tokens, positions, cache, plan, feature_layers=()):
+        """tokens, positions [A, n] -> hidden [A, n, H] (with feature_layers: (hidden, features [A, n, F]))."""
+        self._bind(cache)
+        rows, starts = cache.forward_rows()
+        bits = plan.bits if plan.mask is not None else None
+        hidden, features = self._native.step(
+            tokens.long().contiguous(),
+            positions.long().contiguous(),
+            rows,
+            starts,
+            bits,
+            self._cos,
+            self._sin,
+            list(feature_layers),
+            self.exact,
+        )
+        cache.mark_written(len(self.layers))
+        return (hidden, features) if feature_layers else hidden
