@@ -23,8 +23,9 @@ struct LinearWeights {
   WeightKind kind = WeightKind::kFloat32;
   int64_t N = 0, K = 0;          // out_features, in_features
   const void* w = nullptr;       // dense [N, K] (float32 / bf16 bits) or the blocks' q (uint8 [N, K/2], int8 [N, K])
-  const float* d = nullptr;      // [N, K / 32] block scales (blocks only)
-  const float* m = nullptr;      // [N, K / 32] block minimums (Q4_1 only)
+  const void* d = nullptr;       // [N, K / 32] block scales (blocks only): float32, or float16 bits
+  const void* m = nullptr;       // [N, K / 32] block minimums (Q4_1 only), the same type
+  bool half_scales = false;      // d and m hold float16 bits (the same values in half the bytes)
   const float* bias = nullptr;   // [N] float32, or nullptr
 };
 

@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "block_linear.h"
 #include "exact.h"
@@ -27,20 +28,52 @@
 namespace treespec {
 namespace {
 
+// Block scale i of a [N, K / 32] array of float32 values (Half false) or of float16 bits (Half true; the
+// same values, half the bytes): exact either way.
+template <bool Half>
+inline float scale_at(const void* s, int64_t i) {
+  if constexpr (Half) {
+    const uint16_t h = static_cast<const uint16_t*>(s)[i];
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+    uint32_t bits;
+    if (exponent == 0 && mantissa == 0) {
+      bits = sign;
+    } else if (exponent == 0) {  // subnormal: normalise
+      int e = -1;
+      uint32_t m = mantissa;
+      do { ++e; m <<= 1; } while ((m & 0x400u) == 0);
+      bits = sign | ((127 - 15 - e) << 23) | ((m & 0x3FFu) << 13);
+    } else if (exponent == 31) {
+      bits = sign | 0x7F800000u | (mantissa << 13);
+    } else {
+      bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+#endif
+  } else {
+    return static_cast<const float*>(s)[i];
+  }
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define TREESPEC_BLOCK_AVX512 1
 constexpr int PV = 2;  // vectors per block
 typedef __m512 bvec;
 
 // The 32 weights of block b of one weight row: w[0] = k in [32b, 32b + 16), w[1] = [32b + 16, 32b + 32).
-template <bool Q4>
-inline void block_weights(const uint8_t* q, const float* d, const float* m, int64_t b, bvec w[PV]) {
-  const __m512 vd = _mm512_set1_ps(d[b]);
+template <bool Q4, bool Half>
+inline void block_weights(const uint8_t* q, const void* d, const void* m, int64_t b, bvec w[PV]) {
+  const __m512 vd = _mm512_set1_ps(scale_at<Half>(d, b));
   if (Q4) {
     const __m512i all = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * b)));
     const __m512i lo = _mm512_and_si512(all, _mm512_set1_epi32(0x0F));
     const __m512i hi = _mm512_srli_epi32(all, 4);
-    const __m512 vm = _mm512_set1_ps(m[b]);
+    const __m512 vm = _mm512_set1_ps(scale_at<Half>(m, b));
     w[0] = _mm512_fmadd_ps(vd, _mm512_cvtepi32_ps(lo), vm);
     w[1] = _mm512_fmadd_ps(vd, _mm512_cvtepi32_ps(hi), vm);
   } else {
@@ -60,15 +93,15 @@ inline float bsum(const bvec* acc) { return _mm512_reduce_add_ps(_mm512_add_ps(a
 constexpr int PV = 4;
 typedef __m256 bvec;
 
-template <bool Q4>
-inline void block_weights(const uint8_t* q, const float* d, const float* m, int64_t b, bvec w[PV]) {
-  const __m256 vd = _mm256_set1_ps(d[b]);
+template <bool Q4, bool Half>
+inline void block_weights(const uint8_t* q, const void* d, const void* m, int64_t b, bvec w[PV]) {
+  const __m256 vd = _mm256_set1_ps(scale_at<Half>(d, b));
   if (Q4) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * b));
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m128i lo = _mm_and_si128(bytes, mask);
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-    const __m256 vm = _mm256_set1_ps(m[b]);
+    const __m256 vm = _mm256_set1_ps(scale_at<Half>(m, b));
     w[0] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), vm);
     w[1] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), vm);
     w[2] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), vm);
@@ -96,9 +129,14 @@ inline float bsum(const bvec* acc) {
 #if defined(TREESPEC_BLOCK_AVX512) || defined(TREESPEC_BLOCK_AVX2)
 constexpr int kLanes = 32 / PV;
 
+template <bool Half>
+inline const void* offset(const void* s, int64_t i) {
+  return static_cast<const char*>(s) + i * (Half ? 2 : 4);
+}
+
 // R rows of x against C weight rows n0 .. n0 + C - 1: out[r * ldo + c] for r < R, c < C.
-template <int R, int C, bool Q4>
-inline void tile(const float* x, int64_t K, const uint8_t* q, const float* d, const float* m, float* out,
+template <int R, int C, bool Q4, bool Half>
+inline void tile(const float* x, int64_t K, const uint8_t* q, const void* d, const void* m, float* out,
                  int64_t ldo) {
   const int64_t blocks = K / 32, row_bytes = Q4 ? K / 2 : K;
   bvec acc[R][C][PV];
@@ -107,7 +145,9 @@ inline void tile(const float* x, int64_t K, const uint8_t* q, const float* d, co
       for (int v = 0; v < PV; ++v) acc[r][c][v] = bzero();
   for (int64_t b = 0; b < blocks; ++b) {
     bvec w[C][PV];
-    for (int c = 0; c < C; ++c) block_weights<Q4>(q + c * row_bytes, d + c * blocks, Q4 ? m + c * blocks : nullptr, b, w[c]);
+    for (int c = 0; c < C; ++c)
+      block_weights<Q4, Half>(q + c * row_bytes, offset<Half>(d, c * blocks), Q4 ? offset<Half>(m, c * blocks) : nullptr,
+                              b, w[c]);
     for (int r = 0; r < R; ++r) {
       const float* xb = x + r * K + 32 * b;
       for (int v = 0; v < PV; ++v) {
@@ -130,16 +170,18 @@ constexpr int columns_for() {
 #endif
 }
 
-template <int R, bool Q4>
-inline void row_block(const float* x, int64_t K, const uint8_t* q, const float* d, const float* m, float* out,
+template <int R, bool Q4, bool Half>
+inline void row_block(const float* x, int64_t K, const uint8_t* q, const void* d, const void* m, float* out,
                       int64_t ldo, int64_t n0, int64_t n1) {
   constexpr int C = columns_for<R>();
   const int64_t blocks = K / 32, row_bytes = Q4 ? K / 2 : K;
   int64_t n = n0;
   for (; n + C <= n1; n += C)
-    tile<R, C, Q4>(x, K, q + n * row_bytes, d + n * blocks, Q4 ? m + n * blocks : nullptr, out + n, ldo);
+    tile<R, C, Q4, Half>(x, K, q + n * row_bytes, offset<Half>(d, n * blocks), Q4 ? offset<Half>(m, n * blocks) : nullptr,
+                         out + n, ldo);
   for (; n < n1; ++n)
-    tile<R, 1, Q4>(x, K, q + n * row_bytes, d + n * blocks, Q4 ? m + n * blocks : nullptr, out + n, ldo);
+    tile<R, 1, Q4, Half>(x, K, q + n * row_bytes, offset<Half>(d, n * blocks), Q4 ? offset<Half>(m, n * blocks) : nullptr,
+                         out + n, ldo);
 }
 
 #if defined(TREESPEC_BLOCK_AVX512)
@@ -148,20 +190,20 @@ constexpr int kRows = 6;
 constexpr int kRows = 2;
 #endif
 
-template <bool Q4>
-void block_columns(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* d, const float* m,
+template <bool Q4, bool Half>
+void block_columns(const float* x, int64_t M, int64_t K, const uint8_t* q, const void* d, const void* m,
                    float* out, int64_t ldo, int64_t n0, int64_t n1) {
   int64_t r = 0;
-  for (; r + kRows <= M; r += kRows) row_block<kRows, Q4>(x + r * K, K, q, d, m, out + r * ldo, ldo, n0, n1);
+  for (; r + kRows <= M; r += kRows) row_block<kRows, Q4, Half>(x + r * K, K, q, d, m, out + r * ldo, ldo, n0, n1);
   const float* xr = x + r * K;
   float* o = out + r * ldo;
   switch (M - r) {
-    case 1: row_block<1, Q4>(xr, K, q, d, m, o, ldo, n0, n1); break;
+    case 1: row_block<1, Q4, Half>(xr, K, q, d, m, o, ldo, n0, n1); break;
 #if defined(TREESPEC_BLOCK_AVX512)
-    case 2: row_block<2, Q4>(xr, K, q, d, m, o, ldo, n0, n1); break;
-    case 3: row_block<3, Q4>(xr, K, q, d, m, o, ldo, n0, n1); break;
-    case 4: row_block<4, Q4>(xr, K, q, d, m, o, ldo, n0, n1); break;
-    case 5: row_block<5, Q4>(xr, K, q, d, m, o, ldo, n0, n1); break;
+    case 2: row_block<2, Q4, Half>(xr, K, q, d, m, o, ldo, n0, n1); break;
+    case 3: row_block<3, Q4, Half>(xr, K, q, d, m, o, ldo, n0, n1); break;
+    case 4: row_block<4, Q4, Half>(xr, K, q, d, m, o, ldo, n0, n1); break;
+    case 5: row_block<5, Q4, Half>(xr, K, q, d, m, o, ldo, n0, n1); break;
 #endif
     default: break;
   }
@@ -169,8 +211,8 @@ void block_columns(const float* x, int64_t M, int64_t K, const uint8_t* q, const
 
 #else  // scalar: the same weights, summed in k order
 
-template <bool Q4>
-void block_columns(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* d, const float* m,
+template <bool Q4, bool Half>
+void block_columns(const float* x, int64_t M, int64_t K, const uint8_t* q, const void* d, const void* m,
                    float* out, int64_t ldo, int64_t n0, int64_t n1) {
   const int64_t blocks = K / 32, row_bytes = Q4 ? K / 2 : K;
   for (int64_t n = n0; n < n1; ++n) {
@@ -182,9 +224,10 @@ void block_columns(const float* x, int64_t M, int64_t K, const uint8_t* q, const
         float w;
         if (Q4) {
           const uint8_t byte = qrow[16 * (k / 32) + (j % 16)];
-          w = __builtin_fmaf(d[b], static_cast<float>(j < 16 ? (byte & 0x0F) : (byte >> 4)), m[b]);
+          w = __builtin_fmaf(scale_at<Half>(d, b), static_cast<float>(j < 16 ? (byte & 0x0F) : (byte >> 4)),
+                             scale_at<Half>(m, b));
         } else {
-          w = d[b] * static_cast<float>(reinterpret_cast<const int8_t*>(qrow)[k]);
+          w = scale_at<Half>(d, b) * static_cast<float>(reinterpret_cast<const int8_t*>(qrow)[k]);
         }
         acc += x[r * K + k] * w;
       }
@@ -204,7 +247,7 @@ void quant_linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const 
   const int64_t tasks = (N + kTaskColumns - 1) / kTaskColumns;
   at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t)
-      block_columns<Q4>(x, M, K, q, d, m, out, N, t * kTaskColumns, std::min(N, (t + 1) * kTaskColumns));
+      block_columns<Q4, false>(x, M, K, q, d, m, out, N, t * kTaskColumns, std::min(N, (t + 1) * kTaskColumns));
   });
 }
 
@@ -214,9 +257,20 @@ void linear_columns(const LinearWeights& w, const float* x, int64_t M, float* ou
                     int64_t n1) {
   if (n0 >= n1 || M == 0) return;
   const uint8_t* q = static_cast<const uint8_t*>(w.w);
+  const bool half = w.half_scales;
   switch (w.kind) {
-    case WeightKind::kQ4_1: block_columns<true>(x, M, w.K, q, w.d, w.m, out, ldo, n0, n1); break;
-    case WeightKind::kQ8_0: block_columns<false>(x, M, w.K, q, w.d, nullptr, out, ldo, n0, n1); break;
+    case WeightKind::kQ4_1:
+      if (half)
+        block_columns<true, true>(x, M, w.K, q, w.d, w.m, out, ldo, n0, n1);
+      else
+        block_columns<true, false>(x, M, w.K, q, w.d, w.m, out, ldo, n0, n1);
+      break;
+    case WeightKind::kQ8_0:
+      if (half)
+        block_columns<false, true>(x, M, w.K, q, w.d, nullptr, out, ldo, n0, n1);
+      else
+        block_columns<false, false>(x, M, w.K, q, w.d, nullptr, out, ldo, n0, n1);
+      break;
     case WeightKind::kFloat32:
     case WeightKind::kBFloat16:
       exact_linear_columns(x, M, w.K, w.w, w.kind == WeightKind::kBFloat16, out, ldo, n0, n1);

@@ -35,6 +35,24 @@ struct NativeModel : torch::CustomClassHolder {
   std::vector<at::Tensor> cache_held;  // the bound cache's tensors
   bool cache_bound = false;
   LinearWeights lm_head;
+  bool profiling = false;
+  std::vector<int64_t> profile_ns = std::vector<int64_t>(kNativeStageKinds, 0);
+
+  // Task time by stage kind from now on (on) or not (off); profile() reads and clears the counters.
+  void set_profiling(bool on) {
+    profiling = on;
+    std::fill(profile_ns.begin(), profile_ns.end(), 0);
+  }
+
+  // Seconds of task time per stage kind since the last read (summed over threads), then cleared.
+  std::vector<double> profile() {
+    std::vector<double> out;
+    for (int64_t& ns : profile_ns) {
+      out.push_back(static_cast<double>(ns) * 1e-9);
+      ns = 0;
+    }
+    return out;
+  }
 
   // dims: layers, hidden, heads, kv_heads, head_dim, intermediate, vocab; numbers: eps, scale;
   // tensors: embed, final norm, then per layer: input norm, post norm, 7 linears x (w, d, m, bias) with
@@ -109,8 +127,14 @@ struct NativeModel : torch::CustomClassHolder {
         TORCH_CHECK(K % 32 == 0 && t.size(1) == (q4 ? K / 2 : K) && t.scalar_type() == (q4 ? at::kByte : at::kChar) &&
                         d.numel() == N * (K / 32) && (!q4 || mm.numel() == d.numel()),
                     "treespec native step: blocks do not fit [", N, ", ", K, "]");
-        w.d = float_pointer(d, "block scales");
-        w.m = q4 ? float_pointer(mm, "block minimums") : nullptr;
+        // float16 scales (the values a GGUF file stores, half the bytes of float32 ones) or float32
+        w.half_scales = d.scalar_type() == at::kHalf;
+        const auto scale_type = w.half_scales ? at::kHalf : at::kFloat;
+        TORCH_CHECK(d.scalar_type() == scale_type && d.is_contiguous() && (!q4 || (mm.scalar_type() == scale_type &&
+                                                                                      mm.is_contiguous())),
+                    "treespec native step: block scales must be contiguous float16 or float32 tensors");
+        w.d = d.data_ptr();
+        w.m = q4 ? mm.data_ptr() : nullptr;
         break;
       }
       default: TORCH_CHECK(false, "treespec native step: unknown weight kind ", kind);
@@ -134,7 +158,8 @@ struct NativeModel : torch::CustomClassHolder {
     std::vector<int64_t> shape(hidden.sizes().begin(), hidden.sizes().end());
     shape.back() = m.vocab;
     at::Tensor out = at::empty(shape, x.options());
-    native_linear_cpu(lm_head, x.data_ptr<float>(), x.numel() / m.hidden, out.data_ptr<float>(), 256);
+    native_linear_cpu(lm_head, x.data_ptr<float>(), x.numel() / m.hidden, out.data_ptr<float>(), 256,
+                      profiling ? profile_ns.data() : nullptr);
     return m.bf16 ? out.to(at::kBFloat16) : out;
   }
 
@@ -232,6 +257,7 @@ struct NativeModel : torch::CustomClassHolder {
     args.exact = exact;
     args.hidden = hidden.data_ptr();
     args.features = feats.data_ptr();
+    args.profile_ns = profiling ? profile_ns.data() : nullptr;
     native_step_cpu(m, args, scratch);
     return {hidden, feats};
   }
@@ -244,5 +270,7 @@ TORCH_LIBRARY_FRAGMENT(treespec, m) {
       .def(torch::init<std::vector<int64_t>, std::vector<double>, std::vector<at::Tensor>, std::vector<int64_t>>())
       .def("bind_cache", &treespec::NativeModel::bind_cache)
       .def("step", &treespec::NativeModel::step)
-      .def("logits", &treespec::NativeModel::logits);
+      .def("logits", &treespec::NativeModel::logits)
+      .def("set_profiling", &treespec::NativeModel::set_profiling)
+      .def("profile", &treespec::NativeModel::profile);
 }

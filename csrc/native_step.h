@@ -64,7 +64,11 @@ struct NativeStepArgs {
   bool exact = false;                    // the row-invariant attention kernel
   void* hidden = nullptr;                // out [A, n, hidden] in the model's dtype
   void* features = nullptr;              // out [A, n, num_features * hidden] in the model's dtype
+  int64_t* profile_ns = nullptr;         // kNativeStageKinds counters of task time by stage kind, or nullptr
 };
+
+constexpr int kNativeStageKinds = 12;   // embed, norm1, qkv, rotary, attention, o, norm2, gate_up, down,
+                                        // features, final, logits
 
 // float32 work buffers of a step, grown on demand and kept between calls (no allocation in steady state)
 struct NativeScratch {
@@ -75,6 +79,7 @@ struct NativeScratch {
 
 void native_step_cpu(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s);
 // out[M, N] = x[M, K] @ w^T (+ bias) on the step's scheduler (the lm_head of the rows the caller reads)
-void native_linear_cpu(const LinearWeights& w, const float* x, int64_t M, float* out, int64_t columns_per_task);
+void native_linear_cpu(const LinearWeights& w, const float* x, int64_t M, float* out, int64_t columns_per_task,
+                       int64_t* profile_ns = nullptr);
 
 }  // namespace treespec

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -67,7 +68,8 @@ inline void store_row(const float* src, T* dst, int64_t n) {
 }
 
 // The stages of a step, in order; a stage's tasks run once every task of the stage before has finished.
-enum class StageKind : int { kEmbed, kNorm1, kQKV, kRotary, kAttention, kO, kNorm2, kGateUp, kDown, kFeatures, kFinal };
+// (the order of NATIVE_STAGE_KINDS in native_bindings.cpp)
+enum class StageKind : int { kEmbed, kNorm1, kQKV, kRotary, kAttention, kO, kNorm2, kGateUp, kDown, kFeatures, kFinal, kLogits };
 
 struct Stage {
   StageKind kind;
@@ -81,8 +83,9 @@ struct Stage {
 // therefore delays only the one task it holds, and the others take the rest of the work: the step slows
 // in proportion to the cores it loses, not by a scheduler time slice at every stage (which a barrier that
 // waits for every thread costs).
+// profile: nullptr, or kNativeStageKinds nanosecond counters that each task's time is added to (by kind)
 template <class Run>
-void run_stages(const std::vector<Stage>& stages, Run run) {
+void run_stages(const std::vector<Stage>& stages, Run run, int64_t* profile = nullptr) {
   const size_t S = stages.size();
   std::vector<int64_t> end(S);
   int64_t total = 0;
@@ -105,7 +108,14 @@ void run_stages(const std::vector<Stage>& stages, Run run) {
             std::this_thread::yield();  // the task we wait for may need this core
         }
       }
-      run(stages[s], g - (end[s] - stages[s].tasks));
+      if (profile != nullptr) {
+        const auto t0 = std::chrono::steady_clock::now();
+        run(stages[s], g - (end[s] - stages[s].tasks));
+        const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0);
+        __atomic_fetch_add(profile + static_cast<int>(stages[s].kind), static_cast<int64_t>(ns.count()), __ATOMIC_RELAXED);
+      } else {
+        run(stages[s], g - (end[s] - stages[s].tasks));
+      }
       done[s].fetch_add(1, std::memory_order_release);
     }
   }
@@ -292,16 +302,17 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
         copy_feature(m.layers, x + t * H, t);
         break;
     }
-  });
+  }, a.profile_ns);
 }
 
 }  // namespace
 
-void native_linear_cpu(const LinearWeights& w, const float* x, int64_t M, float* out, int64_t columns_per_task) {
-  const std::vector<Stage> stages = {{StageKind::kO, 0, (w.N + columns_per_task - 1) / columns_per_task}};
+void native_linear_cpu(const LinearWeights& w, const float* x, int64_t M, float* out, int64_t columns_per_task,
+                       int64_t* profile_ns) {
+  const std::vector<Stage> stages = {{StageKind::kLogits, 0, (w.N + columns_per_task - 1) / columns_per_task}};
   run_stages(stages, [&](const Stage&, int64_t t) {
     linear_columns(w, x, M, out, w.N, t * columns_per_task, std::min(w.N, (t + 1) * columns_per_task));
-  });
+  }, profile_ns);
 }
 
 void native_step_cpu(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {

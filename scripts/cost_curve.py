@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--budgets", default="4,6,8,12,16,24,32", help="tree node budgets to price ('' = skip)")
     p.add_argument(
         "--paths",
-        default="eager,blocks,compiled",
+        default="native,blocks,eager",
         help=f"verification paths to measure, of {','.join(PATHS)} (compiled: ~1 minute per node count)",
     )
     p.add_argument("--repeats", type=int, default=7)

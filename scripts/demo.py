@@ -13,6 +13,10 @@ one drafter serves every prompt, so what it learns carries over. `--drafter stat
 priced on this machine + a prompt-lookup chain instead. `--compile` verifies through torch.compile: the
 warm-up then compiles the step (one to two minutes per size class on a small CPU, with a message; the
 code is kept on disk, the tracing is redone in each process).
+
+When llama.cpp's environment exists (`make llamacpp-env`: .venv-llamacpp), llama.cpp answers the same
+prompt ids too, greedy, on the same GGUF file the default model comes from, with torch's thread count, and
+its line shows its tokens/s beside HF's (`tools.peers.LlamaCppPeer`); without it nothing changes.
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ import torch
 
 import treespec
 from treespec.core.packed import BLOCK_ROWS_MAX
+from treespec.core.tokens import eos_token_ids
 from treespec.tools.bench import hf_greedy
 from treespec.tools.drafter_options import MACHINE, pick_tree
 from treespec.tools.models import default_heads_folder, default_suffix_cache_file
+from treespec.tools.peers import LlamaCppPeer, find_llamacpp_python
 from treespec.training.costs import verify_cost_model
 
 PROMPTS = [
@@ -85,8 +91,19 @@ def hf_generate(model, tokenizer, prompt_ids, n, **extra) -> tuple[list[int], fl
     return tokens, time.perf_counter() - t0
 
 
-def run_all(model, tokenizer, new_drafter, prompts, args) -> list[dict]:
-    """Every prompt through HF generate, HF prompt lookup and treespec: tokens, seconds, accepted."""
+def start_llamacpp(model, tokenizer) -> LlamaCppPeer | None:
+    """llama.cpp on the default model's GGUF file when its environment exists (`make llamacpp-env`), else
+    None; torch's threads, HF's end tokens."""
+    if find_llamacpp_python() is None:
+        return None
+    peer = LlamaCppPeer(threads=torch.get_num_threads(), stop_token_ids=eos_token_ids(model, tokenizer))
+    print(f"llama.cpp: {peer.engine_name()}, {peer.info['threads']} threads, {peer.info['model']}")
+    return peer
+
+
+def run_all(model, tokenizer, new_drafter, prompts, args, llama=None) -> list[dict]:
+    """Every prompt through HF generate, HF prompt lookup and treespec (and llama.cpp when given):
+    tokens, seconds, accepted."""
     runs = []
     for prompt in prompts:
         ids = treespec.encode_prompt(prompt, tokenizer)
@@ -114,6 +131,10 @@ def run_all(model, tokenizer, new_drafter, prompts, args) -> list[dict]:
                 "result": res,
             }
         )
+        if llama is not None:
+            t0 = time.perf_counter()
+            tokens = llama.run(ids, args.max_new_tokens)["token_ids"]
+            runs[-1]["llamacpp"] = (tokens, time.perf_counter() - t0)
     return runs
 
 
@@ -150,11 +171,21 @@ def report(runs: list[dict], tokenizer) -> None:
         f"speedup          : {total['treespec'] / total['hf']:.2f}x over HF generate   "
         f"mean accepted length: {accepted / steps:.2f}"
     )
+    if all("llamacpp" in r for r in runs):
+        total["llamacpp"] = sum(len(r["llamacpp"][0]) for r in runs) / sum(r["llamacpp"][1] for r in runs)
+        same = sum(r["llamacpp"][0] == r["hf"][0] for r in runs)
+        ratio = total["llamacpp"] / total["hf"]
+        print(
+            f"llama.cpp        : {total['llamacpp']:6.1f} tokens/s ({ratio:.2f}x HF generate)   "
+            f"answers equal to HF's: {same}/{len(runs)} (it computes on the Q4_1 blocks)"
+        )
     print("same             : answers equal to HF generate's (float32 is exact; bf16 near-ties can flip)")
     print(
         "vLLM             : not in this environment; scripts/bench.py --methods ...,vllm,vllm_ngram "
         "runs it beside these (make vllm-env)"
     )
+    if not all("llamacpp" in r for r in runs):
+        print("llama.cpp        : not in this environment; `make llamacpp-env` adds its line here")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,14 +222,19 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"{heads_note}\ndynamic trees over the heads + suffix trees of the shipped earlier answers")
     new_drafter = make_drafter(model, heads, tree, args)
-    torch.manual_seed(0)
-    print("warming up ...", flush=True)
-    warm_up = argparse.Namespace(max_new_tokens=8, compile=args.compile)
-    # one-node steps, a whole tree, then the demo's drafter: with --compile, every graph the timed prompts
-    # use is compiled here
-    for drafter in (lambda: None, lambda: treespec.as_drafter(model, heads, tree), new_drafter):
-        run_all(model, tokenizer, drafter, ["Hi"], warm_up)
-    report(run_all(model, tokenizer, new_drafter, prompts, args), tokenizer)
+    llama = start_llamacpp(model, tokenizer)
+    try:
+        torch.manual_seed(0)
+        print("warming up ...", flush=True)
+        warm_up = argparse.Namespace(max_new_tokens=8, compile=args.compile)
+        # one-node steps, a whole tree, then the demo's drafter: with --compile, every graph the timed
+        # prompts use is compiled here
+        for drafter in (lambda: None, lambda: treespec.as_drafter(model, heads, tree), new_drafter):
+            run_all(model, tokenizer, drafter, ["Hi"], warm_up, llama)
+        report(run_all(model, tokenizer, new_drafter, prompts, args, llama), tokenizer)
+    finally:
+        if llama is not None:
+            llama.close()
     return 0
 
 

@@ -161,7 +161,10 @@ def test_heads_that_match_the_model_accept_deep_in_every_row():
         assert result.stats.steps < 30
 
 
-def test_a_row_that_hits_eos_first_stops_and_leaves_the_batch():
+@pytest.mark.parametrize("step", ["hf", "native"])
+def test_a_row_that_hits_eos_first_stops_and_leaves_the_batch(step, monkeypatch):
+    from treespec.core.native import NativeStep
+
     model = tiny_model("llama", dtype=torch.float32)
     heads = random_heads(model)
     prompts = _prompts(model, [5, 8, 13], seed=4)
@@ -170,12 +173,17 @@ def test_a_row_that_hits_eos_first_stops_and_leaves_the_batch():
     expected = [hf_greedy(model, p, 30, eos_token_id=eos) for p in prompts]
     assert len(expected[0]) < len(expected[1])  # the eos token stops row 0 early
 
-    widths = []  # rows in each verification forward
+    widths = []  # rows in each forward (the prefills run the HF forward on both paths)
     hook = model.model.embed_tokens.register_forward_hook(
         lambda m, args, out: widths.append(args[0].shape[0])
     )
+    native_call = NativeStep.__call__
+    monkeypatch.setattr(
+        NativeStep, "__call__", lambda self, tokens, *a, **k: widths.append(tokens.shape[0]) or native_call(self, tokens, *a, **k)
+    )
+    options = treespec.DecodeOptions(step=step)
     try:
-        results = treespec.generate(model, prompts, heads, max_new_tokens=30, eos_token_id=eos)
+        results = treespec.generate(model, prompts, heads, max_new_tokens=30, eos_token_id=eos, options=options)
     finally:
         hook.remove()
     assert [r.token_ids for r in results] == expected

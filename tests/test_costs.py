@@ -158,13 +158,13 @@ def test_a_missing_curve_is_measured_once_on_first_use_then_read(tmp_path, monke
     # every point (and again any that noise priced above a costlier one)
     assert set(measured) == {(n, p, "auto", False) for n in nodes for p in prefixes}
     assert len(messages) == 1 and str(file) in messages[0] and "scripts/cost_curve.py" in messages[0]
-    assert "--dtype float32 --paths blocks" in messages[0]
+    assert "--dtype float32 --paths native" in messages[0]  # the path a Llama decoder runs
     saved = costs.load_cost_curve(file)
-    assert set(saved["verify_ms"]) == {"blocks"} and saved["model"] == model.config.name_or_path
-    assert all(set(map(int, row)) == set(nodes) for row in saved["verify_ms"]["blocks"].values())
+    assert set(saved["verify_ms"]) == {"native"} and saved["model"] == model.config.name_or_path
+    assert all(set(map(int, row)) == set(nodes) for row in saved["verify_ms"]["native"].values())
     table = [seconds(n, 300) for n in range(1, 70)]
     assert all(0 < s < 1 for s in table)  # seconds, from the measured rows
-    assert seconds(64, 128) == pytest.approx(saved["verify_ms"]["blocks"]["128"]["64"] / 1e3)
+    assert seconds(64, 128) == pytest.approx(saved["verify_ms"]["native"]["128"]["64"] / 1e3)
 
     measured.clear()
     again = costs.verify_cost_model(model, progress=messages.append)

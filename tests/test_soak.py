@@ -105,7 +105,7 @@ def _describe(samples: list[dict[str, int]]) -> str:
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads RSS from Linux /proc")
-def test_repeated_generations_do_not_grow_memory(smollm2):
+def test_repeated_generations_do_not_grow_memory(smollm2, monkeypatch):
     model, tokenizer = smollm2
     heads = treespec.MedusaHeads.from_pretrained(SHIPPED_HEADS, model=model)
     tree = treespec.Tree.load(SHIPPED_HEADS / "tree.json")
@@ -127,19 +127,20 @@ def test_repeated_generations_do_not_grow_memory(smollm2):
     # the check has power: keeping each generation's last logits ([nodes, V] float32; 3 MiB with the
     # shipped 16-node tree), twice over in float64 (12 MiB), must fail it
     kept: list[torch.Tensor] = []
-    output = model.get_output_embeddings()
-    hook = output.register_forward_hook(
-        lambda module, args, out: kept.__setitem__(-1, out.detach().double().repeat(2, 1, 1))
-    )
+    logits = treespec.Decoder.logits  # every verification's logits pass here (native step or HF forward)
+
+    def keeping(self, hidden):
+        out = logits(self, hidden)
+        kept[-1] = out.detach().double().repeat(2, 1, 1)
+        return out
 
     def leaky():
         kept.append(None)
         generate()
 
-    try:
-        leaked = _soak(leaky, runs=3)
-    finally:
-        hook.remove()
+    monkeypatch.setattr(treespec.Decoder, "logits", keeping)
+    leaked = _soak(leaky, runs=3)
+    monkeypatch.undo()
     per_generation = sum(t.numel() * t.element_size() for t in kept[1:]) / (len(kept) - 1) / MIB
     assert per_generation > 2 * STEP_TOLERANCE / MIB, "the deliberate leak is too small to test with"
     assert _problems(leaked), (

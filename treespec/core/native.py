@@ -27,6 +27,11 @@ from .runtime import TargetRuntime
 MODEL_TYPES = ("llama", "qwen2", "mistral")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # a fixed table per position (no length-dependent update)
 STEPS = ("auto", "native", "hf")
+# the native step's stage kinds (csrc StageKind), in the order `NativeStep.profile` reports them
+STAGE_KINDS = (
+    "embed", "norm1", "qkv", "rotary", "attention", "o", "norm2", "gate_up", "down", "features", "final", "logits",
+)  # fmt: skip
+LINEAR_STAGES = ("qkv", "o", "gate_up", "down", "logits")
 KINDS = {"float32": 0, "bfloat16": 1, "q4_1": 2, "q8_0": 3}  # csrc WeightKind
 
 
@@ -95,9 +100,9 @@ def _linear_slots(module: torch.nn.Linear, blocks) -> tuple[int, list[torch.Tens
     """(weight kind, [w or q, d, m, bias]) of one linear: its exact blocks when `blocks` has them."""
     empty = torch.empty(0)
     bias = empty if module.bias is None else module.bias.detach().float().contiguous()
-    if blocks is not None:
-        m = empty if blocks.m is None else blocks.m
-        return KINDS[blocks.kind], [blocks.q, blocks.d, m, bias]
+    if blocks is not None:  # scales as float16 (exact: they are float16 values): half the bytes per step
+        m = empty if blocks.m is None else blocks.m.half()
+        return KINDS[blocks.kind], [blocks.q, blocks.d.half(), m, bias]
     w = module.weight.detach()
     return KINDS[str(w.dtype).removeprefix("torch.")], [w.contiguous(), empty, empty, bias]
 
@@ -157,6 +162,16 @@ class NativeStep:
         ]
         eps = float(layers[0].input_layernorm.variance_epsilon)
         return torch.classes.treespec.NativeModel(dims, [eps, float(attn0.scaling)], tensors, kinds)
+
+    def set_profiling(self, on: bool) -> None:
+        """Count each task's time by stage kind from now on (on) or stop (off); read with `profile`."""
+        if self._native is None:
+            self.refresh()
+        self._native.set_profiling(on)
+
+    def profile(self) -> dict[str, float]:
+        """Seconds of task time per stage kind (summed over threads) since the last read, then cleared."""
+        return dict(zip(STAGE_KINDS, self._native.profile(), strict=True))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The lm_head over hidden [..., H] -> logits [..., V], on the native step's threads."""

@@ -33,7 +33,9 @@ from pathlib import Path
 
 import torch
 
+from ..core.attention import auto_kernel
 from ..core.decoder import Decoder
+from ..core.native import unsupported_reason as native_unsupported
 from ..core.packed import BLOCK_ROWS_MAX
 from ..core.tree import Tree
 from ..drafters.base import BaseDrafter
@@ -42,14 +44,16 @@ from . import calibrate
 
 # bumped whenever a kernel or the choice between kernels changes what a verification costs (2: one bf16
 # row through `exact_linear` on CPUs without AMX), so cached curves of older kernels are measured again
-KERNELS_REVISION = 2
+# 3: the native step (`core.native`) verifies Llama-family models
+KERNELS_REVISION = 3
 NODES = (1, 4, 8, 16, 32, 64)
 PREFIXES = (128, 512, 1024)
 # name -> Decoder(linears=..., compile=...)
 PATHS = {
     "eager": {"linears": "torch"},
     "onednn": {"linears": "onednn"},
-    "blocks": {"linears": "auto"},
+    "blocks": {"linears": "auto", "step": "hf"},
+    "native": {"linears": "auto", "step": "native"},  # one C++ call per verification (`core.native`; Llama-family models)
     "compiled": {"linears": "auto", "compile": True},
     "exact": {"numerics": "bitwise"},  # the row-invariant kernels (`Decoder(numerics="bitwise")`)
 }
@@ -96,13 +100,20 @@ def verify_ms(
     seed: int = 0,
     compile: bool = False,
     numerics: str = "fast",
+    step: str = "auto",
 ) -> float:
     """Median ms of one verification of n nodes after `prefix` random committed tokens (the first call,
     which compiles when `compile`, is not counted)."""
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     decoder = Decoder(
-        model, _Shape(_chain(n)), acceptance="greedy", linears=linears, compile=compile, numerics=numerics
+        model,
+        _Shape(_chain(n)),
+        acceptance="greedy",
+        linears=linears,
+        compile=compile,
+        numerics=numerics,
+        step=step,
     )
     prompt = torch.randint(0, vocab, (prefix,), generator=gen).tolist()
     decoder.prefill(prompt, max_new_tokens=n + 1)
@@ -192,12 +203,20 @@ def interpolate_monotone(curve: dict, path: str, prefix: int, n: int) -> float:
     return min([interpolate_rows(rows, prefix, n)] + [v for k, v in nearest_row(rows, prefix) if k > n])
 
 
-def verify_path_choices(compile: bool, numerics: str = "fast") -> list[str]:
+def verify_path_choices(compile: bool, numerics: str = "fast", native: bool = False) -> list[str]:
     """The cost-curve paths that price the step `Decoder(compile=compile, numerics=numerics)` runs, best
-    first."""
+    first. native: the decoder verifies through the native step (`core.native`)."""
     if numerics == "bitwise":
         return ["exact"]
-    return ["compiled"] if compile else ["blocks", "onednn", "eager"]
+    if compile:
+        return ["compiled"]
+    return (["native"] if native else []) + ["blocks", "onednn", "eager"]
+
+
+def runs_native(model, compile: bool = False) -> bool:
+    """Whether `Decoder(model, compile=compile)` verifies through the native step."""
+    param = next(model.parameters())
+    return native_unsupported(model, auto_kernel(param.device, param.dtype), "auto", compile, False) is None
 
 
 def measure_command(model, path: str) -> str:
@@ -231,7 +250,7 @@ def ensure_cost_curve(
     measured, where it goes and how to measure a fuller one. A `curve_file` given by the caller must exist
     and have the path; a file that exists but is not a cost curve is refused (`load_cost_curve`), never
     overwritten."""
-    wanted = verify_path_choices(compile, numerics)
+    wanted = verify_path_choices(compile, numerics, runs_native(model, compile))
     file = Path(curve_file) if curve_file else default_cost_file(model)
     remeasure = f"{measure_command(model, wanted[0])} --out {file}"
     curve = load_cost_curve(file, remeasure) if file.is_file() else None
@@ -461,13 +480,15 @@ def machine_tree(
     table = read_acceptance(heads_folder)
     if table is None:
         return heads.tree, "the heads' tree.json (no acceptance.json to price trees with)"
-    path = "compiled" if compile else "blocks"
+    curve_file = default_cost_file(model)
+    curve = load_cost_curve(curve_file) if curve_file.is_file() else None
+    # the path the decoder runs, or the next best that the curve has (`verify_path_choices`)
+    wanted = verify_path_choices(compile, "fast", runs_native(model, compile))
+    path = next((p for p in wanted if curve is not None and p in curve["verify_ms"]), wanted[0])
     saved = machine_tree_file(model, heads_folder, path)
     if saved.is_file():
         tree = Tree.load(saved, max_depth=heads.num_heads)
         return tree, f"priced on this machine ({tree.num_nodes} nodes; {saved}, delete it to re-measure)"
-    curve_file = default_cost_file(model)
-    curve = load_cost_curve(curve_file) if curve_file.is_file() else None
     if curve is not None and path not in curve["verify_ms"]:
         curve = None
     how = f"the {path} cost curve in {curve_file}" if curve else "timed uncompiled steps"

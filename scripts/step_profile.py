@@ -1,0 +1,121 @@
+#!/usr/bin/env python
+"""Where a decoding step's time goes: the plain loop (and trees of N nodes) through the native step.
+
+    python scripts/step_profile.py --dtype float32 --nodes 1,4,8,16 --out benchmarks/step-profile.json
+
+For each node count: wall ms of one `Decoder.step` over a chain of that many nodes (drafted by a drafter
+that proposes fixed tokens, so only the verification is timed), of the native call inside it, and the
+native step's task time by stage (linears / attention / the rest: norms, rotary, embedding), from the
+extension's own counters (`NativeStep.profile`, summed over threads and divided by the thread count, so
+the parts add up to the native call's wall time minus what the threads waited). The Python around the
+call (drafting, acceptance, the commit) is the step minus the native call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+try:
+    import treespec
+except ModuleNotFoundError:  # a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import treespec
+from treespec.core.decoder import Decoder
+from treespec.core.native import LINEAR_STAGES
+from treespec.core.tree import Tree
+from treespec.drafters.base import BaseDrafter, Proposal
+
+
+class ChainDrafter(BaseDrafter):
+    """Proposes the root followed by fixed tokens: a chain of `n` nodes every step."""
+
+    def __init__(self, n: int, token: int):
+        self.tree = Tree.from_choices([[0] * d for d in range(1, n)])
+        self.token = token
+
+    def propose(self, hidden, roots, max_depth=None):
+        n = self.tree.num_nodes
+        tokens = torch.full((roots.shape[0], n), self.token, dtype=torch.long)
+        tokens[:, 0] = roots
+        return Proposal(tokens)
+
+
+def profile(model, prompt: list[int], n: int, steps: int) -> dict:
+    decoder = Decoder(model, ChainDrafter(n, token=prompt[-1]) if n > 1 else None, step="native")
+    decoder.prefill(prompt, max_new_tokens=steps * n + 8)
+    native = decoder.native
+    calls = []
+    inner = decoder.scorer
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = inner(*args, **kwargs)
+        calls.append(time.perf_counter() - t0)
+        return out
+
+    decoder.scorer = timed
+    for _ in range(3):  # warm
+        decoder.step()
+    calls.clear()
+    native.set_profiling(True)
+    walls = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        decoder.step()
+        walls.append(time.perf_counter() - t0)
+    parts = native.profile()
+    native.set_profiling(False)
+    threads = torch.get_num_threads()
+    per_step = {k: 1e3 * v / steps / threads for k, v in parts.items()}
+    linears = sum(per_step[k] for k in LINEAR_STAGES)
+    return {
+        "nodes": n,
+        "step_ms": 1e3 * statistics.median(walls),
+        "native_call_ms": 1e3 * statistics.median(calls),
+        "linears_ms": linears,
+        "lm_head_ms": per_step["logits"],
+        "attention_ms": per_step["attention"],
+        "other_kernels_ms": sum(v for k, v in per_step.items() if k not in LINEAR_STAGES and k != "attention"),
+        "stages_ms": per_step,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="HF model folder (default: embedded SmolLM2)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--nodes", default="1,4,8,16")
+    p.add_argument("--prefix", type=int, default=128, help="committed tokens before the timed steps")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    model, _ = treespec.load_model(args.model, dtype=args.dtype)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (args.prefix,), generator=gen).tolist()
+    rows = [profile(model, prompt, int(n), args.steps) for n in args.nodes.split(",")]
+    one = rows[0]["step_ms"]
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    print(f"native step, {dtype}, {torch.get_num_threads()} threads, prefix {args.prefix}")
+    print("nodes  step ms  (x 1 node)  native call  linears (lm_head)  attention  other kernels  python")
+    for r in rows:
+        python = r["step_ms"] - r["native_call_ms"] - r["lm_head_ms"]
+        print(
+            f"{r['nodes']:5d}  {r['step_ms']:7.2f}  ({r['step_ms'] / one:4.2f}x)    {r['native_call_ms']:7.2f}"
+            f"   {r['linears_ms']:7.2f} ({r['lm_head_ms']:5.2f})   {r['attention_ms']:7.2f}    {r['other_kernels_ms']:7.2f}"
+            f"   {python:6.2f}"
+        )
+    result = {"dtype": dtype, "threads": torch.get_num_threads(), "prefix": args.prefix, "rows": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
