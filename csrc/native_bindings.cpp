@@ -192,6 +192,10 @@ struct NativeModel : torch::CustomClassHolder {
     cache_bound = true;
   }
 
+  // The address of the bound cache's first keys tensor (0 when none): a model shared by decoders rebinds
+  // when another decoder's cache is bound.
+  int64_t bound_to() { return cache_bound ? reinterpret_cast<int64_t>(desc.layer[0].keys) : 0; }
+
   // One step: ids, positions [A, n] int64; rows, starts [A] int64; bits [n, W] int64 or None (causal);
   // cos, sin [P, head_dim] float32; feature_layers: HF hidden_states indices. Returns (hidden [A, n, hidden],
   // features [A, n, len(feature_layers) * hidden], empty without feature layers), both in the model's dtype.
@@ -269,6 +273,7 @@ TORCH_LIBRARY_FRAGMENT(treespec, m) {
   m.class_<treespec::NativeModel>("NativeModel")
       .def(torch::init<std::vector<int64_t>, std::vector<double>, std::vector<at::Tensor>, std::vector<int64_t>>())
       .def("bind_cache", &treespec::NativeModel::bind_cache)
+      .def("bound_to", &treespec::NativeModel::bound_to)
       .def("step", &treespec::NativeModel::step)
       .def("logits", &treespec::NativeModel::logits)
       .def("set_profiling", &treespec::NativeModel::set_profiling)

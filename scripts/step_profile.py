@@ -61,17 +61,18 @@ def profile(model, prompt: list[int], n: int, steps: int) -> dict:
         return out
 
     decoder.scorer = timed
-    for _ in range(3):  # warm
-        decoder.step()
-    calls.clear()
-    native.set_profiling(True)
-    walls = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        decoder.step()
-        walls.append(time.perf_counter() - t0)
-    parts = native.profile()
-    native.set_profiling(False)
+    with decoder.running():  # the model's mode held over the loop, as `generate` holds it
+        for _ in range(3):  # warm
+            decoder.step()
+        calls.clear()
+        native.set_profiling(True)
+        walls = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            decoder.step()
+            walls.append(time.perf_counter() - t0)
+        parts = native.profile()
+        native.set_profiling(False)
     threads = torch.get_num_threads()
     per_step = {k: 1e3 * v / steps / threads for k, v in parts.items()}
     linears = sum(per_step[k] for k in LINEAR_STAGES)

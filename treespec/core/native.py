@@ -115,17 +115,21 @@ class NativeStep:
         self.model, self.exact = model, exact
         self.layers = _layers(model)
         self._native = None
-        self._key: tuple | None = None
         self._cache = None  # the TreeKVCache bound to the native model
         self._cos = self._sin = None  # [P, D] float32 rotary tables
 
     def refresh(self) -> None:
-        """Rebuild the native model when a weight changed since the last build (once per prefill)."""
+        """The native model over the current weights (once per prefill): the one the model's runtime
+        holds, rebuilt when a weight changed since it was built (every decoder of the model shares it)."""
+        runtime = TargetRuntime.of(self.model)
         key = tuple(weight_key(p) for p in self.model.parameters())
-        if key != self._key:
-            self._native, self._cache, self._key = self._build(), None, key
+        with runtime.lock:
+            if runtime.native is None or runtime.native[0] != key:
+                runtime.native = (key, *self._build())
+            self._native, self._cache = runtime.native[1], None  # bound again on the next call
 
     def _build(self):
+        """(the native model, bytes of the copies it made: float16 scales, float32 norms and biases)."""
         model, layers = self.model, self.layers
         config, inner = model.config, model.model
         packing = TargetRuntime.of(model).packing
@@ -161,7 +165,12 @@ class NativeStep:
             inner.embed_tokens.weight.shape[0],
         ]
         eps = float(layers[0].input_layernorm.variance_epsilon)
-        return torch.classes.treespec.NativeModel(dims, [eps, float(attn0.scaling)], tensors, kinds)
+        native = torch.classes.treespec.NativeModel(dims, [eps, float(attn0.scaling)], tensors, kinds)
+        shared = {p.data_ptr() for p in model.parameters()}
+        if packing is not None:
+            shared |= {t.data_ptr() for b in blocks.values() for t in (b.q, b.d, b.m) if t is not None}
+        copies = {t.data_ptr(): t.numel() * t.element_size() for t in tensors if t.numel()}
+        return native, sum(n for ptr, n in copies.items() if ptr not in shared)
 
     def set_profiling(self, on: bool) -> None:
         """Count each task's time by stage kind from now on (on) or stop (off); read with `profile`."""
@@ -181,7 +190,7 @@ class NativeStep:
         """Bind the cache's tensors and size the rotary tables for its capacity (when either changed)."""
         if self._native is None:
             self.refresh()
-        if cache is not self._cache:
+        if cache is not self._cache or self._native.bound_to() != cache.layers[0].keys.data_ptr():
             self._native.bind_cache([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
             self._cache = cache
         if self._cos is None or self._cos.shape[0] < cache.max_len:

@@ -38,6 +38,8 @@ class TargetRuntime:
         self.packing: Any = None  # `packed._ModelPacking` of the module's linears, built on first use
         self.other_packings: dict[str, Any] = {}  # mode -> a packing built earlier for another mode
         self.compiled: Any = None  # the module's torch.compile wrapper of `decoder.full_forward`
+        # (weight key, the native step's model over these weights, bytes of its own copies): `core.native`
+        self.native: Any = None
         self.compiled_keys: set[tuple] = set()  # keys whose first call checked every guard
         self.pricers: dict[Hashable, Any] = {}  # drafter setting -> `pricer.StepPricer`
         # heads -> (weight key, output rows [V', H], their fast matrix): the heads' shared output matrix
@@ -67,14 +69,20 @@ class TargetRuntime:
         outputs = sum(
             _tensor_bytes(matrix) + _tensor_bytes(weight) for _, weight, matrix in self.outputs.values()
         )
-        return {"packed_linears": linears, "output_matrices": outputs, "total": linears + outputs}
+        native = 0 if self.native is None else self.native[2]
+        return {
+            "packed_linears": linears,
+            "output_matrices": outputs,
+            "native_step": native,
+            "total": linears + outputs + native,
+        }
 
     def close(self) -> None:
         """Drop everything and give the module back as it was. Refused while a decode holds it."""
         with self.lock:
             if self.attention_users or (self.packing is not None and self.packing.users):
                 raise RuntimeError("the model is decoding (a treespec call holds it): close it afterwards")
-            self.packing = self.compiled = None
+            self.packing = self.compiled = self.native = None
             self.other_packings.clear()
             self.compiled_keys.clear()
             self.pricers.clear()
