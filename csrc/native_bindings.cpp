@@ -3,6 +3,7 @@
 // cache's tensors, and runs one step per call. Python side: treespec/core/native.py.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -35,6 +36,7 @@ struct NativeModel : torch::CustomClassHolder {
   std::vector<at::Tensor> cache_held;  // the bound cache's tensors
   bool cache_bound = false;
   LinearWeights lm_head;
+  ThreadGovernor governor{at::get_num_threads()};
   bool profiling = false;
   std::vector<int64_t> profile_ns = std::vector<int64_t>(kNativeStageKinds, 0);
 
@@ -158,7 +160,8 @@ struct NativeModel : torch::CustomClassHolder {
     std::vector<int64_t> shape(hidden.sizes().begin(), hidden.sizes().end());
     shape.back() = m.vocab;
     at::Tensor out = at::empty(shape, x.options());
-    native_linear_cpu(lm_head, x.data_ptr<float>(), x.numel() / m.hidden, out.data_ptr<float>(), 256,
+    sync_threads();
+    native_linear_cpu(lm_head, x.data_ptr<float>(), x.numel() / m.hidden, out.data_ptr<float>(), 256, &governor,
                       profiling ? profile_ns.data() : nullptr);
     return m.bf16 ? out.to(at::kBFloat16) : out;
   }
@@ -191,6 +194,19 @@ struct NativeModel : torch::CustomClassHolder {
     m.max_len = static_cast<int>(first.size(2));
     cache_bound = true;
   }
+
+  // torch.set_num_threads since the last call: the governor's ceiling follows it
+  void sync_threads() {
+    const int max_threads = at::get_num_threads();
+    if (max_threads != max_threads_seen) {
+      governor.set_max(max_threads);
+      max_threads_seen = max_threads;
+    }
+  }
+  int max_threads_seen = at::get_num_threads();
+
+  // The threads the next step runs on (the governor's choice)
+  int64_t threads() { return governor.threads(); }
 
   // The address of the bound cache's first keys tensor (0 when none): a model shared by decoders rebinds
   // when another decoder's cache is bound.
@@ -262,6 +278,8 @@ struct NativeModel : torch::CustomClassHolder {
     args.hidden = hidden.data_ptr();
     args.features = feats.data_ptr();
     args.profile_ns = profiling ? profile_ns.data() : nullptr;
+    sync_threads();
+    args.governor = &governor;
     native_step_cpu(m, args, scratch);
     return {hidden, feats};
   }
@@ -274,6 +292,7 @@ TORCH_LIBRARY_FRAGMENT(treespec, m) {
       .def(torch::init<std::vector<int64_t>, std::vector<double>, std::vector<at::Tensor>, std::vector<int64_t>>())
       .def("bind_cache", &treespec::NativeModel::bind_cache)
       .def("bound_to", &treespec::NativeModel::bound_to)
+      .def("threads", &treespec::NativeModel::threads)
       .def("step", &treespec::NativeModel::step)
       .def("logits", &treespec::NativeModel::logits)
       .def("set_profiling", &treespec::NativeModel::set_profiling)

@@ -46,6 +46,35 @@ struct NativeModelDesc {
   int cache_rows = 0, max_len = 0;
 };
 
+// How many threads the next step runs on. A step on T threads whose threads spent more than half their
+// time waiting for each other (another process holds one of the cores, so a task stalls for a scheduler
+// time slice) makes the next kBackoffSteps steps run on one thread fewer; then the full count is tried
+// again. The step then slows in proportion to the cores it lost instead of several times over.
+class ThreadGovernor {
+ public:
+  static constexpr int kBackoffSteps = 64;
+  static constexpr double kWaitLimit = 0.5;
+  explicit ThreadGovernor(int max_threads) : max_(max_threads < 1 ? 1 : max_threads), now_(max_) {}
+  int threads() const { return now_; }
+  void set_max(int max_threads) {
+    max_ = max_threads < 1 ? 1 : max_threads;
+    now_ = max_;
+    backoff_ = 0;
+  }
+  // a step ran on `threads` threads that waited this fraction of their time
+  void record(int threads, double waited) {
+    if (threads > 1 && waited > kWaitLimit) {
+      now_ = threads - 1;
+      backoff_ = kBackoffSteps;
+    } else if (now_ < max_ && --backoff_ <= 0) {
+      now_ = max_;
+    }
+  }
+
+ private:
+  int max_, now_, backoff_ = 0;
+};
+
 struct NativeStepArgs {
   int A = 0, n = 0;                      // rows of the call, tokens per row
   const int64_t* ids = nullptr;          // [A, n]
@@ -65,6 +94,7 @@ struct NativeStepArgs {
   void* hidden = nullptr;                // out [A, n, hidden] in the model's dtype
   void* features = nullptr;              // out [A, n, num_features * hidden] in the model's dtype
   int64_t* profile_ns = nullptr;         // kNativeStageKinds counters of task time by stage kind, or nullptr
+  ThreadGovernor* governor = nullptr;    // the thread count of the step (nullptr: every thread)
 };
 
 constexpr int kNativeStageKinds = 12;   // embed, norm1, qkv, rotary, attention, o, norm2, gate_up, down,
@@ -80,6 +110,6 @@ struct NativeScratch {
 void native_step_cpu(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s);
 // out[M, N] = x[M, K] @ w^T (+ bias) on the step's scheduler (the lm_head of the rows the caller reads)
 void native_linear_cpu(const LinearWeights& w, const float* x, int64_t M, float* out, int64_t columns_per_task,
-                       int64_t* profile_ns = nullptr);
+                       ThreadGovernor* governor = nullptr, int64_t* profile_ns = nullptr);
 
 }  // namespace treespec

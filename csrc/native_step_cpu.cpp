@@ -79,13 +79,12 @@ struct Stage {
 
 // Runs every task of every stage on the threads of one parallel region. Tasks are claimed in stage order
 // from one counter; a thread that claims a task of stage s first waits until stage s - 1 has completed
-// (a count of finished tasks, not of arrived threads). A thread that another process keeps off its core
-// therefore delays only the one task it holds, and the others take the rest of the work: the step slows
-// in proportion to the cores it loses, not by a scheduler time slice at every stage (which a barrier that
-// waits for every thread costs).
-// profile: nullptr, or kNativeStageKinds nanosecond counters that each task's time is added to (by kind)
+// (a count of finished tasks, not of arrived threads), so a thread that comes late finds the work taken
+// and leaves at once. A thread that another process keeps off its core still holds up the task it holds:
+// `ThreadGovernor` sees those waits and runs the next steps on fewer threads while they last.
+// profile: nullptr, or kNativeStageKinds nanosecond counters that each task's time is added to (by kind).
 template <class Run>
-void run_stages(const std::vector<Stage>& stages, Run run, int64_t* profile = nullptr) {
+void run_stages(const std::vector<Stage>& stages, Run run, ThreadGovernor* governor, int64_t* profile = nullptr) {
   const size_t S = stages.size();
   std::vector<int64_t> end(S);
   int64_t total = 0;
@@ -93,20 +92,26 @@ void run_stages(const std::vector<Stage>& stages, Run run, int64_t* profile = nu
   std::unique_ptr<std::atomic<int64_t>[]> done(new std::atomic<int64_t>[S]);
   for (size_t s = 0; s < S; ++s) done[s].store(0, std::memory_order_relaxed);
   std::atomic<int64_t> next{0};
-#pragma omp parallel
+  std::atomic<int64_t> waited_ns{0};
+  const int threads = governor != nullptr ? governor->threads() : omp_get_max_threads();
+  const auto start = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(threads)
   {
     size_t s = 0;
+    int64_t waited = 0;
     for (;;) {
       const int64_t g = next.fetch_add(1, std::memory_order_relaxed);
       if (g >= total) break;
       while (g >= end[s]) ++s;
-      if (s > 0) {
+      if (s > 0 && done[s - 1].load(std::memory_order_acquire) < stages[s - 1].tasks) {
+        const auto t0 = std::chrono::steady_clock::now();
         for (int spins = 0; done[s - 1].load(std::memory_order_acquire) < stages[s - 1].tasks; ++spins) {
-          if (spins < 4096)
+          if (spins < 2048)
             _mm_pause();
           else
             std::this_thread::yield();  // the task we wait for may need this core
         }
+        waited += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
       }
       if (profile != nullptr) {
         const auto t0 = std::chrono::steady_clock::now();
@@ -118,6 +123,11 @@ void run_stages(const std::vector<Stage>& stages, Run run, int64_t* profile = nu
       }
       done[s].fetch_add(1, std::memory_order_release);
     }
+    waited_ns.fetch_add(waited, std::memory_order_relaxed);
+  }
+  if (governor != nullptr) {
+    const double wall = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();
+    governor->record(threads, waited_ns.load() / (wall * threads + 1.0));
   }
 }
 
@@ -302,17 +312,17 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
         copy_feature(m.layers, x + t * H, t);
         break;
     }
-  }, a.profile_ns);
+  }, a.governor, a.profile_ns);
 }
 
 }  // namespace
 
 void native_linear_cpu(const LinearWeights& w, const float* x, int64_t M, float* out, int64_t columns_per_task,
-                       int64_t* profile_ns) {
+                       ThreadGovernor* governor, int64_t* profile_ns) {
   const std::vector<Stage> stages = {{StageKind::kLogits, 0, (w.N + columns_per_task - 1) / columns_per_task}};
   run_stages(stages, [&](const Stage&, int64_t t) {
     linear_columns(w, x, M, out, w.N, t * columns_per_task, std::min(w.N, (t + 1) * columns_per_task));
-  }, profile_ns);
+  }, governor, profile_ns);
 }
 
 void native_step_cpu(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
