@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install demo test lint bench wheel clean vllm-env
+.PHONY: install demo test lint bench wheel clean vllm-env llamacpp-env
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,10 +37,18 @@ vllm-env: .venv-vllm/.installed
 	PYTHON=$(PYTHON) bash scripts/make_vllm_env.sh .venv-vllm
 	touch $@
 
+# llama.cpp (llama-cpp-python built from source for this CPU, under nice) in its own environment
+# (.venv-llamacpp), for the benchmark's llamacpp and llamacpp_lookup methods and the demo's llama.cpp line
+llamacpp-env: .venv-llamacpp/.installed
+
+.venv-llamacpp/.installed: scripts/make_llamacpp_env.sh
+	PYTHON=$(PYTHON) bash scripts/make_llamacpp_env.sh .venv-llamacpp
+	touch $@
+
 # build/ is removed first so that files deleted from the checkout cannot linger in the wheel
 wheel: install
 	rm -rf build
 	$(PIP) wheel --no-deps --no-build-isolation -w dist .
 
 clean:
-	rm -rf $(VENV) .venv-vllm build dist *.egg-info
+	rm -rf $(VENV) .venv-vllm .venv-llamacpp build dist *.egg-info
