@@ -83,7 +83,9 @@ def profile(model, prompt: list[int], n: int, steps: int) -> dict:
         "linears_ms": linears,
         "lm_head_ms": per_step["logits"],
         "attention_ms": per_step["attention"],
-        "other_kernels_ms": sum(v for k, v in per_step.items() if k not in LINEAR_STAGES and k != "attention"),
+        "other_kernels_ms": sum(
+            v for k, v in per_step.items() if k not in LINEAR_STAGES and k != "attention"
+        ),
         "stages_ms": per_step,
     }
 
@@ -108,9 +110,10 @@ def main(argv: list[str] | None = None) -> dict:
     for r in rows:
         python = r["step_ms"] - r["native_call_ms"] - r["lm_head_ms"]
         print(
-            f"{r['nodes']:5d}  {r['step_ms']:7.2f}  ({r['step_ms'] / one:4.2f}x)    {r['native_call_ms']:7.2f}"
-            f"   {r['linears_ms']:7.2f} ({r['lm_head_ms']:5.2f})   {r['attention_ms']:7.2f}    {r['other_kernels_ms']:7.2f}"
-            f"   {python:6.2f}"
+            f"{r['nodes']:5d}  {r['step_ms']:7.2f}  ({r['step_ms'] / one:4.2f}x)"
+            f"    {r['native_call_ms']:7.2f}"
+            f"   {r['linears_ms']:7.2f} ({r['lm_head_ms']:5.2f})   {r['attention_ms']:7.2f}"
+            f"    {r['other_kernels_ms']:7.2f}   {python:6.2f}"
         )
     result = {"dtype": dtype, "threads": torch.get_num_threads(), "prefix": args.prefix, "rows": rows}
     if args.out:

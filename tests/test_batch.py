@@ -179,11 +179,15 @@ def test_a_row_that_hits_eos_first_stops_and_leaves_the_batch(step, monkeypatch)
     )
     native_call = NativeStep.__call__
     monkeypatch.setattr(
-        NativeStep, "__call__", lambda self, tokens, *a, **k: widths.append(tokens.shape[0]) or native_call(self, tokens, *a, **k)
+        NativeStep,
+        "__call__",
+        lambda self, tokens, *a, **k: widths.append(tokens.shape[0]) or native_call(self, tokens, *a, **k),
     )
     options = treespec.DecodeOptions(step=step)
     try:
-        results = treespec.generate(model, prompts, heads, max_new_tokens=30, eos_token_id=eos, options=options)
+        results = treespec.generate(
+            model, prompts, heads, max_new_tokens=30, eos_token_id=eos, options=options
+        )
     finally:
         hook.remove()
     assert [r.token_ids for r in results] == expected

@@ -47,7 +47,9 @@ def _filled_cache(model, prompts: list[list[int]], nodes: int) -> TreeKVCache:
     for row, prompt in enumerate(prompts):
         cache.begin([row], len(prompt))
         positions = cache.positions(torch.arange(len(prompt)))
-        full_forward(model, torch.tensor([prompt]), positions, cache, cache.attention_plan(AttentionPlan("compiled")))
+        full_forward(
+            model, torch.tensor([prompt]), positions, cache, cache.attention_plan(AttentionPlan("compiled"))
+        )
         cache.commit_all()
     return cache
 
@@ -58,8 +60,12 @@ def _verify(model, scorer, prompts, rows, mask, tokens, feature_layers):
     cache = _filled_cache(model, prompts, mask.shape[0])
     cache.begin(rows, mask.shape[0])
     depth = mask.sum(1) - 1
-    plan = AttentionPlan("compiled", mask, pack_bits(mask)) if mask.shape[0] > 1 else AttentionPlan("compiled")
-    out = scorer(tokens, cache.positions(depth), cache, cache.attention_plan(plan), feature_layers=feature_layers)
+    plan = (
+        AttentionPlan("compiled", mask, pack_bits(mask)) if mask.shape[0] > 1 else AttentionPlan("compiled")
+    )
+    out = scorer(
+        tokens, cache.positions(depth), cache, cache.attention_plan(plan), feature_layers=feature_layers
+    )
     hidden, features = out if feature_layers else (out, None)
     return hidden, features, cache
 
@@ -73,7 +79,9 @@ def _model(arch: str, dtype, blocks: bool, seed: int, **overrides):
 
 # exact blocks are float32 weights: dense float32, dense bf16, float32 blocks
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-@pytest.mark.parametrize("dtype,blocks", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
+@pytest.mark.parametrize(
+    "dtype,blocks", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)]
+)
 def test_native_step_equals_the_hf_forward(arch, dtype, blocks):
     model = _model(arch, dtype, blocks, seed=11)
     generator = random.Random(f"{arch}{dtype}{blocks}")
@@ -84,19 +92,36 @@ def test_native_step_equals_the_hf_forward(arch, dtype, blocks):
         native = NativeStep(model)
         native.refresh()
         for nodes, batch in [(1, 1), (1, 5), (4, 2), (16, 1), (40, 3), (7, 8)]:
-            prompts = [[generator.randrange(96) for _ in range(generator.randint(1, 30))] for _ in range(batch)]
+            prompts = [
+                [generator.randrange(96) for _ in range(generator.randint(1, 30))] for _ in range(batch)
+            ]
             rows = sorted(generator.sample(range(batch), generator.randint(1, batch)))
             mask = _random_tree(nodes, generator)
             tokens = torch.randint(0, 96, (len(rows), nodes))
-            reference = _verify(model, lambda *a, **k: full_forward(model, *a, **k), prompts, rows, mask, tokens,
-                                feature_layers)
+            reference = _verify(
+                model,
+                lambda *a, **k: full_forward(model, *a, **k),
+                prompts,
+                rows,
+                mask,
+                tokens,
+                feature_layers,
+            )
             fast = _verify(model, native, prompts, rows, mask, tokens, feature_layers)
-            for name, ours, theirs in [("hidden", fast[0], reference[0]), ("features", fast[1], reference[1])]:
+            for name, ours, theirs in [
+                ("hidden", fast[0], reference[0]),
+                ("features", fast[1], reference[1]),
+            ]:
                 assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, name
                 error = (ours.float() - theirs.float()).abs().max().item()
-                assert error < tolerance * max(1.0, theirs.float().abs().max().item()), (name, nodes, batch, error)
+                assert error < tolerance * max(1.0, theirs.float().abs().max().item()), (
+                    name,
+                    nodes,
+                    batch,
+                    error,
+                )
             for layer in (0, layers - 1):  # the K/V the step wrote, where the HF forward wrote them
-                for a, row in enumerate(rows):
+                for row in rows:
                     end = len(prompts[row]) + nodes
                     ours = fast[2].layers[layer].keys[row, :, :end].float()
                     theirs = reference[2].layers[layer].keys[row, :, :end].float()
@@ -117,7 +142,9 @@ def test_greedy_through_the_native_step_equals_hf_greedy(arch):
     for drafter in (None, heads, treespec.SuffixDrafter()):
         out = treespec.generate(model, prompts, drafter, max_new_tokens=24, eos_token_id=[], options=options)
         assert [r.token_ids for r in out] == expected, type(drafter).__name__
-        alone = treespec.generate(model, prompts[2], drafter, max_new_tokens=24, eos_token_id=[], options=options)
+        alone = treespec.generate(
+            model, prompts[2], drafter, max_new_tokens=24, eos_token_id=[], options=options
+        )
         assert alone.token_ids == expected[2]
 
 
@@ -130,7 +157,12 @@ def test_greedy_on_block_weights_with_biases_equals_hf_greedy():
     heads = random_heads(model, seed=1)
     for drafter in (None, heads):
         decoder_out = treespec.generate(
-            model, prompts, drafter, max_new_tokens=20, eos_token_id=[], options=treespec.DecodeOptions(step="native")
+            model,
+            prompts,
+            drafter,
+            max_new_tokens=20,
+            eos_token_id=[],
+            options=treespec.DecodeOptions(step="native"),
         )
         assert [r.token_ids for r in decoder_out] == expected
 
@@ -143,7 +175,9 @@ def test_bitwise_native_nodes_get_the_bits_of_one_token_steps(dtype):
         native = NativeStep(model, exact=True)
         native.refresh()
         for nodes, batch in [(9, 2), (33, 1), (5, 4)]:
-            prompts = [[generator.randrange(96) for _ in range(generator.randint(2, 12))] for _ in range(batch)]
+            prompts = [
+                [generator.randrange(96) for _ in range(generator.randint(2, 12))] for _ in range(batch)
+            ]
             mask = _random_tree(nodes, generator)
             tokens = torch.randint(0, 96, (batch, nodes))
             hidden, _, _ = _verify(model, native, prompts, list(range(batch)), mask, tokens, ())
@@ -153,8 +187,12 @@ def test_bitwise_native_nodes_get_the_bits_of_one_token_steps(dtype):
                 cache = _filled_cache(model, [prompts[row]], nodes)
                 for token in tokens[row, mask[node]].tolist():  # root .. node, one token per forward
                     cache.begin([0], 1)
-                    one = native(torch.tensor([[token]]), cache.positions(torch.zeros(1, dtype=torch.long)), cache,
-                                 AttentionPlan("exact"))
+                    one = native(
+                        torch.tensor([[token]]),
+                        cache.positions(torch.zeros(1, dtype=torch.long)),
+                        cache,
+                        AttentionPlan("exact"),
+                    )
                     cache.commit_all()
                 assert torch.equal(native.logits(one)[0, -1], logits[row, node]), (nodes, row, node)
 
@@ -186,9 +224,13 @@ def test_a_weight_changed_between_decodes_is_read_anew():
     model = tiny_model("llama", dtype=torch.float32, seed=8)
     prompt = [3, 14, 15, 92]
     options = treespec.DecodeOptions(step="native")
-    first = treespec.generate(model, prompt, None, max_new_tokens=12, eos_token_id=[], options=options).token_ids
+    first = treespec.generate(
+        model, prompt, None, max_new_tokens=12, eos_token_id=[], options=options
+    ).token_ids
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight.mul_(-3.0)
         model.lm_head.weight.mul_(-1.0)
-    second = treespec.generate(model, prompt, None, max_new_tokens=12, eos_token_id=[], options=options).token_ids
+    second = treespec.generate(
+        model, prompt, None, max_new_tokens=12, eos_token_id=[], options=options
+    ).token_ids
     assert second == hf_greedy(model, prompt, 12) and second != first

@@ -25,11 +25,17 @@ from .packed import weight_key
 from .runtime import TargetRuntime
 
 MODEL_TYPES = ("llama", "qwen2", "mistral")
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # a fixed table per position (no length-dependent update)
+ROPE_TYPES = (
+    "default",
+    "linear",
+    "llama3",
+    "yarn",
+)  # a fixed table per position (no length-dependent update)
 STEPS = ("auto", "native", "hf")
 # the native step's stage kinds (csrc StageKind), in the order `NativeStep.profile` reports them
 STAGE_KINDS = (
-    "embed", "norm1", "qkv", "rotary", "attention", "o", "norm2", "gate_up", "down", "features", "final", "logits",
+    "embed", "norm1", "qkv", "rotary", "attention", "o", "norm2",
+    "gate_up", "down", "features", "final", "logits",
 )  # fmt: skip
 LINEAR_STAGES = ("qkv", "o", "gate_up", "down", "logits")
 KINDS = {"float32": 0, "bfloat16": 1, "q4_1": 2, "q8_0": 3}  # csrc WeightKind
@@ -69,7 +75,15 @@ def model_reason(model) -> str | None:
         return f"head_dim {head_dim}"
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
-        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        linears = [
+            attn.q_proj,
+            attn.k_proj,
+            attn.v_proj,
+            attn.o_proj,
+            mlp.gate_proj,
+            mlp.up_proj,
+            mlp.down_proj,
+        ]
         if any(type(m) is not torch.nn.Linear for m in linears):
             return "linear layers that are not plain nn.Linear (adapters, quantized modules)"
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
@@ -140,7 +154,10 @@ class NativeStep:
                 if linear.matrix.blocks is not None:
                     blocks[id(linear.module)] = linear.matrix.blocks.blocks
         attn0 = layers[0].self_attn
-        tensors = [inner.embed_tokens.weight.detach().contiguous(), inner.norm.weight.detach().float().contiguous()]
+        tensors = [
+            inner.embed_tokens.weight.detach().contiguous(),
+            inner.norm.weight.detach().float().contiguous(),
+        ]
         kinds = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -148,7 +165,15 @@ class NativeStep:
                 layer.input_layernorm.weight.detach().float().contiguous(),
                 layer.post_attention_layernorm.weight.detach().float().contiguous(),
             ]
-            for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            for module in (
+                attn.q_proj,
+                attn.k_proj,
+                attn.v_proj,
+                attn.o_proj,
+                mlp.gate_proj,
+                mlp.up_proj,
+                mlp.down_proj,
+            ):
                 kind, slots = _linear_slots(module, blocks.get(id(module)))
                 kinds.append(kind)
                 tensors += slots
@@ -191,7 +216,9 @@ class NativeStep:
         if self._native is None:
             self.refresh()
         if cache is not self._cache or self._native.bound_to() != cache.layers[0].keys.data_ptr():
-            self._native.bind_cache([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
+            self._native.bind_cache(
+                [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
+            )
             self._cache = cache
         if self._cos is None or self._cos.shape[0] < cache.max_len:
             rotary = self.model.model.rotary_emb
@@ -201,7 +228,7 @@ class NativeStep:
             self._cos, self._sin = cos[0].float().contiguous(), sin[0].float().contiguous()
 
     def __call__(self, tokens, positions, cache, plan, feature_layers=()):
-        """tokens, positions [A, n] -> hidden [A, n, H] (with feature_layers: (hidden, features [A, n, F]))."""
+        """tokens, positions [A, n] -> hidden [A, n, H]; with feature_layers (hidden, features [A, n, F])."""
         self._bind(cache)
         rows, starts = cache.forward_rows()
         bits = plan.bits if plan.mask is not None else None

@@ -53,7 +53,10 @@ PATHS = {
     "eager": {"linears": "torch"},
     "onednn": {"linears": "onednn"},
     "blocks": {"linears": "auto", "step": "hf"},
-    "native": {"linears": "auto", "step": "native"},  # one C++ call per verification (`core.native`; Llama-family models)
+    "native": {
+        "linears": "auto",
+        "step": "native",
+    },  # one C++ call per verification (`core.native`; Llama-family models)
     "compiled": {"linears": "auto", "compile": True},
     "exact": {"numerics": "bitwise"},  # the row-invariant kernels (`Decoder(numerics="bitwise")`)
 }
