@@ -456,10 +456,12 @@ def step_costs(
     return costs
 
 
-def machine_tree_file(model, heads_folder: str | os.PathLike, path: str = "blocks") -> Path:
+def machine_tree_file(model, heads_folder: str | os.PathLike, path: str | None = None) -> Path:
     """Where `machine_tree` keeps its choice: next to the cost curves, per model, dtype, heads folder (and
     the content of its acceptance.json: retrained heads are priced again) and verification path
-    ("blocks" or "compiled")."""
+    ("native", "blocks" or "compiled"; default: the uncompiled path the decoder runs)."""
+    if path is None:
+        path = verify_path_choices(False, "fast", runs_native(model))[0]
     curve_file = default_cost_file(model)
     table_file = Path(heads_folder) / "acceptance.json"
     content = hashlib.sha256(table_file.read_bytes()).hexdigest()[:8] if table_file.is_file() else "none"
