@@ -46,6 +46,8 @@ METHOD_NAMES = {  # bench.py / bench_batch.py method -> what it is
     "hf_assisted": "HF assisted generation (draft model)",
     "vllm": "vLLM CPU build",
     "vllm_ngram": "vLLM CPU build, n-gram speculation",
+    "llamacpp": "llama.cpp (llama-cpp-python, the same GGUF file), plain",
+    "llamacpp_lookup": "llama.cpp prompt-lookup decoding",
     "baseline": "treespec, plain loop (no drafter)",
     "baseline_sdpa": "treespec, plain loop, SDPA attention",
     "plain": "treespec, plain steps (no drafter)",
