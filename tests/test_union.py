@@ -173,7 +173,7 @@ def test_greedy_output_equals_hf_alone_and_in_a_batch(arch):
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_under_a_dynamic_tree_and_with_a_lookup_chain_it_stays_exact(arch):
+def test_under_a_dynamic_tree_and_with_a_lookup_chain_it_stays_exact(arch, steady_clock):
     model = tiny_model(arch, dtype=torch.float32)
     prompts = [[5] * 9, *repeating_prompts(hash(arch) % 997, 2), [5] * 9]
     dynamic = treespec.DynamicTreeDrafter(heads_and_suffix(model, seed=2), cost)
