@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 from conftest import ARCHS, hf_greedy, random_heads, tiny_model
+from test_bitwise import _ancestors, _random_parents
 from test_blocks import blockify
 
 import treespec
@@ -32,13 +33,7 @@ SHAPE = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_ke
 
 def _random_tree(n: int, generator: random.Random) -> torch.Tensor:
     """The ancestor mask [n, n] of a random tree (node 0 the root, parents before children)."""
-    parents = [-1] + [generator.randrange(i) for i in range(1, n)]
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            mask[i, j], j = True, parents[j]
-    return mask
+    return _ancestors(_random_parents(n, generator))
 
 
 def _filled_cache(model, prompts: list[list[int]], nodes: int) -> TreeKVCache:

@@ -46,6 +46,12 @@ def _layers(model):
     return None if inner is None else getattr(inner, "layers", None)
 
 
+def _layer_linears(layer) -> tuple[torch.nn.Module, ...]:
+    """A decoder layer's seven linears in the native step's order: q, k, v, o, gate, up, down."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+
+
 def model_reason(model) -> str | None:
     """None when the native step can run `model`, else why not (a phrase)."""
     config = model.config
@@ -74,17 +80,7 @@ def model_reason(model) -> str | None:
     if head_dim % 2 or head_dim > 512:
         return f"head_dim {head_dim}"
     for layer in layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        linears = [
-            attn.q_proj,
-            attn.k_proj,
-            attn.v_proj,
-            attn.o_proj,
-            mlp.gate_proj,
-            mlp.up_proj,
-            mlp.down_proj,
-        ]
-        if any(type(m) is not torch.nn.Linear for m in linears):
+        if any(type(m) is not torch.nn.Linear for m in _layer_linears(layer)):
             return "linear layers that are not plain nn.Linear (adapters, quantized modules)"
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             if not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "variance_epsilon"):
@@ -160,20 +156,11 @@ class NativeStep:
         ]
         kinds = []
         for layer in layers:
-            attn, mlp = layer.self_attn, layer.mlp
             tensors += [
                 layer.input_layernorm.weight.detach().float().contiguous(),
                 layer.post_attention_layernorm.weight.detach().float().contiguous(),
             ]
-            for module in (
-                attn.q_proj,
-                attn.k_proj,
-                attn.v_proj,
-                attn.o_proj,
-                mlp.gate_proj,
-                mlp.up_proj,
-                mlp.down_proj,
-            ):
+            for module in _layer_linears(layer):
                 kind, slots = _linear_slots(module, blocks.get(id(module)))
                 kinds.append(kind)
                 tensors += slots
