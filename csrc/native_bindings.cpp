@@ -7,6 +7,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -36,6 +37,8 @@ struct NativeModel : torch::CustomClassHolder {
   std::vector<at::Tensor> cache_held;  // the bound cache's tensors
   bool cache_bound = false;
   LinearWeights lm_head;
+  Int8Weights lm_head_int8;  // int8 numerics
+  QuantRows logits_rows;     // int8 numerics: the rows of a logits() call
   ThreadGovernor governor{at::get_num_threads()};
   bool profiling = false;
   std::vector<int64_t> profile_ns = std::vector<int64_t>(kNativeStageKinds, 0);
@@ -59,9 +62,10 @@ struct NativeModel : torch::CustomClassHolder {
   // dims: layers, hidden, heads, kv_heads, head_dim, intermediate, vocab; numbers: eps, scale;
   // tensors: embed, final norm, then per layer: input norm, post norm, 7 linears x (w, d, m, bias) with
   // empty tensors where a slot is unused, then the lm_head's 4 slots; kinds: 7 WeightKind values per
-  // layer, then the lm_head's.
+  // layer, then the lm_head's. int8: int8 numerics (int8_linear.h): every linear must come as Q4_1 / Q8_0
+  // blocks; they are repacked into the int8 layout, which the model then holds instead of the blocks.
   NativeModel(std::vector<int64_t> dims, std::vector<double> numbers, std::vector<at::Tensor> tensors,
-              std::vector<int64_t> kinds) {
+              std::vector<int64_t> kinds, bool int8) {
     TORCH_CHECK(dims.size() == 7 && numbers.size() == 2, "treespec native step: 7 dims and 2 numbers expected");
     NativeModelDesc& m = desc;
     m.layers = static_cast<int>(dims[0]);
@@ -73,6 +77,10 @@ struct NativeModel : torch::CustomClassHolder {
     m.vocab = static_cast<int>(dims[6]);
     m.eps = static_cast<float>(numbers[0]);
     m.scale = static_cast<float>(numbers[1]);
+    m.int8 = int8;
+    TORCH_CHECK(!int8 || (m.hidden % 32 == 0 && m.intermediate % 32 == 0 && m.head_dim % 32 == 0),
+                "treespec native step: int8 numerics need hidden size, intermediate size and head_dim in multiples of "
+                "32, got ", m.hidden, ", ", m.intermediate, ", ", m.head_dim);
     TORCH_CHECK(m.kv_heads > 0 && m.heads % m.kv_heads == 0 && m.head_dim % 2 == 0 && m.head_dim <= 512,
                 "treespec native step: heads ", m.heads, " / kv heads ", m.kv_heads, " / head_dim ", m.head_dim,
                 " not supported");
@@ -102,10 +110,32 @@ struct NativeModel : torch::CustomClassHolder {
         *linears[j] = linear_of(tensors, at, kinds[l * kLinearsPerLayer + j], shapes[j][0], shapes[j][1]);
         at += kSlotsPerLinear;
       }
-      m.layer.push_back(L);
+      if (int8) {
+        Int8Weights* forms[kLinearsPerLayer] = {&L.iq, &L.ik, &L.iv, &L.io, &L.igate, &L.iup, &L.idown};
+        for (int j = 0; j < kLinearsPerLayer; ++j) *forms[j] = int8_form(*linears[j], at - (kLinearsPerLayer - j) * kSlotsPerLinear);
+      }
+      m.layer.push_back(std::move(L));
     }
     lm_head = linear_of(tensors, at, kinds.back(), m.vocab, m.hidden);
+    if (int8) lm_head_int8 = int8_form(lm_head, at);
   }
+
+  // The int8 form of the linear whose slots start at `at`; the blocks it was made from are let go (the
+  // descriptor keeps only its bias).
+  Int8Weights int8_form(LinearWeights& w, size_t at) {
+    TORCH_CHECK(w.kind == WeightKind::kQ4_1 || w.kind == WeightKind::kQ8_0,
+                "treespec native step: int8 numerics need every linear as Q4_1 or Q8_0 blocks (core.native quantizes "
+                "dense ones)");
+    Int8Weights out = repack_int8(w);
+    w.w = w.d = w.m = nullptr;
+    for (int i = 0; i < 3; ++i) held[at + i] = at::Tensor();
+    int8_bytes += out.bytes();
+    return out;
+  }
+  int64_t int8_bytes = 0;
+
+  // Bytes of the int8 forms this model holds (0 outside int8 numerics).
+  int64_t own_bytes() { return int8_bytes; }
 
   // One linear's descriptor from its 4 tensor slots at `at` (w or q, d, m, bias), checked against [N, K].
   static LinearWeights linear_of(const std::vector<at::Tensor>& tensors, size_t at, int64_t kind, int64_t N, int64_t K) {
@@ -161,8 +191,12 @@ struct NativeModel : torch::CustomClassHolder {
     shape.back() = m.vocab;
     at::Tensor out = at::empty(shape, x.options());
     sync_threads();
-    native_linear_cpu(lm_head, x.data_ptr<float>(), x.numel() / m.hidden, out.data_ptr<float>(), 256, &governor,
-                      profiling ? profile_ns.data() : nullptr);
+    if (m.int8)
+      native_int8_linear_cpu(lm_head_int8, x.data_ptr<float>(), x.numel() / m.hidden, logits_rows,
+                             out.data_ptr<float>(), 256, &governor, profiling ? profile_ns.data() : nullptr);
+    else
+      native_linear_cpu(lm_head, x.data_ptr<float>(), x.numel() / m.hidden, out.data_ptr<float>(), 256, &governor,
+                        profiling ? profile_ns.data() : nullptr);
     return m.bf16 ? out.to(at::kBFloat16) : out;
   }
 
@@ -285,11 +319,55 @@ struct NativeModel : torch::CustomClassHolder {
   }
 };
 
+// int8 numerics of one linear for tests (int8_linear.h): x [M, K] float32 against Q4_1 blocks (q uint8
+// [N, K/2], d and m [N, K/32]) or Q8_0 blocks (q int8 [N, K], m None), + bias; reference: the scalar code.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m,
+                       const std::optional<at::Tensor>& bias, bool reference) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_cpu(), "int8_linear: x must be float32 [M, K]");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  const bool q4 = m.has_value() && m->defined();
+  std::vector<at::Tensor> slots = {q.contiguous(), d.contiguous(), q4 ? m->contiguous() : at::Tensor(),
+                                   bias.has_value() && bias->defined() ? bias->contiguous() : at::Tensor()};
+  const LinearWeights w = NativeModel::linear_of(slots, 0, static_cast<int64_t>(q4 ? WeightKind::kQ4_1 : WeightKind::kQ8_0),
+                                                 N, K);
+  const Int8Weights iw = repack_int8(w);
+  QuantRows rows;
+  rows.resize(M, K);
+  for (int64_t r = 0; r < M; ++r) quantize_row(xc.data_ptr<float>() + r * K, rows, r);
+  at::Tensor out = at::empty({M, N}, xc.options());
+  if (reference)
+    int8_columns_reference(iw, rows, M, out.data_ptr<float>(), N, 0, N);
+  else
+    int8_columns(iw, rows, M, out.data_ptr<float>(), N, 0, N);
+  return out;
+}
+
+// int8 numerics of activations for tests: x [M, K] -> (q int8 [M, K], d float32 [M, K/32], sum int32 [M, K/32])
+std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_quantize(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % 32 == 0, "int8_quantize: x must be float32 [M, K], K % 32 == 0");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  QuantRows rows;
+  rows.resize(M, K);
+  for (int64_t r = 0; r < M; ++r) quantize_row(xc.data_ptr<float>() + r * K, rows, r);
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({M, K / 32}, x.options());
+  at::Tensor s = at::empty({M, K / 32}, x.options().dtype(at::kInt));
+  std::memcpy(q.data_ptr(), rows.q.data(), M * K);
+  std::memcpy(d.data_ptr(), rows.d.data(), sizeof(float) * M * (K / 32));
+  std::memcpy(s.data_ptr(), rows.sum.data(), sizeof(int32_t) * M * (K / 32));
+  return {q, d, s};
+}
+
+bool int8_simd_kernel() { return int8_simd(); }
+
 }  // namespace treespec
 
 TORCH_LIBRARY_FRAGMENT(treespec, m) {
   m.class_<treespec::NativeModel>("NativeModel")
-      .def(torch::init<std::vector<int64_t>, std::vector<double>, std::vector<at::Tensor>, std::vector<int64_t>>())
+      .def(torch::init<std::vector<int64_t>, std::vector<double>, std::vector<at::Tensor>, std::vector<int64_t>, bool>())
+      .def("own_bytes", &treespec::NativeModel::own_bytes)
       .def("bind_cache", &treespec::NativeModel::bind_cache)
       .def("bound_to", &treespec::NativeModel::bound_to)
       .def("threads", &treespec::NativeModel::threads)
@@ -297,4 +375,12 @@ TORCH_LIBRARY_FRAGMENT(treespec, m) {
       .def("logits", &treespec::NativeModel::logits)
       .def("set_profiling", &treespec::NativeModel::set_profiling)
       .def("profile", &treespec::NativeModel::profile);
+  m.def("int8_linear(Tensor x, Tensor q, Tensor d, Tensor? m, Tensor? bias, bool reference) -> Tensor");
+  m.def("int8_quantize(Tensor x) -> (Tensor, Tensor, Tensor)");
+  m.def("int8_simd() -> bool", &treespec::int8_simd_kernel);
+}
+
+TORCH_LIBRARY_IMPL(treespec, CPU, m) {
+  m.impl("int8_linear", &treespec::int8_linear);
+  m.impl("int8_quantize", &treespec::int8_quantize);
 }

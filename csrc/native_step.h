@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "block_linear.h"
+#include "int8_linear.h"
 
 namespace treespec {
 
@@ -30,6 +31,7 @@ struct NativeLayer {
   const float* input_norm = nullptr;  // [hidden] float32
   const float* post_norm = nullptr;   // [hidden] float32
   LinearWeights q, k, v, o, gate, up, down;
+  Int8Weights iq, ik, iv, io, igate, iup, idown;  // the same linears in the int8 form (int8 numerics only)
   void* keys = nullptr;    // cache [rows, kv_heads, max_len, head_dim] in the model's dtype
   void* values = nullptr;
 };
@@ -38,6 +40,7 @@ struct NativeModelDesc {
   int layers = 0, hidden = 0, heads = 0, kv_heads = 0, head_dim = 0, intermediate = 0, vocab = 0;
   float eps = 1e-5f, scale = 1.0f;     // RMSNorm epsilon, attention softmax scale
   bool bf16 = false;                    // the model's dtype is bfloat16 (else float32)
+  bool int8 = false;                    // int8 numerics: every linear runs int8_linear.h's kernel
   const void* embed = nullptr;          // [vocab, hidden] float32 or bf16
   const float* final_norm = nullptr;    // [hidden]
   std::vector<NativeLayer> layer;
@@ -105,11 +108,16 @@ struct NativeScratch {
   std::vector<float> h, x, qkv, attn, o, gate, up, act;
   std::vector<uint16_t> q_bf16, out_bf16;  // attention q / output in bf16 models
   std::vector<float> q_f32, out_f32;       // ... in float32 models
+  QuantRows xq, attnq, actq;               // int8 numerics: the normed rows, attention outputs, MLP activations
 };
 
 void native_step_cpu(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s);
 // out[M, N] = x[M, K] @ w^T (+ bias) on the step's scheduler (the lm_head of the rows the caller reads)
 void native_linear_cpu(const LinearWeights& w, const float* x, int64_t M, float* out, int64_t columns_per_task,
                        ThreadGovernor* governor = nullptr, int64_t* profile_ns = nullptr);
+// The same in int8 numerics: the rows quantized into `rows`, then int8_linear.h's kernel (columns_per_task a
+// multiple of 16)
+void native_int8_linear_cpu(const Int8Weights& w, const float* x, int64_t M, QuantRows& rows, float* out,
+                            int64_t columns_per_task, ThreadGovernor* governor = nullptr, int64_t* profile_ns = nullptr);
 
 }  // namespace treespec

@@ -154,6 +154,11 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
     qbuf = &s.q_f32;
     obuf = &s.out_f32;
   }
+  if (m.int8) {
+    s.xq.resize(M, H);
+    s.attnq.resize(M, qw);
+    s.actq.resize(M, I);
+  }
   qbuf->resize(M * qw);  // [A, Hq, n, D]
   obuf->resize(M * qw);  // [A, Hkv, n, G, D]
   T* qh = qbuf->data();
@@ -188,6 +193,14 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
   stages.push_back({StageKind::kFinal, 0, M});
 
   auto columns = [](int64_t t, int64_t N) { return std::make_pair(t * kTaskColumns, std::min(N, (t + 1) * kTaskColumns)); };
+  // one linear's columns [n0, n1) over M rows: the float kernels, or int8_linear.h's over the rows' int8 form
+  auto linear = [&](const LinearWeights& w, const Int8Weights& iw, const float* in, const QuantRows& qin, float* out,
+                    int64_t ldo, int64_t n0, int64_t n1) {
+    if (m.int8)
+      int8_columns(iw, qin, M, out, ldo, n0, n1);
+    else
+      linear_columns(w, in, M, out, ldo, n0, n1);
+  };
   auto residual = [&](const float* out, int64_t n0, int64_t n1) {  // h += out over columns [n0, n1)
     for (int64_t r = 0; r < M; ++r)
       for (int64_t j = n0; j < n1; ++j) h[r * H + j] = round_to(h[r * H + j] + round_to(out[r * H + j], bf16), bf16);
@@ -205,20 +218,25 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
         copy_feature(0, h + t * H, t);
         break;
       }
-      case StageKind::kNorm1: rms_norm(h + t * H, L.input_norm, H, m.eps, bf16, x + t * H); break;
-      case StageKind::kNorm2: rms_norm(h + t * H, L.post_norm, H, m.eps, bf16, x + t * H); break;
+      case StageKind::kNorm1:
+      case StageKind::kNorm2:
+        rms_norm(h + t * H, st.kind == StageKind::kNorm1 ? L.input_norm : L.post_norm, H, m.eps, bf16, x + t * H);
+        if (m.int8) quantize_row(x + t * H, s.xq, t);
+        break;
       case StageKind::kQKV: {
         const LinearWeights* w = &L.q;
+        const Int8Weights* iw = &L.iq;
         int64_t task = t, offset = 0, N = qw;
         if (task >= q_tasks) {
           task -= q_tasks;
           w = task < k_tasks ? &L.k : &L.v;
+          iw = task < k_tasks ? &L.ik : &L.iv;
           offset = task < k_tasks ? qw : qw + kw;
           task = task < k_tasks ? task : task - k_tasks;
           N = kw;
         }
         const auto [n0, n1] = columns(task, N);
-        linear_columns(*w, x, M, qkv + offset, QKV, n0, n1);
+        linear(*w, *iw, x, s.xq, qkv + offset, QKV, n0, n1);
         if (bf16)
           for (int64_t r = 0; r < M; ++r) round_row(qkv + offset + r * QKV + n0, n1 - n0, true);
         break;
@@ -279,29 +297,35 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
             float* dst = attn + (ai * n + i) * qw + (static_cast<int64_t>(kvh) * G + g) * D;
             for (int d = 0; d < D; ++d) dst[d] = to_float<T>(src[d]);
           }
+        if (m.int8) {  // this kv head's G * D outputs of each token are whole blocks of 32 (D % 32 == 0)
+          const int64_t b0 = static_cast<int64_t>(kvh) * G * D / 32, b1 = b0 + static_cast<int64_t>(G) * D / 32;
+          for (int i = 0; i < n; ++i) quantize_blocks(attn + (ai * n + i) * qw, s.attnq, ai * n + i, b0, b1);
+        }
         break;
       }
       case StageKind::kO: {
         const auto [n0, n1] = columns(t, H);
-        linear_columns(L.o, attn, M, o, H, n0, n1);
+        linear(L.o, L.io, attn, s.attnq, o, H, n0, n1);
         residual(o, n0, n1);
         break;
       }
       case StageKind::kGateUp: {
         const auto [n0, n1] = columns(t, I);
-        linear_columns(L.gate, x, M, s.gate.data(), I, n0, n1);
-        linear_columns(L.up, x, M, s.up.data(), I, n0, n1);
+        linear(L.gate, L.igate, x, s.xq, s.gate.data(), I, n0, n1);
+        linear(L.up, L.iup, x, s.xq, s.up.data(), I, n0, n1);
         for (int64_t r = 0; r < M; ++r)
           for (int64_t j = n0; j < n1; ++j) {
             const float g = round_to(s.gate[r * I + j], bf16), u = round_to(s.up[r * I + j], bf16);
             const float silu = round_to(g / (1.0f + std::exp(-g)), bf16);
             s.act[r * I + j] = round_to(silu * u, bf16);
           }
+        if (m.int8)  // the task's columns are whole blocks of 32 (kTaskColumns and I are multiples of 32)
+          for (int64_t r = 0; r < M; ++r) quantize_blocks(s.act.data() + r * I, s.actq, r, n0 / 32, n1 / 32);
         break;
       }
       case StageKind::kDown: {
         const auto [n0, n1] = columns(t, H);
-        linear_columns(L.down, s.act.data(), M, o, H, n0, n1);
+        linear(L.down, L.idown, s.act.data(), s.actq, o, H, n0, n1);
         residual(o, n0, n1);
         break;
       }
@@ -322,6 +346,16 @@ void native_linear_cpu(const LinearWeights& w, const float* x, int64_t M, float*
   const std::vector<Stage> stages = {{StageKind::kLogits, 0, (w.N + columns_per_task - 1) / columns_per_task}};
   run_stages(stages, [&](const Stage&, int64_t t) {
     linear_columns(w, x, M, out, w.N, t * columns_per_task, std::min(w.N, (t + 1) * columns_per_task));
+  }, governor, profile_ns);
+}
+
+void native_int8_linear_cpu(const Int8Weights& w, const float* x, int64_t M, QuantRows& rows, float* out,
+                            int64_t columns_per_task, ThreadGovernor* governor, int64_t* profile_ns) {
+  rows.resize(M, w.K);
+  for (int64_t r = 0; r < M; ++r) quantize_row(x + r * w.K, rows, r);
+  const std::vector<Stage> stages = {{StageKind::kLogits, 0, (w.N + columns_per_task - 1) / columns_per_task}};
+  run_stages(stages, [&](const Stage&, int64_t t) {
+    int8_columns(w, rows, M, out, w.N, t * columns_per_task, std::min(w.N, (t + 1) * columns_per_task));
   }, governor, profile_ns);
 }
 

@@ -54,9 +54,18 @@ _SOURCES_CPU = (
     "exact_linear_cpu.cpp",
     "native_step_cpu.cpp",
     "native_bindings.cpp",
+    "int8_linear_cpu.cpp",
 )
 _SOURCES_CUDA = ("bindings_cuda.cpp", "tree_attention_cuda.cu")
-_HEADERS = ("tree_attention.h", "tensor_args.h", "block_linear.h", "exact.h", "vec.h", "native_step.h")
+_HEADERS = (
+    "tree_attention.h",
+    "tensor_args.h",
+    "block_linear.h",
+    "exact.h",
+    "vec.h",
+    "native_step.h",
+    "int8_linear.h",
+)
 
 _lock = threading.Lock()
 _state: dict = {"tried": False, "ok": False, "cuda": False, "error": None, "path": None, "seconds": None}

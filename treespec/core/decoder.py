@@ -34,7 +34,7 @@ from .acceptance import RULES, SamplingConfig, verify
 from .attention import KERNELS, AttentionPlan, auto_kernel, require_exact_ops, tree_attention_enabled
 from .cache import CACHE_KWARG, CacheCapacityError, TreeKVCache
 from .compiled import CompiledForward
-from .native import STEPS, NativeStep
+from .native import STEPS, NativeStep, int8_reason
 from .native import unsupported_reason as native_unsupported
 from .packed import MODES as LINEAR_MODES
 from .packed import packed_linears, shared_forward
@@ -145,25 +145,27 @@ def positions_needed(
     return needed
 
 
-NUMERICS = ("fast", "bitwise")
+NUMERICS = ("fast", "bitwise", "int8")
 
 
 def numerics_settings(numerics: str, kernel: str, linears: str, compile: bool, param) -> tuple[str, str]:
     """The (attention kernel, linear mode) a `numerics` setting runs: "fast" keeps the given ones;
     "bitwise" takes the row-invariant kernels (`exact` attention and linears), so every verified node gets
-    the bits a one-token forward gives it and speculation never changes the plain loop's text."""
+    the bits a one-token forward gives it and speculation never changes the plain loop's text. "int8" is
+    "bitwise" with int8 activations in every linear of the native step (`core.native`, csrc/int8_linear.h):
+    row-invariant too, so speculation never changes the int8 plain loop's text either."""
     if numerics not in NUMERICS:
         raise ValueError(f"unknown numerics {numerics!r}; choose one of {NUMERICS}")
     if numerics == "fast":
         return kernel, linears
     if kernel not in ("auto", "exact") or linears not in ("auto", "exact"):
         raise ValueError(
-            f'numerics="bitwise" runs its own attention and linear kernels; leave kernel and linears at '
+            f'numerics="{numerics}" runs its own attention and linear kernels; leave kernel and linears at '
             f'"auto" (got kernel={kernel!r}, linears={linears!r})'
         )
     if compile:
         raise ValueError(
-            'numerics="bitwise" runs eagerly: torch.compile may pick other loop orders per shape; '
+            f'numerics="{numerics}" runs eagerly: torch.compile may pick other loop orders per shape; '
             "pass compile=False"
         )
     require_exact_ops(param)
@@ -217,15 +219,16 @@ class Decoder:
         root alone while more rows than this are live; None: always speculate; "auto": a batch of several
         rows takes the kind of step a `StepPricer` measured to pay at its row count (`pricer`, default
         the one for this drafter setting in the model's `TargetRuntime`). clock: the step timer (default:
-        wall time, synchronising CUDA only where a pricer reads the timings). numerics: "fast" or "bitwise"
-        (row-invariant kernels: the same text as the plain loop; `numerics_settings`)."""
+        wall time, synchronising CUDA only where a pricer reads the timings). numerics: "fast", "bitwise"
+        (row-invariant kernels: the same text as the plain loop) or "int8" (row-invariant int8 activations
+        in the native step; `numerics_settings`)."""
         self.sampling = sampling or SamplingConfig()
         self.acceptance = acceptance or self.sampling.acceptance
         check_settings(linears, self.acceptance, kernel)
         _check_plain_above(plain_above)
         param = next(model.parameters())
         kernel, linears = numerics_settings(numerics, kernel, linears, compile, param)
-        self.model, self.device, self.linears = model, param.device, linears
+        self.model, self.device, self.linears, self.numerics = model, param.device, linears, numerics
         self.drafter = drafter or RootOnlyDrafter()
         self.tree, self.root_tree = self.drafter.tree, Tree.from_choices([])
         self.kernel = auto_kernel(self.device, param.dtype) if kernel == "auto" else kernel
@@ -236,7 +239,9 @@ class Decoder:
         self.native: NativeStep | None = None
         self.step_kind = self._step_kind(step, model, linears, compile, own_scorer is not None)
         if self.step_kind == "native":
-            default_scorer = self.native = NativeStep(model, exact=self.kernel == "exact")
+            default_scorer = self.native = NativeStep(
+                model, exact=self.kernel == "exact", int8=numerics == "int8"
+            )
         else:
             default_scorer = CompiledForward(model, linears) if compile else partial(full_forward, model)
         if own_scorer is not None and self.feature_layers:
@@ -262,6 +267,16 @@ class Decoder:
         "native" with the reason)."""
         if step not in STEPS:
             raise ValueError(f"unknown step {step!r}; choose one of {STEPS}")
+        if self.numerics == "int8":
+            reason = native_unsupported(model, self.kernel, linears, compile, own_scorer)
+            reason = reason or int8_reason(model)
+            if step == "hf" or reason is not None:
+                raise ValueError(
+                    'numerics="int8" runs in the native step, which '
+                    + ("step='hf' turns off" if step == "hf" else f"cannot run here: {reason}")
+                    + '; use numerics="fast" or "bitwise"'
+                )
+            return "native"
         if step == "hf":
             return "hf"
         reason = native_unsupported(model, self.kernel, linears, compile, own_scorer)

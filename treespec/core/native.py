@@ -88,6 +88,32 @@ def model_reason(model) -> str | None:
     return None
 
 
+def int8_reason(model) -> str | None:
+    """None when the native step can run `model` in int8 numerics, else why not (a phrase)."""
+    reason = model_reason(model)
+    if reason is not None:
+        return reason
+    config, layers = model.config, _layers(model)
+    dims = {
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "head_dim": layers[0].self_attn.head_dim,
+    }
+    odd = [f"{name} {value}" for name, value in dims.items() if value % 32]
+    return f"{', '.join(odd)} (int8 numerics quantize blocks of 32)" if odd else None
+
+
+def q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense weight [N, K] (K a multiple of 32) as Q8_0 blocks: (q int8 [N, K], d float16 [N, K / 32]),
+    w ~ d * q with d = max|w| / 127 per block of 32 (rounded to float16, as GGUF's Q8_0 stores it)."""
+    N, K = weight.shape
+    blocks = weight.detach().float().reshape(N, K // 32, 32)  # [N, B, 32]
+    d = (blocks.abs().amax(dim=-1) / 127).half()  # [N, B]
+    scale = d.float()[..., None]  # [N, B, 1]
+    q = torch.where(scale > 0, blocks / scale.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+    return q.round().clamp(-127, 127).to(torch.int8).reshape(N, K).contiguous(), d.contiguous()
+
+
 def unsupported_reason(model, kernel: str, linears: str, compile: bool, own_scorer: bool) -> str | None:
     """None when a decoder with these settings can verify through the native step, else why not."""
     reason = model_reason(model)
@@ -106,23 +132,30 @@ def unsupported_reason(model, kernel: str, linears: str, compile: bool, own_scor
     return None
 
 
-def _linear_slots(module: torch.nn.Linear, blocks) -> tuple[int, list[torch.Tensor]]:
-    """(weight kind, [w or q, d, m, bias]) of one linear: its exact blocks when `blocks` has them."""
+def _linear_slots(module: torch.nn.Linear, blocks, int8: bool) -> tuple[int, list[torch.Tensor]]:
+    """(weight kind, [w or q, d, m, bias]) of one linear: its exact blocks when `blocks` has them; in int8
+    numerics a dense weight as Q8_0 blocks (`q8_blocks`)."""
     empty = torch.empty(0)
     bias = empty if module.bias is None else module.bias.detach().float().contiguous()
     if blocks is not None:  # scales as float16 (exact: they are float16 values): half the bytes per step
         m = empty if blocks.m is None else blocks.m.half()
         return KINDS[blocks.kind], [blocks.q, blocks.d.half(), m, bias]
     w = module.weight.detach()
+    if int8:
+        q, d = q8_blocks(w)
+        return KINDS["q8_0"], [q, d, empty, bias]
     return KINDS[str(w.dtype).removeprefix("torch.")], [w.contiguous(), empty, empty, bias]
 
 
 class NativeStep:
     """The scorer over the native step (module docstring). exact: the row-invariant attention kernel
-    ("bitwise" numerics); the linear kernels are row-invariant either way."""
+    ("bitwise" numerics); the linear kernels are row-invariant either way. int8: int8 numerics
+    (csrc/int8_linear.h: activations quantized per row and block of 32, integer dot products against the
+    weight blocks; dense weights quantized to Q8_0 blocks once), with the row-invariant attention kernel."""
 
-    def __init__(self, model, exact: bool = False):
-        self.model, self.exact = model, exact
+    def __init__(self, model, exact: bool = False, int8: bool = False):
+        self.model, self.exact, self.int8 = model, exact or int8, int8
+        self.form = "int8" if int8 else "float"
         self.layers = _layers(model)
         self._native = None
         self._cache = None  # the TreeKVCache bound to the native model
@@ -134,9 +167,10 @@ class NativeStep:
         runtime = TargetRuntime.of(self.model)
         key = tuple(weight_key(p) for p in self.model.parameters())
         with runtime.lock:
-            if runtime.native is None or runtime.native[0] != key:
-                runtime.native = (key, *self._build())
-            self._native, self._cache = runtime.native[1], None  # bound again on the next call
+            entry = runtime.native.get(self.form)
+            if entry is None or entry[0] != key:
+                entry = runtime.native[self.form] = (key, *self._build())
+            self._native, self._cache = entry[1], None  # bound again on the next call
 
     def _build(self):
         """(the native model, bytes of the copies it made: float16 scales, float32 norms and biases)."""
@@ -161,10 +195,10 @@ class NativeStep:
                 layer.post_attention_layernorm.weight.detach().float().contiguous(),
             ]
             for module in _layer_linears(layer):
-                kind, slots = _linear_slots(module, blocks.get(id(module)))
+                kind, slots = _linear_slots(module, blocks.get(id(module)), self.int8)
                 kinds.append(kind)
                 tensors += slots
-        kind, slots = _linear_slots(model.lm_head, blocks.get(id(model.lm_head)))
+        kind, slots = _linear_slots(model.lm_head, blocks.get(id(model.lm_head)), self.int8)
         kinds.append(kind)
         tensors += slots
         dims = [
@@ -177,12 +211,19 @@ class NativeStep:
             inner.embed_tokens.weight.shape[0],
         ]
         eps = float(layers[0].input_layernorm.variance_epsilon)
-        native = torch.classes.treespec.NativeModel(dims, [eps, float(attn0.scaling)], tensors, kinds)
+        native = torch.classes.treespec.NativeModel(
+            dims, [eps, float(attn0.scaling)], tensors, kinds, self.int8
+        )
+        if self.int8:  # it holds its int8 forms (and the norms, biases) instead of the blocks
+            tensors = [t for t in tensors if t.dtype == torch.float32 and t.dim() == 1]
+            own = native.own_bytes()
+        else:
+            own = 0
         shared = {p.data_ptr() for p in model.parameters()}
         if packing is not None:
             shared |= {t.data_ptr() for b in blocks.values() for t in (b.q, b.d, b.m) if t is not None}
         copies = {t.data_ptr(): t.numel() * t.element_size() for t in tensors if t.numel()}
-        return native, sum(n for ptr, n in copies.items() if ptr not in shared)
+        return native, own + sum(n for ptr, n in copies.items() if ptr not in shared)
 
     def set_profiling(self, on: bool) -> None:
         """Count each task's time by stage kind from now on (on) or stop (off); read with `profile`."""

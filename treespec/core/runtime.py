@@ -38,8 +38,9 @@ class TargetRuntime:
         self.packing: Any = None  # `packed._ModelPacking` of the module's linears, built on first use
         self.other_packings: dict[str, Any] = {}  # mode -> a packing built earlier for another mode
         self.compiled: Any = None  # the module's torch.compile wrapper of `decoder.full_forward`
-        # (weight key, the native step's model over these weights, bytes of its own copies): `core.native`
-        self.native: Any = None
+        # numerics form ("float" or "int8") -> (weight key, the native step's model over these weights, bytes
+        # of its own copies): `core.native`
+        self.native: dict[str, Any] = {}
         self.compiled_keys: set[tuple] = set()  # keys whose first call checked every guard
         self.pricers: dict[Hashable, Any] = {}  # drafter setting -> `pricer.StepPricer`
         # heads -> (weight key, output rows [V', H], their fast matrix): the heads' shared output matrix
@@ -69,7 +70,7 @@ class TargetRuntime:
         outputs = sum(
             _tensor_bytes(matrix) + _tensor_bytes(weight) for _, weight, matrix in self.outputs.values()
         )
-        native = 0 if self.native is None else self.native[2]
+        native = sum(entry[2] for entry in self.native.values())
         return {
             "packed_linears": linears,
             "output_matrices": outputs,
@@ -82,7 +83,8 @@ class TargetRuntime:
         with self.lock:
             if self.attention_users or (self.packing is not None and self.packing.users):
                 raise RuntimeError("the model is decoding (a treespec call holds it): close it afterwards")
-            self.packing = self.compiled = self.native = None
+            self.packing = self.compiled = None
+            self.native.clear()
             self.other_packings.clear()
             self.compiled_keys.clear()
             self.pricers.clear()

@@ -59,6 +59,7 @@ PATHS = {
     },  # one C++ call per verification (`core.native`; Llama-family models)
     "compiled": {"linears": "auto", "compile": True},
     "exact": {"numerics": "bitwise"},  # the row-invariant kernels (`Decoder(numerics="bitwise")`)
+    "int8": {"numerics": "int8"},  # int8 activations in the native step (`Decoder(numerics="int8")`)
 }
 # the quick curve measured on first use (`ensure_cost_curve`): interpolation is linear between measured
 # node counts and flat beyond the last, so the counts span the largest trees drafters use (a 32-node tree
@@ -209,8 +210,8 @@ def interpolate_monotone(curve: dict, path: str, prefix: int, n: int) -> float:
 def verify_path_choices(compile: bool, numerics: str = "fast", native: bool = False) -> list[str]:
     """The cost-curve paths that price the step `Decoder(compile=compile, numerics=numerics)` runs, best
     first. native: the decoder verifies through the native step (`core.native`)."""
-    if numerics == "bitwise":
-        return ["exact"]
+    if numerics in ("bitwise", "int8"):
+        return ["exact" if numerics == "bitwise" else "int8"]
     if compile:
         return ["compiled"]
     return (["native"] if native else []) + ["blocks", "onednn", "eager"]

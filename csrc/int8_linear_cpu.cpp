@@ -1,0 +1,254 @@
+// int8 numerics (int8_linear.h): activation quantization, the weight repacking and the integer kernels.
+//
+// Engines: AVX-512 VNNI (`vpdpbusd`: 64 unsigned-by-signed byte products summed into 16 int32 lanes per
+// instruction; one lane per weight row of a 16-row group) and the scalar reference. Both compute each output
+// with the same float operations in the same order (the integer sums are exact), so they agree bit for bit.
+// A tile of R rows x one 16-row group unpacks each weight block once for its R rows.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "int8_linear.h"
+
+namespace treespec {
+namespace {
+
+constexpr int64_t kGroup = 16;  // weight rows per group (one per int32 lane of a 512-bit vector)
+
+float half_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+  uint32_t bits;
+  if (exponent == 0 && mantissa == 0) {
+    bits = sign;
+  } else if (exponent == 0) {  // subnormal: normalise
+    int e = -1;
+    uint32_t m = mantissa;
+    do { ++e; m <<= 1; } while ((m & 0x400u) == 0);
+    bits = sign | ((127 - 15 - e) << 23) | ((m & 0x3FFu) << 13);
+  } else if (exponent == 31) {
+    bits = sign | 0x7F800000u | (mantissa << 13);
+  } else {
+    bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// float16 bits of a float that holds a float16 value (exact; the block scales of a GGUF file)
+uint16_t float_to_half(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint32_t sign = (bits >> 16) & 0x8000u;
+  const int exponent = static_cast<int>((bits >> 23) & 0xFFu) - 127 + 15;
+  const uint32_t mantissa = bits & 0x7FFFFFu;
+  if ((bits & 0x7FFFFFFFu) == 0) return static_cast<uint16_t>(sign);
+  if (exponent >= 31) return static_cast<uint16_t>(sign | 0x7C00u | (mantissa ? 0x200u : 0u));
+  if (exponent <= 0) {  // subnormal in float16
+    const uint32_t m = (mantissa | 0x800000u) >> (14 - exponent);
+    return static_cast<uint16_t>(sign | m);
+  }
+  return static_cast<uint16_t>(sign | (static_cast<uint32_t>(exponent) << 10) | (mantissa >> 13));
+}
+
+uint16_t scale_bits(const void* s, bool half, int64_t i) {
+  return half ? static_cast<const uint16_t*>(s)[i] : float_to_half(static_cast<const float*>(s)[i]);
+}
+
+// The weight q[n, k] of a GGUF-layout linear (Q4_1: [0, 15]; Q8_0: [-127, 127])
+int quant_at(const LinearWeights& w, int64_t n, int64_t k) {
+  if (w.kind == WeightKind::kQ4_1) {
+    const uint8_t byte = static_cast<const uint8_t*>(w.w)[n * (w.K / 2) + 16 * (k / 32) + (k % 16)];
+    return (k % 32) < 16 ? (byte & 0x0F) : (byte >> 4);
+  }
+  return static_cast<const int8_t*>(w.w)[n * w.K + k];
+}
+
+constexpr int64_t block_bytes(bool q4) { return q4 ? 256 : 512; }
+
+// The integer sum of weight column c (of its group) of block (g, b) against 32 activations xq.
+int32_t integer_sum(const Int8Weights& w, int64_t g, int64_t b, int c, const int8_t* xq, int32_t xsum) {
+  const uint8_t* block = w.quants.data() + (g * w.blocks + b) * block_bytes(w.q4);
+  int32_t isum = 0;
+  if (w.q4) {
+    for (int j = 0; j < 4; ++j)
+      for (int i = 0; i < 4; ++i) {
+        const uint8_t byte = block[64 * j + 4 * c + i];
+        isum += (byte & 0x0F) * xq[8 * j + i] + (byte >> 4) * xq[8 * j + 4 + i];
+      }
+    return isum;
+  }
+  for (int j = 0; j < 8; ++j)
+    for (int i = 0; i < 4; ++i) isum += block[64 * j + 4 * c + i] * xq[4 * j + i];
+  return isum - 128 * xsum;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define TREESPEC_INT8_VNNI 1
+
+// R rows of x against the 16 weight rows of group g: out[r * ldo + c] for c < valid.
+template <int R, bool Q4>
+void tile(const Int8Weights& w, int64_t g, const QuantRows& x, int64_t r0, float* out, int64_t ldo, int valid) {
+  const int64_t blocks = w.blocks;
+  const uint8_t* quants = w.quants.data() + g * blocks * block_bytes(Q4);
+  const uint16_t* d = w.d.data() + g * blocks * kGroup;
+  const uint16_t* mins = Q4 ? w.m.data() + g * blocks * kGroup : nullptr;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = quants + b * block_bytes(Q4);
+    _mm_prefetch(reinterpret_cast<const char*>(block) + 4096, _MM_HINT_T0);
+    const __m512 wd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + b * kGroup)));
+    __m512 wm = _mm512_setzero_ps();
+    __m512i wq[8];
+    if constexpr (Q4) {
+      wm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + b * kGroup)));
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(block + 64 * j);
+        wq[2 * j] = _mm512_and_si512(v, low);
+        wq[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+    } else {
+      for (int j = 0; j < 8; ++j) wq[j] = _mm512_loadu_si512(block + 64 * j);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = r0 + r;
+      const int32_t* x4 = reinterpret_cast<const int32_t*>(x.q.data() + row * x.K + 32 * b);
+      __m512i isum = _mm512_setzero_si512();
+      for (int j = 0; j < 8; ++j) isum = _mm512_dpbusd_epi32(isum, wq[j], _mm512_set1_epi32(x4[j]));
+      if constexpr (!Q4) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * x.sum[row * x.blocks + b]));
+      const __m512 s = _mm512_mul_ps(_mm512_set1_ps(x.d[row * x.blocks + b]), wd);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc[r]);
+      if constexpr (Q4) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x.dsum[row * x.blocks + b]), wm, acc[r]);
+    }
+  }
+  const __mmask16 mask = valid >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+  __m512 bias = _mm512_setzero_ps();
+  if (w.bias != nullptr) bias = _mm512_maskz_loadu_ps(mask, w.bias + g * kGroup);
+  for (int r = 0; r < R; ++r) {
+    __m512 v = acc[r];
+    if (w.bias != nullptr) v = _mm512_add_ps(v, bias);
+    _mm512_mask_storeu_ps(out + r * ldo, mask, v);
+  }
+}
+
+constexpr int kRows = 6;
+
+template <bool Q4>
+void columns_simd(const Int8Weights& w, const QuantRows& x, int64_t M, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; n += kGroup) {
+    const int64_t g = n / kGroup;
+    const int valid = static_cast<int>(std::min<int64_t>(kGroup, n1 - n));
+    int64_t r = 0;
+    for (; r + kRows <= M; r += kRows) tile<kRows, Q4>(w, g, x, r, out + r * ldo + n, ldo, valid);
+    float* o = out + r * ldo + n;
+    switch (M - r) {
+      case 1: tile<1, Q4>(w, g, x, r, o, ldo, valid); break;
+      case 2: tile<2, Q4>(w, g, x, r, o, ldo, valid); break;
+      case 3: tile<3, Q4>(w, g, x, r, o, ldo, valid); break;
+      case 4: tile<4, Q4>(w, g, x, r, o, ldo, valid); break;
+      case 5: tile<5, Q4>(w, g, x, r, o, ldo, valid); break;
+      default: break;
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+Int8Weights repack_int8(const LinearWeights& w) {
+  Int8Weights out;
+  out.q4 = w.kind == WeightKind::kQ4_1;
+  out.N = w.N;
+  out.K = w.K;
+  out.groups = (w.N + kGroup - 1) / kGroup;
+  out.blocks = w.K / 32;
+  out.bias = w.bias;
+  const int64_t G = out.groups, B = out.blocks, bytes = block_bytes(out.q4);
+  out.quants.assign(G * B * bytes, out.q4 ? 0 : 128);  // padding rows: q = 0
+  out.d.assign(G * B * kGroup, 0);
+  if (out.q4) out.m.assign(G * B * kGroup, 0);
+  for (int64_t n = 0; n < w.N; ++n) {
+    const int64_t g = n / kGroup;
+    const int c = static_cast<int>(n % kGroup);
+    for (int64_t b = 0; b < B; ++b) {
+      uint8_t* block = out.quants.data() + (g * B + b) * bytes;
+      out.d[(g * B + b) * kGroup + c] = scale_bits(w.d, w.half_scales, n * B + b);
+      if (out.q4) {
+        out.m[(g * B + b) * kGroup + c] = scale_bits(w.m, w.half_scales, n * B + b);
+        for (int j = 0; j < 4; ++j)
+          for (int i = 0; i < 4; ++i)
+            block[64 * j + 4 * c + i] = static_cast<uint8_t>(quant_at(w, n, 32 * b + 8 * j + i) |
+                                                             (quant_at(w, n, 32 * b + 8 * j + 4 + i) << 4));
+      } else {
+        for (int j = 0; j < 8; ++j)
+          for (int i = 0; i < 4; ++i) block[64 * j + 4 * c + i] = static_cast<uint8_t>(quant_at(w, n, 32 * b + 4 * j + i) + 128);
+      }
+    }
+  }
+  return out;
+}
+
+void quantize_blocks(const float* x, QuantRows& rows, int64_t r, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const float* xb = x + 32 * b;
+    float amax = 0.0f;
+    for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(xb[k]));
+    const float d = amax / 127.0f;
+    const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int8_t* q = rows.q.data() + r * rows.K + 32 * b;
+    int32_t sum = 0;
+    for (int k = 0; k < 32; ++k) {
+      const float v = std::nearbyint(xb[k] * inverse);
+      q[k] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
+      sum += q[k];
+    }
+    rows.d[r * rows.blocks + b] = d;
+    rows.sum[r * rows.blocks + b] = sum;
+    rows.dsum[r * rows.blocks + b] = d * static_cast<float>(sum);
+  }
+}
+
+void int8_columns_reference(const Int8Weights& w, const QuantRows& x, int64_t M, float* out, int64_t ldo, int64_t n0,
+                            int64_t n1) {
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t n = n0; n < n1; ++n) {
+      const int64_t g = n / kGroup;
+      const int c = static_cast<int>(n % kGroup);
+      float acc = 0.0f;
+      for (int64_t b = 0; b < w.blocks; ++b) {
+        const int64_t xb = r * x.blocks + b, wb = (g * w.blocks + b) * kGroup + c;
+        const int32_t isum = integer_sum(w, g, b, c, x.q.data() + r * x.K + 32 * b, x.sum[xb]);
+        const float s = x.d[xb] * half_to_float(w.d[wb]);
+        acc = std::fma(static_cast<float>(isum), s, acc);
+        if (w.q4) acc = std::fma(x.dsum[xb], half_to_float(w.m[wb]), acc);
+      }
+      out[r * ldo + n] = w.bias != nullptr ? acc + w.bias[n] : acc;
+    }
+}
+
+void int8_columns(const Int8Weights& w, const QuantRows& x, int64_t M, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  if (n0 >= n1 || M == 0) return;
+#if defined(TREESPEC_INT8_VNNI)
+  if (w.q4)
+    columns_simd<true>(w, x, M, out, ldo, n0, n1);
+  else
+    columns_simd<false>(w, x, M, out, ldo, n0, n1);
+#else
+  int8_columns_reference(w, x, M, out, ldo, n0, n1);
+#endif
+}
+
+bool int8_simd() {
+#if defined(TREESPEC_INT8_VNNI)
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace treespec

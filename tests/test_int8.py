@@ -1,0 +1,180 @@
+"""numerics="int8" (csrc/int8_linear.h, core.native): int8 activations against weight blocks, row-invariant.
+
+- the kernel: the VNNI kernel equals the scalar reference bit for bit, a row's output does not depend on the
+  other rows, the activation quantizer follows its definition, and the product is near the float one;
+- the native step in int8: every verified tree node (random trees of 1-64 nodes, B = 1-8, Llama / Qwen2 /
+  Mistral, float32 and bf16) gets exactly the bits of one-token steps, and its logits stay near the float
+  model's;
+- decoding: speculative output equals the int8 plain loop's output with every kind of drafter;
+- what it cannot run is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import ARCHS, random_heads, tiny_model
+from test_blocks import blockify
+from test_native import _filled_cache, _random_tree, _verify
+
+import treespec
+from treespec import ops
+from treespec.core.attention import AttentionPlan
+from treespec.core.decoder import Decoder, decoding_mode
+from treespec.core.native import NativeStep, int8_reason, q8_blocks
+
+pytestmark = pytest.mark.skipif(not ops.available("cpu"), reason="treespec's compiled CPU ops did not build")
+
+# head_dim 32: int8 numerics quantize blocks of 32
+SHAPE = dict(hidden_size=128, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _q4_blocks(N: int, K: int, gen: torch.Generator):
+    """Random Q4_1 blocks (q uint8 [N, K/2], d, m float16 [N, K/32]) and their float weight [N, K]."""
+    q = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=gen)
+    d = (torch.rand(N, K // 32, generator=gen) * 0.02).half()
+    m = (-torch.rand(N, K // 32, generator=gen) * 0.1).half()
+    lo, hi = (q & 15).view(N, K // 32, 16), (q >> 4).view(N, K // 32, 16)
+    values = torch.cat([lo, hi], dim=-1).float()  # [N, B, 32] in k order
+    return q, d, m, (d.float()[..., None] * values + m.float()[..., None]).view(N, K)
+
+
+def _q8_blocks(N: int, K: int, gen: torch.Generator):
+    q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=gen)
+    d = (torch.rand(N, K // 32, generator=gen) * 0.02).half()
+    return q, d, None, (d.float()[..., None] * q.float().view(N, K // 32, 32)).view(N, K)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("N,K,M", [(48, 64, 1), (37, 96, 7), (576, 576, 16), (20, 32, 13), (5, 1536, 3)])
+def test_int8_kernel_equals_its_reference_and_is_row_invariant(kind, N, K, M):
+    gen = torch.Generator().manual_seed(N * K + M)
+    q, d, m, weight = (_q4_blocks if kind == "q4_1" else _q8_blocks)(N, K, gen)
+    bias = torch.randn(N, generator=gen)
+    x = torch.randn(M, K, generator=gen) * torch.rand(M, 1, generator=gen) * 4
+    x[0, :32] = 0.0  # an all-zero block quantizes to zeros with scale 0
+    fast = torch.ops.treespec.int8_linear(x, q, d, m, bias, False)
+    reference = torch.ops.treespec.int8_linear(x, q, d, m, bias, True)
+    assert torch.equal(fast, reference)
+    for row in {0, M // 2, M - 1}:
+        alone = torch.ops.treespec.int8_linear(x[row : row + 1].clone(), q, d, m, bias, False)
+        assert torch.equal(alone[0], fast[row])
+    exact = x @ weight.T + bias
+    assert float((fast - exact).norm() / exact.norm()) < 0.02
+
+
+def test_activations_quantize_as_defined():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 96, generator=gen) * 3
+    x[1, 32:64] = 0.0
+    q, d, s = torch.ops.treespec.int8_quantize(x)
+    blocks = x.view(5, 3, 32)
+    amax = blocks.abs().amax(-1)  # [5, 3]
+    assert torch.equal(d, amax / 127)
+    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    expected = torch.round(blocks * inverse[..., None]).clamp(-127, 127).to(torch.int8).view(5, 96)
+    assert torch.equal(q, expected)
+    assert torch.equal(s, expected.view(5, 3, 32).sum(-1, dtype=torch.int32))
+    assert q.abs().max() == 127 and torch.equal(q[1, 32:64], torch.zeros(32, dtype=torch.int8))
+
+
+def test_dense_weights_become_q8_blocks_within_half_a_step():
+    weight = torch.randn(24, 64, generator=torch.Generator().manual_seed(4))
+    q, d = q8_blocks(weight)
+    rebuilt = (d.float()[..., None] * q.float().view(24, 2, 32)).view(24, 64)
+    step = d.float().repeat_interleave(32, dim=1)
+    assert q.dtype == torch.int8 and d.dtype == torch.float16
+    assert torch.all((rebuilt - weight).abs() <= step * 0.5 + 1e-6)
+
+
+def _model(arch: str, dtype, blocks: bool, seed: int):
+    model = tiny_model(arch, dtype=torch.float32, seed=seed, **SHAPE)
+    if blocks:
+        blockify(model)
+    return model.to(dtype)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize(
+    "dtype,blocks", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)]
+)
+def test_int8_nodes_get_the_bits_of_one_token_steps(arch, dtype, blocks):
+    model = _model(arch, dtype, blocks, seed=11)
+    generator = random.Random(f"{arch}{dtype}{blocks}")
+    with torch.inference_mode(), decoding_mode(model, "exact"):
+        native = NativeStep(model, int8=True)
+        native.refresh()
+        for nodes, batch in [(1, 3), (9, 2), (64, 1), (5, 8), (23, 4)]:
+            prompts = [
+                [generator.randrange(96) for _ in range(generator.randint(2, 12))] for _ in range(batch)
+            ]
+            mask = _random_tree(nodes, generator)
+            tokens = torch.randint(0, 96, (batch, nodes))
+            hidden, _, _ = _verify(model, native, prompts, list(range(batch)), mask, tokens, ())
+            logits = native.logits(hidden)  # [B, N, V]
+            for row in generator.sample(range(batch), min(batch, 2)):
+                node = generator.randrange(nodes)
+                cache = _filled_cache(model, [prompts[row]], nodes)
+                for token in tokens[row, mask[node]].tolist():  # root .. node, one token per forward
+                    cache.begin([0], 1)
+                    one = native(
+                        torch.tensor([[token]]),
+                        cache.positions(torch.zeros(1, dtype=torch.long)),
+                        cache,
+                        AttentionPlan("exact"),
+                    )
+                    cache.commit_all()
+                assert torch.equal(native.logits(one)[0, -1], logits[row, node]), (nodes, row, node)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_int8_logits_stay_near_the_float_ones(arch):
+    model = _model(arch, torch.float32, True, seed=12)
+    generator = random.Random(arch)
+    prompts = [[generator.randrange(96) for _ in range(9)] for _ in range(3)]
+    mask = _random_tree(12, generator)
+    tokens = torch.randint(0, 96, (3, 12))
+    with torch.inference_mode(), decoding_mode(model, "exact"):
+        outs = []
+        for int8 in (False, True):
+            native = NativeStep(model, exact=True, int8=int8)
+            native.refresh()
+            hidden, _, _ = _verify(model, native, prompts, [0, 1, 2], mask, tokens, ())
+            outs.append(native.logits(hidden).float())
+    floats, ints = outs
+    assert not torch.equal(floats, ints)  # the int8 forms really ran
+    cosine = torch.nn.functional.cosine_similarity(floats, ints, dim=-1)  # [3, 12]
+    assert cosine.min() > 0.98, cosine.min()
+    assert (floats.argmax(-1) == ints.argmax(-1)).float().mean() > 0.8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_speculative_text_equals_the_int8_plain_text(dtype):
+    model = _model("llama", dtype, False, seed=5)
+    generator = random.Random(7)
+    prompts = [[generator.randrange(96) for _ in range(length)] for length in (3, 11, 6, 17)]
+    options = treespec.DecodeOptions(numerics="int8")
+    plain = [r.token_ids for r in treespec.generate(model, prompts, None, max_new_tokens=24, options=options)]
+    heads = random_heads(model, seed=1)
+    drafters = [heads, treespec.LookupDrafter(treespec.as_drafter(model, heads), 3), treespec.SuffixDrafter()]
+    for drafter in drafters:
+        for batch in (prompts[:1], prompts):
+            out = treespec.generate(model, batch, drafter, max_new_tokens=24, options=options)
+            assert [r.token_ids for r in out] == plain[: len(batch)], type(drafter).__name__
+
+
+def test_int8_refuses_what_it_cannot_run_with_the_reason():
+    model = _model("llama", torch.float32, False, seed=1)
+    assert Decoder(model, numerics="int8").native.int8
+    with pytest.raises(ValueError, match="step='hf'"):
+        Decoder(model, numerics="int8", step="hf")
+    with pytest.raises(ValueError, match="compile=False"):
+        Decoder(model, numerics="int8", compile=True)
+    odd = tiny_model("llama", dtype=torch.float32)  # hidden 48, head_dim 8
+    assert "hidden_size 48" in int8_reason(odd)
+    with pytest.raises(ValueError, match="blocks of 32"):
+        Decoder(odd, numerics="int8")
+    with pytest.raises(ValueError, match="float64"):
+        Decoder(tiny_model("llama", **SHAPE), numerics="int8")
