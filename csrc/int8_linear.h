@@ -65,12 +65,17 @@ struct QuantRows {
 void quantize_blocks(const float* x, QuantRows& rows, int64_t r, int64_t b0, int64_t b1);
 inline void quantize_row(const float* x, QuantRows& rows, int64_t r) { quantize_blocks(x, rows, r, 0, rows.blocks); }
 
-// Columns [n0, n1) of out[r * ldo + n] for r < M (n0 a multiple of 16), on the calling thread.
-void int8_columns(const Int8Weights& w, const QuantRows& x, int64_t M, float* out, int64_t ldo, int64_t n0, int64_t n1);
+// The kernels that compute int8_columns: the scalar reference, AVX2 and AVX-512 VNNI (the same bits).
+enum class Int8Engine : int { kAuto = 0, kReference = 1, kAvx2 = 2, kVnni = 3 };
+// The engines this build has, the fastest last (the reference is always there).
+std::vector<Int8Engine> int8_engines();
+
+// Columns [n0, n1) of out[r * ldo + n] for r < M (n0 a multiple of 16), on the calling thread; kAuto: the
+// fastest engine here.
+void int8_columns(const Int8Weights& w, const QuantRows& x, int64_t M, float* out, int64_t ldo, int64_t n0, int64_t n1,
+                  Int8Engine engine = Int8Engine::kAuto);
 // The same bits from plain scalar code over the repacked layout (the reference the tests compare with).
 void int8_columns_reference(const Int8Weights& w, const QuantRows& x, int64_t M, float* out, int64_t ldo, int64_t n0,
                             int64_t n1);
-// Whether int8_columns runs the VNNI kernel here (else the scalar one).
-bool int8_simd();
 
 }  // namespace treespec

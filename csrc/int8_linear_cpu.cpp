@@ -1,9 +1,11 @@
 // int8 numerics (int8_linear.h): activation quantization, the weight repacking and the integer kernels.
 //
 // Engines: AVX-512 VNNI (`vpdpbusd`: 64 unsigned-by-signed byte products summed into 16 int32 lanes per
-// instruction; one lane per weight row of a 16-row group) and the scalar reference. Both compute each output
-// with the same float operations in the same order (the integer sums are exact), so they agree bit for bit.
-// A tile of R rows x one 16-row group unpacks each weight block once for its R rows.
+// instruction; one lane per weight row of a 16-row group), AVX2 (`vpmaddubsw` + `vpmaddwd` on each half of a
+// group, 8 lanes; Q8 weights through the sign trick, |q| * sign(x, q), so no 16-bit sum saturates) and the
+// scalar reference. All compute each output with the same float operations in the same order (the integer
+// sums are exact), so they agree bit for bit. A tile of R rows x one group unpacks each weight block once for
+// its R rows.
 
 #include <immintrin.h>
 
@@ -139,7 +141,7 @@ void tile(const Int8Weights& w, int64_t g, const QuantRows& x, int64_t r0, float
 constexpr int kRows = 6;
 
 template <bool Q4>
-void columns_simd(const Int8Weights& w, const QuantRows& x, int64_t M, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+void columns_vnni(const Int8Weights& w, const QuantRows& x, int64_t M, float* out, int64_t ldo, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; n += kGroup) {
     const int64_t g = n / kGroup;
     const int valid = static_cast<int>(std::min<int64_t>(kGroup, n1 - n));
@@ -152,6 +154,83 @@ void columns_simd(const Int8Weights& w, const QuantRows& x, int64_t M, float* ou
       case 3: tile<3, Q4>(w, g, x, r, o, ldo, valid); break;
       case 4: tile<4, Q4>(w, g, x, r, o, ldo, valid); break;
       case 5: tile<5, Q4>(w, g, x, r, o, ldo, valid); break;
+      default: break;
+    }
+  }
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TREESPEC_INT8_AVX2 1
+
+// R rows of x against weight rows 8 * half .. 8 * half + 7 of group g: out[r * ldo + c] for c < valid.
+template <int R, bool Q4>
+void tile_avx2(const Int8Weights& w, int64_t g, int half, const QuantRows& x, int64_t r0, float* out, int64_t ldo,
+               int valid) {
+  const int64_t blocks = w.blocks;
+  const uint8_t* quants = w.quants.data() + g * blocks * block_bytes(Q4) + 32 * half;
+  const uint16_t* d = w.d.data() + g * blocks * kGroup + 8 * half;
+  const uint16_t* mins = Q4 ? w.m.data() + g * blocks * kGroup + 8 * half : nullptr;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = quants + b * block_bytes(Q4);
+    const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b * kGroup)));
+    __m256 wm = _mm256_setzero_ps();
+    __m256i wq[8];
+    if constexpr (Q4) {
+      wm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + b * kGroup)));
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * j));
+        wq[2 * j] = _mm256_and_si256(v, low);
+        wq[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      }
+    } else {  // q = stored byte - 128, as a signed byte
+      for (int j = 0; j < 8; ++j)
+        wq[j] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * j)), flip);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = r0 + r;
+      const int32_t* x4 = reinterpret_cast<const int32_t*>(x.q.data() + row * x.K + 32 * b);
+      __m256i isum = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {
+        const __m256i xv = _mm256_set1_epi32(x4[j]);
+        const __m256i pairs = Q4 ? _mm256_maddubs_epi16(wq[j], xv)
+                                 : _mm256_maddubs_epi16(_mm256_abs_epi8(wq[j]), _mm256_sign_epi8(xv, wq[j]));
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, ones));
+      }
+      const __m256 s = _mm256_mul_ps(_mm256_set1_ps(x.d[row * x.blocks + b]), wd);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, acc[r]);
+      if constexpr (Q4) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x.dsum[row * x.blocks + b]), wm, acc[r]);
+    }
+  }
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256 bias = _mm256_setzero_ps();
+  if (w.bias != nullptr) bias = _mm256_maskload_ps(w.bias + g * kGroup + 8 * half, mask);
+  for (int r = 0; r < R; ++r) {
+    __m256 v = acc[r];
+    if (w.bias != nullptr) v = _mm256_add_ps(v, bias);
+    _mm256_maskstore_ps(out + r * ldo, mask, v);
+  }
+}
+
+constexpr int kRowsAvx2 = 4;
+
+template <bool Q4>
+void columns_avx2(const Int8Weights& w, const QuantRows& x, int64_t M, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; n += 8) {
+    const int64_t g = n / kGroup;
+    const int half = static_cast<int>((n % kGroup) / 8);
+    const int valid = static_cast<int>(std::min<int64_t>(8, n1 - n));
+    int64_t r = 0;
+    for (; r + kRowsAvx2 <= M; r += kRowsAvx2) tile_avx2<kRowsAvx2, Q4>(w, g, half, x, r, out + r * ldo + n, ldo, valid);
+    float* o = out + r * ldo + n;
+    switch (M - r) {
+      case 1: tile_avx2<1, Q4>(w, g, half, x, r, o, ldo, valid); break;
+      case 2: tile_avx2<2, Q4>(w, g, half, x, r, o, ldo, valid); break;
+      case 3: tile_avx2<3, Q4>(w, g, half, x, r, o, ldo, valid); break;
       default: break;
     }
   }
@@ -231,24 +310,40 @@ void int8_columns_reference(const Int8Weights& w, const QuantRows& x, int64_t M,
     }
 }
 
-void int8_columns(const Int8Weights& w, const QuantRows& x, int64_t M, float* out, int64_t ldo, int64_t n0, int64_t n1) {
-  if (n0 >= n1 || M == 0) return;
-#if defined(TREESPEC_INT8_VNNI)
-  if (w.q4)
-    columns_simd<true>(w, x, M, out, ldo, n0, n1);
-  else
-    columns_simd<false>(w, x, M, out, ldo, n0, n1);
-#else
-  int8_columns_reference(w, x, M, out, ldo, n0, n1);
+std::vector<Int8Engine> int8_engines() {
+  std::vector<Int8Engine> engines = {Int8Engine::kReference};
+#if defined(TREESPEC_INT8_AVX2)
+  engines.push_back(Int8Engine::kAvx2);
 #endif
+#if defined(TREESPEC_INT8_VNNI)
+  engines.push_back(Int8Engine::kVnni);
+#endif
+  return engines;
 }
 
-bool int8_simd() {
+void int8_columns(const Int8Weights& w, const QuantRows& x, int64_t M, float* out, int64_t ldo, int64_t n0, int64_t n1,
+                  Int8Engine engine) {
+  if (n0 >= n1 || M == 0) return;
+  if (engine == Int8Engine::kAuto) engine = int8_engines().back();
+  switch (engine) {
 #if defined(TREESPEC_INT8_VNNI)
-  return true;
-#else
-  return false;
+    case Int8Engine::kVnni:
+      if (w.q4)
+        columns_vnni<true>(w, x, M, out, ldo, n0, n1);
+      else
+        columns_vnni<false>(w, x, M, out, ldo, n0, n1);
+      return;
 #endif
+#if defined(TREESPEC_INT8_AVX2)
+    case Int8Engine::kAvx2:
+      if (w.q4)
+        columns_avx2<true>(w, x, M, out, ldo, n0, n1);
+      else
+        columns_avx2<false>(w, x, M, out, ldo, n0, n1);
+      return;
+#endif
+    default: int8_columns_reference(w, x, M, out, ldo, n0, n1);
+  }
 }
 
 }  // namespace treespec

@@ -7,6 +7,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <tuple>
@@ -320,9 +321,13 @@ struct NativeModel : torch::CustomClassHolder {
 };
 
 // int8 numerics of one linear for tests (int8_linear.h): x [M, K] float32 against Q4_1 blocks (q uint8
-// [N, K/2], d and m [N, K/32]) or Q8_0 blocks (q int8 [N, K], m None), + bias; reference: the scalar code.
+// [N, K/2], d and m [N, K/32]) or Q8_0 blocks (q int8 [N, K], m None), + bias; engine: Int8Engine (0: the
+// fastest here, 1: the scalar reference, 2: AVX2, 3: AVX-512 VNNI; one this build lacks is refused).
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m,
-                       const std::optional<at::Tensor>& bias, bool reference) {
+                       const std::optional<at::Tensor>& bias, int64_t engine) {
+  const std::vector<Int8Engine> engines = int8_engines();
+  TORCH_CHECK(engine == 0 || std::find(engines.begin(), engines.end(), static_cast<Int8Engine>(engine)) != engines.end(),
+              "int8_linear: engine ", engine, " is not in this build");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_cpu(), "int8_linear: x must be float32 [M, K]");
   const at::Tensor xc = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
@@ -336,10 +341,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   rows.resize(M, K);
   for (int64_t r = 0; r < M; ++r) quantize_row(xc.data_ptr<float>() + r * K, rows, r);
   at::Tensor out = at::empty({M, N}, xc.options());
-  if (reference)
-    int8_columns_reference(iw, rows, M, out.data_ptr<float>(), N, 0, N);
-  else
-    int8_columns(iw, rows, M, out.data_ptr<float>(), N, 0, N);
+  int8_columns(iw, rows, M, out.data_ptr<float>(), N, 0, N, static_cast<Int8Engine>(engine));
   return out;
 }
 
@@ -360,7 +362,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_quantize(const at::Tensor& x
   return {q, d, s};
 }
 
-bool int8_simd_kernel() { return int8_simd(); }
+// The Int8Engine values this build has, the fastest last.
+std::vector<int64_t> int8_engine_list() {
+  std::vector<int64_t> out;
+  for (Int8Engine e : int8_engines()) out.push_back(static_cast<int64_t>(e));
+  return out;
+}
 
 }  // namespace treespec
 
@@ -375,9 +382,9 @@ TORCH_LIBRARY_FRAGMENT(treespec, m) {
       .def("logits", &treespec::NativeModel::logits)
       .def("set_profiling", &treespec::NativeModel::set_profiling)
       .def("profile", &treespec::NativeModel::profile);
-  m.def("int8_linear(Tensor x, Tensor q, Tensor d, Tensor? m, Tensor? bias, bool reference) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor q, Tensor d, Tensor? m, Tensor? bias, int engine) -> Tensor");
   m.def("int8_quantize(Tensor x) -> (Tensor, Tensor, Tensor)");
-  m.def("int8_simd() -> bool", &treespec::int8_simd_kernel);
+  m.def("int8_engines() -> int[]", &treespec::int8_engine_list);
 }
 
 TORCH_LIBRARY_IMPL(treespec, CPU, m) {

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from treespec.core.native import NativeStep, int8_reason, q8_blocks
 
 pytestmark = pytest.mark.skipif(not ops.available("cpu"), reason="treespec's compiled CPU ops did not build")
 
+REFERENCE = 1  # csrc Int8Engine::kReference
 # head_dim 32: int8 numerics quantize blocks of 32
 SHAPE = dict(hidden_size=128, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
 
@@ -55,14 +57,26 @@ def test_int8_kernel_equals_its_reference_and_is_row_invariant(kind, N, K, M):
     bias = torch.randn(N, generator=gen)
     x = torch.randn(M, K, generator=gen) * torch.rand(M, 1, generator=gen) * 4
     x[0, :32] = 0.0  # an all-zero block quantizes to zeros with scale 0
-    fast = torch.ops.treespec.int8_linear(x, q, d, m, bias, False)
-    reference = torch.ops.treespec.int8_linear(x, q, d, m, bias, True)
-    assert torch.equal(fast, reference)
-    for row in {0, M // 2, M - 1}:
-        alone = torch.ops.treespec.int8_linear(x[row : row + 1].clone(), q, d, m, bias, False)
-        assert torch.equal(alone[0], fast[row])
+    reference = torch.ops.treespec.int8_linear(x, q, d, m, bias, REFERENCE)
+    for engine in torch.ops.treespec.int8_engines():  # the reference, AVX2, VNNI: what this build has
+        fast = torch.ops.treespec.int8_linear(x, q, d, m, bias, engine)
+        assert torch.equal(fast, reference), engine
+        for row in {0, M // 2, M - 1}:
+            alone = torch.ops.treespec.int8_linear(x[row : row + 1].clone(), q, d, m, bias, engine)
+            assert torch.equal(alone[0], fast[row]), engine
     exact = x @ weight.T + bias
     assert float((fast - exact).norm() / exact.norm()) < 0.02
+
+
+def test_this_build_has_the_simd_engines_of_its_cpu():
+    engines = torch.ops.treespec.int8_engines()
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.is_file() else set()
+    assert REFERENCE in engines
+    if {"avx2", "fma", "f16c"} <= flags:
+        assert 2 in engines
+    if {"avx512_vnni", "avx512bw"} <= flags:
+        assert engines[-1] == 3
 
 
 def test_activations_quantize_as_defined():
