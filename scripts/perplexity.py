@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
         }
         print(f"{name:>8}: perplexity {results[name]['perplexity']:.4f} over {count} tokens", flush=True)
     reference = "fast" if "fast" in results else next(iter(results))
-    for name, r in results.items():
+    for r in results.values():
         r["x_" + reference] = r["perplexity"] / results[reference]["perplexity"]
     if "int8" in results and reference != "int8":
         print(f"int8 / {reference} perplexity: {results['int8']['x_' + reference]:.4f}")
