@@ -55,6 +55,7 @@ inline const float* key_row(const T* base, int64_t stride, int t, int D, float* 
   }
 }
 
+// Whether query token i (of the block) sees block key j.
 inline bool visible(const TreeAttentionParams& p, int i, int j) {
   if (p.bits == nullptr) return j <= i;
   return (p.bits[static_cast<int64_t>(i) * p.words + j / 64] >> (j % 64)) & 1u;
@@ -139,7 +140,9 @@ void prefix_values(const TreeAttentionParams& p, const T* v, int c, int R, int T
 
 template <typename T>
 void run_task(const TreeAttentionParams& p, int64_t task, Scratch& w) {
-  const int G = p.heads / p.kv_heads, n = p.n, D = p.head_dim, c = p.kv_len - n;
+  // n queries, tokens query_offset.. of a block of block_n tokens after c committed keys
+  const int G = p.heads / p.kv_heads, n = p.n, D = p.head_dim;
+  const int block_n = p.block_n > 0 ? p.block_n : n, c = p.kv_len - block_n;
   const int tiles = (n + kTokens - 1) / kTokens;
   const int b = static_cast<int>(task / (int64_t(p.kv_heads) * tiles));
   const int kvh = static_cast<int>(task / tiles % p.kv_heads), i0 = static_cast<int>(task % tiles) * kTokens;
@@ -151,8 +154,8 @@ void run_task(const TreeAttentionParams& p, int64_t task, Scratch& w) {
   w.block.resize(tokens);
   for (int ii = 0; ii < tokens; ++ii) {
     w.block[ii].clear();
-    for (int j = 0; j < n; ++j)
-      if (visible(p, i0 + ii, j)) w.block[ii].push_back(j);
+    for (int j = 0; j < block_n; ++j)
+      if (visible(p, p.query_offset + i0 + ii, j)) w.block[ii].push_back(j);
     most = std::max(most, static_cast<int>(w.block[ii].size()));
   }
   const int Tp = round_up(c + most, VL);  // score row stride, padded to whole vectors

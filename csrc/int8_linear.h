@@ -70,8 +70,8 @@ enum class Int8Engine : int { kAuto = 0, kReference = 1, kAvx2 = 2, kVnni = 3 };
 // The engines this build has, the fastest last (the reference is always there).
 std::vector<Int8Engine> int8_engines();
 
-// Columns [n0, n1) of out[r * ldo + n] for r < M (n0 a multiple of 16), on the calling thread; kAuto: the
-// fastest engine here.
+// Columns [n0, n1) of out[r * ldo + n] for r < M (n0 a multiple of 16, n1 one too or N), on the calling
+// thread; kAuto: the fastest engine here.
 void int8_columns(const Int8Weights& w, const QuantRows& x, int64_t M, float* out, int64_t ldo, int64_t n0, int64_t n1,
                   Int8Engine engine = Int8Engine::kAuto);
 // The same bits from plain scalar code over the repacked layout (the reference the tests compare with).

@@ -92,71 +92,99 @@ int32_t integer_sum(const Int8Weights& w, int64_t g, int64_t b, int c, const int
 #define TREESPEC_INT8_VNNI 1
 
 // R rows of x against the 16 weight rows of group g: out[r * ldo + c] for c < valid.
-template <int R, bool Q4>
-void tile(const Int8Weights& w, int64_t g, const QuantRows& x, int64_t r0, float* out, int64_t ldo, int valid) {
+// R rows of x against the 16 * C weight rows of groups g .. g + C - 1: out[r * ldo + 16 c + l] for lanes l of
+// group c that hold a row below N. Each broadcast of 4 activation bytes feeds C `vpdpbusd`.
+template <int R, int C, bool Q4>
+void tile(const Int8Weights& w, int64_t g, const QuantRows& x, int64_t r0, float* out, int64_t ldo) {
   const int64_t blocks = w.blocks;
   const uint8_t* quants = w.quants.data() + g * blocks * block_bytes(Q4);
   const uint16_t* d = w.d.data() + g * blocks * kGroup;
   const uint16_t* mins = Q4 ? w.m.data() + g * blocks * kGroup : nullptr;
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t group_bytes = blocks * block_bytes(Q4), group_scales = blocks * kGroup;
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = quants + b * block_bytes(Q4);
-    _mm_prefetch(reinterpret_cast<const char*>(block) + 4096, _MM_HINT_T0);
-    const __m512 wd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + b * kGroup)));
-    __m512 wm = _mm512_setzero_ps();
-    __m512i wq[8];
-    if constexpr (Q4) {
-      wm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + b * kGroup)));
-      for (int j = 0; j < 4; ++j) {
-        const __m512i v = _mm512_loadu_si512(block + 64 * j);
-        wq[2 * j] = _mm512_and_si512(v, low);
-        wq[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    __m512 wd[C], wm[C];
+    __m512i wq[C][8];
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* block = quants + c * group_bytes + b * block_bytes(Q4);
+      _mm_prefetch(reinterpret_cast<const char*>(block) + 4096, _MM_HINT_T0);
+      wd[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + c * group_scales + b * kGroup)));
+      if constexpr (Q4) {
+        wm[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + c * group_scales + b * kGroup)));
+        for (int j = 0; j < 4; ++j) {
+          const __m512i v = _mm512_loadu_si512(block + 64 * j);
+          wq[c][2 * j] = _mm512_and_si512(v, low);
+          wq[c][2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+      } else {
+        for (int j = 0; j < 8; ++j) wq[c][j] = _mm512_loadu_si512(block + 64 * j);
       }
-    } else {
-      for (int j = 0; j < 8; ++j) wq[j] = _mm512_loadu_si512(block + 64 * j);
     }
     for (int r = 0; r < R; ++r) {
       const int64_t row = r0 + r;
       const int32_t* x4 = reinterpret_cast<const int32_t*>(x.q.data() + row * x.K + 32 * b);
-      __m512i isum = _mm512_setzero_si512();
-      for (int j = 0; j < 8; ++j) isum = _mm512_dpbusd_epi32(isum, wq[j], _mm512_set1_epi32(x4[j]));
-      if constexpr (!Q4) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * x.sum[row * x.blocks + b]));
-      const __m512 s = _mm512_mul_ps(_mm512_set1_ps(x.d[row * x.blocks + b]), wd);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc[r]);
-      if constexpr (Q4) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x.dsum[row * x.blocks + b]), wm, acc[r]);
+      // two chains per group (even and odd 4-byte steps) where few rows leave the latency exposed; the
+      // integer sums are exact, so their order changes nothing
+      constexpr int chains = R <= 2 ? 2 : 1;
+      __m512i isum[C][chains];
+      for (int c = 0; c < C; ++c)
+        for (int h = 0; h < chains; ++h) isum[c][h] = _mm512_setzero_si512();
+      for (int j = 0; j < 8; ++j) {
+        const __m512i xv = _mm512_set1_epi32(x4[j]);
+        for (int c = 0; c < C; ++c) isum[c][j % chains] = _mm512_dpbusd_epi32(isum[c][j % chains], wq[c][j], xv);
+      }
+      const __m512 xd = _mm512_set1_ps(x.d[row * x.blocks + b]);
+      for (int c = 0; c < C; ++c) {
+        __m512i total = isum[c][0];
+        if constexpr (chains == 2) total = _mm512_add_epi32(total, isum[c][1]);
+        if constexpr (!Q4) total = _mm512_sub_epi32(total, _mm512_set1_epi32(128 * x.sum[row * x.blocks + b]));
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(xd, wd[c]), acc[r][c]);
+        if constexpr (Q4) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(x.dsum[row * x.blocks + b]), wm[c], acc[r][c]);
+      }
     }
   }
-  const __mmask16 mask = valid >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
-  __m512 bias = _mm512_setzero_ps();
-  if (w.bias != nullptr) bias = _mm512_maskz_loadu_ps(mask, w.bias + g * kGroup);
-  for (int r = 0; r < R; ++r) {
-    __m512 v = acc[r];
-    if (w.bias != nullptr) v = _mm512_add_ps(v, bias);
-    _mm512_mask_storeu_ps(out + r * ldo, mask, v);
+  for (int c = 0; c < C; ++c) {
+    const int64_t first = (g + c) * kGroup;
+    const int valid = static_cast<int>(std::min<int64_t>(kGroup, w.N - first));
+    const __mmask16 mask = valid >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+    __m512 bias = _mm512_setzero_ps();
+    if (w.bias != nullptr) bias = _mm512_maskz_loadu_ps(mask, w.bias + first);
+    for (int r = 0; r < R; ++r) {
+      __m512 v = acc[r][c];
+      if (w.bias != nullptr) v = _mm512_add_ps(v, bias);
+      _mm512_mask_storeu_ps(out + r * ldo + c * kGroup, mask, v);
+    }
   }
 }
 
-constexpr int kRows = 6;
+// Rows in tiles of kRows (then the rest) against groups C at a time.
+template <int C, bool Q4>
+void rows_vnni(const Int8Weights& w, int64_t g, const QuantRows& x, int64_t M, float* out, int64_t ldo) {
+  constexpr int kRows = C == 1 ? 6 : 4;
+  int64_t r = 0;
+  for (; r + kRows <= M; r += kRows) tile<kRows, C, Q4>(w, g, x, r, out + r * ldo, ldo);
+  float* o = out + r * ldo;
+  switch (M - r) {
+    case 1: tile<1, C, Q4>(w, g, x, r, o, ldo); break;
+    case 2: tile<2, C, Q4>(w, g, x, r, o, ldo); break;
+    case 3: tile<3, C, Q4>(w, g, x, r, o, ldo); break;
+    case 4: tile<4, C, Q4>(w, g, x, r, o, ldo); break;
+    case 5: tile<5, C, Q4>(w, g, x, r, o, ldo); break;
+    default: break;
+  }
+}
 
+// Columns [n0, n1) (n0 a multiple of 16; the last group's lanes past n1 are stored only below N, so n1 is a
+// multiple of 16 or N).
 template <bool Q4>
 void columns_vnni(const Int8Weights& w, const QuantRows& x, int64_t M, float* out, int64_t ldo, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; n += kGroup) {
-    const int64_t g = n / kGroup;
-    const int valid = static_cast<int>(std::min<int64_t>(kGroup, n1 - n));
-    int64_t r = 0;
-    for (; r + kRows <= M; r += kRows) tile<kRows, Q4>(w, g, x, r, out + r * ldo + n, ldo, valid);
-    float* o = out + r * ldo + n;
-    switch (M - r) {
-      case 1: tile<1, Q4>(w, g, x, r, o, ldo, valid); break;
-      case 2: tile<2, Q4>(w, g, x, r, o, ldo, valid); break;
-      case 3: tile<3, Q4>(w, g, x, r, o, ldo, valid); break;
-      case 4: tile<4, Q4>(w, g, x, r, o, ldo, valid); break;
-      case 5: tile<5, Q4>(w, g, x, r, o, ldo, valid); break;
-      default: break;
-    }
-  }
+  int64_t g = n0 / kGroup;
+  const int64_t end = (n1 + kGroup - 1) / kGroup;
+  for (; g + 2 <= end; g += 2) rows_vnni<2, Q4>(w, g, x, M, out + g * kGroup, ldo);
+  if (g < end) rows_vnni<1, Q4>(w, g, x, M, out + g * kGroup, ldo);
 }
 #endif
 

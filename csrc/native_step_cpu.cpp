@@ -28,6 +28,7 @@ namespace treespec {
 namespace {
 
 constexpr int64_t kTaskColumns = 32;
+constexpr int kQueryTile = 8;  // query tokens per attention task of the row-invariant kernel
 
 inline float round_to(float x, bool bf16) { return bf16 ? bf16_to_float(float_to_bf16(x)) : x; }
 
@@ -177,13 +178,16 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
   // the q, k, v columns as one stage: task t covers columns of q, then k, then v
   const int64_t q_tasks = column_tasks(qw), k_tasks = column_tasks(kw);
 
+  // attention tasks: (row, kv head) for the fast kernel; (row, kv head, tile of kQueryTile tokens) for the
+  // row-invariant one, whose result per token does not depend on how the queries are split
+  const int query_tiles = a.exact ? (n + kQueryTile - 1) / kQueryTile : 1;
   std::vector<Stage> stages;
   stages.push_back({StageKind::kEmbed, 0, M});
   for (int l = 0; l < m.layers; ++l) {
     stages.push_back({StageKind::kNorm1, l, M});
     stages.push_back({StageKind::kQKV, l, q_tasks + 2 * k_tasks});
     stages.push_back({StageKind::kRotary, l, M});
-    stages.push_back({StageKind::kAttention, l, static_cast<int64_t>(A) * Hkv});
+    stages.push_back({StageKind::kAttention, l, static_cast<int64_t>(A) * Hkv * query_tiles});
     stages.push_back({StageKind::kO, l, column_tasks(H)});
     stages.push_back({StageKind::kNorm2, l, M});
     stages.push_back({StageKind::kGateUp, l, column_tasks(I)});
@@ -260,15 +264,17 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
         }
         break;
       }
-      case StageKind::kAttention: {  // (row, kv head) t: its G query heads over the row's keys
-        const int64_t ai = t / Hkv;
-        const int kvh = static_cast<int>(t % Hkv);
+      case StageKind::kAttention: {  // (row, kv head, query tile) t: its G query heads over the row's keys
+        const int64_t ai = t / (Hkv * query_tiles);
+        const int kvh = static_cast<int>(t / query_tiles % Hkv);
+        const int i0 = static_cast<int>(t % query_tiles) * kQueryTile, i1 = query_tiles == 1 ? n : std::min(n, i0 + kQueryTile);
+        const int tokens = i1 - i0;
         TreeAttentionParams p;
-        p.q = qh + (ai * Hq + static_cast<int64_t>(kvh) * G) * n * D;
+        p.q = qh + ((ai * Hq + static_cast<int64_t>(kvh) * G) * n + i0) * D;
         const int64_t base = a.rows[ai] * m.cache_stride_b + kvh * m.cache_stride_h;
         p.k = static_cast<const T*>(L.keys) + base;
         p.v = static_cast<const T*>(L.values) + base;
-        T* out = oh + (ai * Hkv + kvh) * static_cast<int64_t>(n) * G * D;  // [n, G, D]
+        T* out = oh + ((ai * Hkv + kvh) * static_cast<int64_t>(n) + i0) * G * D;  // [tokens, G, D] of [n, G, D]
         p.out = out;
         p.bits = a.bits;
         p.q_stride_b = static_cast<int64_t>(Hq) * n * D;
@@ -280,7 +286,9 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
         p.batch = 1;
         p.heads = G;
         p.kv_heads = 1;
-        p.n = n;
+        p.n = tokens;
+        p.block_n = n;
+        p.query_offset = i0;
         p.kv_len = static_cast<int>(a.starts[ai] + n);
         p.head_dim = D;
         p.words = a.words > 0 ? a.words : (n + 63) / 64;
@@ -291,15 +299,15 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
           tree_attention_exact_cpu(p);
         else
           tree_attention_cpu(p);
-        for (int i = 0; i < n; ++i)
+        for (int i = i0; i < i1; ++i)
           for (int g = 0; g < G; ++g) {
-            const T* src = out + (static_cast<int64_t>(i) * G + g) * D;
+            const T* src = out + (static_cast<int64_t>(i - i0) * G + g) * D;
             float* dst = attn + (ai * n + i) * qw + (static_cast<int64_t>(kvh) * G + g) * D;
             for (int d = 0; d < D; ++d) dst[d] = to_float<T>(src[d]);
           }
         if (m.int8) {  // this kv head's G * D outputs of each token are whole blocks of 32 (D % 32 == 0)
           const int64_t b0 = static_cast<int64_t>(kvh) * G * D / 32, b1 = b0 + static_cast<int64_t>(G) * D / 32;
-          for (int i = 0; i < n; ++i) quantize_blocks(attn + (ai * n + i) * qw, s.attnq, ai * n + i, b0, b1);
+          for (int i = i0; i < i1; ++i) quantize_blocks(attn + (ai * n + i) * qw, s.attnq, ai * n + i, b0, b1);
         }
         break;
       }

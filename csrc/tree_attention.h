@@ -37,6 +37,10 @@ struct TreeAttentionParams {
   int64_t k_stride_b = 0, k_stride_h = 0, k_stride_l = 0;
   int64_t v_stride_b = 0, v_stride_h = 0, v_stride_l = 0;
   int batch = 0, heads = 0, kv_heads = 0, n = 0, kv_len = 0, head_dim = 0, words = 0;
+  // The row-invariant kernel (tree_attention_exact_cpu) only: the n queries are tokens query_offset ..
+  // query_offset + n - 1 of a block of block_n tokens (0: n, offset 0) after kv_len - block_n committed keys;
+  // their ancestor bits are rows query_offset.. of `bits` (a caller splits one block's queries into tasks).
+  int block_n = 0, query_offset = 0;
   float scale = 1.0f;            // softmax scale applied to q.k
   DType dtype = DType::kFloat32;
   // CPU: run every task on the calling thread (a caller that is itself one thread of a parallel region,

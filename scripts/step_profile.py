@@ -2,6 +2,7 @@
 """Where a decoding step's time goes: the plain loop (and trees of N nodes) through the native step.
 
     python scripts/step_profile.py --dtype float32 --nodes 1,4,8,16 --out benchmarks/step-profile.json
+    python scripts/step_profile.py --dtype float32 --numerics int8 --nodes 1,4,8,16
 
 For each node count: wall ms of one `Decoder.step` over a chain of that many nodes (drafted by a drafter
 that proposes fixed tokens, so only the verification is timed), of the native call inside it, and the
@@ -47,8 +48,9 @@ class ChainDrafter(BaseDrafter):
         return Proposal(tokens)
 
 
-def profile(model, prompt: list[int], n: int, steps: int) -> dict:
-    decoder = Decoder(model, ChainDrafter(n, token=prompt[-1]) if n > 1 else None, step="native")
+def profile(model, prompt: list[int], n: int, steps: int, numerics: str = "fast") -> dict:
+    drafter = ChainDrafter(n, token=prompt[-1]) if n > 1 else None
+    decoder = Decoder(model, drafter, step="native", numerics=numerics)
     decoder.prefill(prompt, max_new_tokens=steps * n + 8)
     native = decoder.native
     calls = []
@@ -97,15 +99,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--nodes", default="1,4,8,16")
     p.add_argument("--prefix", type=int, default=128, help="committed tokens before the timed steps")
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--numerics", default="fast", help="fast, bitwise or int8 (`Decoder(numerics=)`)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     model, _ = treespec.load_model(args.model, dtype=args.dtype)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (args.prefix,), generator=gen).tolist()
-    rows = [profile(model, prompt, int(n), args.steps) for n in args.nodes.split(",")]
+    rows = [profile(model, prompt, int(n), args.steps, args.numerics) for n in args.nodes.split(",")]
     one = rows[0]["step_ms"]
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    print(f"native step, {dtype}, {torch.get_num_threads()} threads, prefix {args.prefix}")
+    threads = torch.get_num_threads()
+    print(f"native step, {dtype}, numerics {args.numerics}, {threads} threads, prefix {args.prefix}")
     print("nodes  step ms  (x 1 node)  native call  linears (lm_head)  attention  other kernels  python")
     for r in rows:
         python = r["step_ms"] - r["native_call_ms"] - r["lm_head_ms"]
@@ -115,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"   {r['linears_ms']:7.2f} ({r['lm_head_ms']:5.2f})   {r['attention_ms']:7.2f}"
             f"    {r['other_kernels_ms']:7.2f}   {python:6.2f}"
         )
-    result = {"dtype": dtype, "threads": torch.get_num_threads(), "prefix": args.prefix, "rows": rows}
+    result = {"dtype": dtype, "numerics": args.numerics, "threads": threads, "prefix": args.prefix, "rows": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return result
