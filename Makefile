@@ -28,7 +28,7 @@ lint: install
 	$(VENV)/bin/ruff check treespec tests scripts
 
 bench: install
-	$(PY) scripts/bench.py --num-prompts 16 --dtype bfloat16
+	$(PY) scripts/bench.py
 
 # vLLM's CPU build in its own environment (.venv-vllm), for the benchmark's vllm and vllm_ngram methods
 vllm-env: .venv-vllm/.installed

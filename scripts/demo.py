@@ -5,7 +5,8 @@ HF prompt lookup and treespec, the speedup over HF generate and the mean accepte
 figures (all tokens / all time). One prompt says little: the accepted length varies from about 1.5 to 4
 tokens per step from one prompt to the next.
 
-treespec drafts with the default model's trained heads (heads/smollm2-135m-instruct/, packaged in the
+treespec drafts with the recipe `--drafter` names (`treespec.recipes`; default auto, which for the default
+model is dynamic+suffix): the default model's trained heads (heads/smollm2-135m-instruct/, packaged in the
 wheel as well; untrained heads, no speedup, otherwise) united with suffix trees over the prompt, the answer
 and the model's shipped earlier answers, pruned every step to the nodes worth verifying on this machine
 (`DynamicTreeDrafter` over this machine's cost curve, measured once, then kept in ~/.cache/treespec/costs/);
@@ -24,18 +25,18 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 import treespec
-from treespec.core.packed import BLOCK_ROWS_MAX
+from treespec import recipes
 from treespec.core.tokens import eos_token_ids
 from treespec.tools.bench import hf_greedy
 from treespec.tools.drafter_options import MACHINE, pick_tree
-from treespec.tools.models import default_heads_folder, default_suffix_cache_file
+from treespec.tools.models import default_heads_folder
 from treespec.tools.peers import LlamaCppPeer, find_llamacpp_python
-from treespec.training.costs import verify_cost_model
 
 PROMPTS = [
     "Explain in a few sentences why the sky is blue.",
@@ -47,6 +48,7 @@ PROMPTS = [
     "tidally locked to its orbit.",
     "Translate into French: The weather is nice today, so we are going to the park.",
 ]
+STATIC = "static"  # --drafter static: heads+lookup in the heads' tree priced on this machine
 
 
 def load_heads(
@@ -66,22 +68,20 @@ def load_heads(
     return heads, tree, f"trained heads from {folder}"
 
 
-def make_drafter(model, heads, tree, args):
-    """() -> the drafter for one prompt: a new static one each time (`--drafter static`), else the same
-    dynamic drafter over heads + suffix trees for every prompt."""
-    if args.drafter == "static":
-        static = lambda: treespec.as_drafter(model, heads, tree)  # noqa: E731
-        return (lambda: treespec.LookupDrafter(static(), args.lookup)) if args.lookup else static
-    cache = default_suffix_cache_file()
-    # suffix nodes beside the heads' tree up to BLOCK_ROWS_MAX in all (the root is shared): every step stays
-    # in the compile size class the warm-up compiled (2-24 nodes; a new class would compile inside a timed
-    # prompt), unless the heads' own tree is larger
-    room = max(2, BLOCK_ROWS_MAX - tree.num_nodes + 1)
-    start = treespec.SuffixCache.load(cache) if cache.is_file() else None
-    suffix = treespec.SuffixDrafter(start, max_nodes=room, max_depth=room - 1)
-    union = treespec.UnionDrafter(treespec.make_drafter(heads, tree, model), suffix)
-    dynamic = treespec.DynamicTreeDrafter(union, verify_cost_model(model, compile=args.compile))
-    return lambda: dynamic
+def demo_recipe(args, model) -> recipes.Recipe:
+    """The recipe the demo runs: --drafter (default auto, the best shipped one: dynamic trees over the heads
+    + the warm suffix cache); "static" is heads+lookup in the heads' tree priced on this machine; --lookup
+    replaces the recipe's lookup length."""
+    recipe = recipes.resolve("heads+lookup" if args.drafter == STATIC else args.drafter, model)
+    return recipe if args.lookup is None else replace(recipe, lookup=args.lookup)
+
+
+def make_drafter(model, recipe: recipes.Recipe, heads, tree, args):
+    """() -> the drafter for one prompt, from the recipes table (`treespec.recipes`): the same drafter for
+    every prompt where the recipe learns (dynamic trees, suffix caches), else a new one each time."""
+    given = {"heads": heads, "tree": tree if args.drafter == STATIC else None} if heads is not None else {}
+    parts = recipes.Parts.shipped(model, recipe, compile=args.compile, **given)
+    return recipes.drafter_factory(recipe, parts, compile=args.compile)
 
 
 def hf_generate(model, tokenizer, prompt_ids, n, **extra) -> tuple[list[int], float]:
@@ -196,13 +196,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=Path, default=default_heads_folder())
     parser.add_argument(
         "--drafter",
-        default="dynamic",
-        choices=["dynamic", "static"],
-        help="dynamic: heads + suffix trees pruned to what pays here (default); static: the heads' priced "
-        "tree + a prompt-lookup chain",
+        default=recipes.AUTO,
+        choices=[*recipes.names(), STATIC],
+        metavar="RECIPE",
+        help="a recipe from treespec.recipes (default auto: dynamic trees over the heads + the warm suffix "
+        "cache, pruned to what pays here); static: heads+lookup in the heads' tree priced on this machine",
     )
     parser.add_argument(
-        "--lookup", type=int, default=4, help="--drafter static: lookup nodes (0: heads only)"
+        "--lookup", type=int, default=None, help="lookup nodes instead of the recipe's (0: none)"
     )
     parser.add_argument(
         "--compile",
@@ -216,12 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     name = str(dtype).removeprefix("torch.")
     print(f"loading {treespec.tools.models.DEFAULT_MODEL_NAME} ({name}) ...", flush=True)
     model, tokenizer = treespec.load_model(dtype=dtype)
-    heads, tree, heads_note = load_heads(model, args.heads, args.compile, price=args.drafter == "static")
-    if args.drafter == "static":
-        print(f"{heads_note}\ntree of {tree.num_nodes} nodes, depth {tree.max_depth}; lookup {args.lookup}")
-    else:
-        print(f"{heads_note}\ndynamic trees over the heads + suffix trees of the shipped earlier answers")
-    new_drafter = make_drafter(model, heads, tree, args)
+    recipe = demo_recipe(args, model)
+    heads = tree = None
+    if "heads" in recipe.sources:
+        heads, tree, heads_note = load_heads(model, args.heads, args.compile, price=args.drafter == STATIC)
+        print(f"{heads_note}\ntree of {tree.num_nodes} nodes, depth {tree.max_depth}")
+    print(f"drafter: {recipe.name} ({recipe.description}; lookup {recipe.lookup})")
+    new_drafter = make_drafter(model, recipe, heads, tree, args)
     llama = start_llamacpp(model, tokenizer)
     try:
         torch.manual_seed(0)
@@ -229,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         warm_up = argparse.Namespace(max_new_tokens=8, compile=args.compile)
         # one-node steps, a whole tree, then the demo's drafter: with --compile, every graph the timed
         # prompts use is compiled here
-        for drafter in (lambda: None, lambda: treespec.as_drafter(model, heads, tree), new_drafter):
+        whole = (lambda: treespec.as_drafter(model, heads, tree)) if heads is not None else (lambda: None)
+        for drafter in (lambda: None, whole, new_drafter):
             run_all(model, tokenizer, drafter, ["Hi"], warm_up, llama)
         report(run_all(model, tokenizer, new_drafter, prompts, args, llama), tokenizer)
     finally:

@@ -17,13 +17,15 @@ def test_options_are_checked(capsys):
     for bad in (
         ["--methods", "hf,fast"],
         ["--batch-sizes", "1,16", "--num-prompts", "8"],
-        ["--methods", "eagle"],
+        ["--model", "some/other-model", "--methods", "eagle"],  # the shipped layer is the default model's
     ):
         with pytest.raises(SystemExit) as info:
             bench_batch.parse_args(bad)
         assert info.value.code == 2
     err = capsys.readouterr().err
-    assert "unknown methods" in err and "the eagle method needs --eagle FOLDER" in err
+    assert "unknown methods" in err and "pass --eagle FOLDER" in err
+    assert bench_batch.RECIPE_METHODS["treespec_lookup"] == ("heads+lookup", "auto")
+    assert set(bench_batch.RECIPE_METHODS) >= {"plain", "heads", "dynamic+suffix"}
 
 
 def test_script_is_a_thin_wrapper(capsys):

@@ -244,3 +244,42 @@ def test_bench_refine_workload_with_bitwise_numerics(tmp_path, capsys):
     assert overall["suffix@bitwise"]["identical_to_plain"] == 3
     assert set(overall) == {"baseline", "baseline@bitwise", "suffix", "suffix@bitwise"}
     assert "plain(suffix@bitwise)" in capsys.readouterr().out
+
+
+def test_every_recipe_is_a_method_under_its_name_and_the_earlier_names_still_run():
+    from treespec import recipes
+
+    for name in recipes.RECIPES:
+        assert bench.method_recipe(name) == (name, "auto") and name in bench.METHODS
+    assert bench.method_recipe("baseline") == ("plain", "auto")
+    assert bench.method_recipe("treespec_sdpa@bitwise") == ("heads", "sdpa")
+    assert bench.method_recipe("eagle_heads_all") == ("all", "auto")
+    assert bench.method_recipe("hf") is None and bench.method_recipe("draft_model") is None
+    assert all(bench.ALIASES[old] in recipes.RECIPES for old in bench.ALIASES)
+    assert bench.is_speculative("dynamic+suffix") and not bench.is_speculative("baseline@bitwise")
+    assert bench.uses("eagle", ["hf", "eagle_dynamic_suffix"]) and not bench.uses("eagle", ["dynamic"])
+    assert bench.uses("lookup", ["dynamic"]) and not bench.uses("lookup", ["dynamic+suffix"])
+    args = bench.parse_args([])  # the defaults: what `treespec generate` runs, beside HF and the plain loop
+    assert args.methods == ["hf", "hf_prompt_lookup", "plain", "auto"] and args.dtype == "auto"
+    assert bench.plain_run("heads@bitwise", {"baseline@bitwise": 1, "plain": 2}) == 1
+
+
+def test_recipe_runners_decode_as_hf_and_auto_resolves_per_model(tmp_path, steady_clock):
+    import torch
+    from conftest import hf_greedy, random_heads, tiny_model
+
+    from treespec.training.costs import save_cost_curve
+
+    model = tiny_model("llama", dtype=torch.float32)
+    assert bench.resolve_auto(["hf", "auto", "plain"], model) == ["hf", "plain"]  # no drafter ships for it
+    curve = tmp_path / "curve.json"
+    rows = {"1": 0.3, "4": 0.32, "8": 0.4, "16": 0.6, "32": 1.2}  # a tiny model's scale
+    save_cost_curve(curve, {"format": "treespec.cost_curve", "verify_ms": {"blocks": {"300": rows}}})
+    methods = ["plain", "heads", "treespec_lookup", "dynamic", "dynamic+all", "suffix"]
+    heads = random_heads(model)
+    runners = bench.make_runners(model, None, heads, None, methods, lookup=3, cost_curve=str(curve))
+    prompt = [5, 9, 14, 2, 5, 9, 14]
+    want = hf_greedy(model, prompt, 12)
+    for name in methods:
+        out = runners[name](prompt, 12)["token_ids"]
+        assert out and out == want[: len(out)], name  # up to the model's end token

@@ -195,3 +195,11 @@ def test_script_checks_the_committed_page_from_anywhere(tmp_path):
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "up to date" in run.stdout
+
+
+def test_every_recipe_and_benchmark_method_has_a_name_on_the_page():
+    from treespec.recipes import RECIPES
+    from treespec.tools import bench, bench_batch
+
+    methods = {*RECIPES, *bench.ALIASES, *bench.KERNEL_METHODS, *bench_batch.METHODS} - {"hf_assisted"}
+    assert not methods - set(page.METHOD_NAMES)

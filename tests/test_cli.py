@@ -370,16 +370,52 @@ def test_generate_with_training_free_drafters_and_bitwise_numerics(tmp_path, cap
 
 
 def test_the_default_models_suffix_drafter_starts_from_its_shipped_answers(tmp_path):
-    """--drafter suffix: a --suffix-cache file when it exists, else the default model's shipped answers;
+    """Suffix recipes: a --suffix-cache file when it exists, else the default model's shipped answers;
     another model starts empty."""
-    shipped = cli.training_free_drafter("suffix", None, None, default_model=True).cache
-    assert shipped.num_requests > 1000
-    assert cli.training_free_drafter("suffix", None, None, default_model=False).cache.num_requests == 0
+    assert cli.suffix_start(None, default_model=True) == default_suffix_cache_file()
+    assert cli.suffix_start(None, default_model=False) is None
     missing = tmp_path / "not-yet.json"  # where this run's answers will be saved
-    assert (
-        cli.training_free_drafter("suffix", None, str(missing), True).cache.num_requests
-        == shipped.num_requests
-    )
+    assert cli.suffix_start(str(missing), True) == default_suffix_cache_file()
     own = tmp_path / "own.json"
     treespec.SuffixCache.from_sequences([[1, 2, 3]]).save(own)
-    assert cli.training_free_drafter("suffix", None, str(own), True).cache.num_requests == 1
+    assert cli.suffix_start(str(own), True) == own
+
+
+def _generate_args(*argv):
+    return cli.build_parser().parse_args(["generate", "hi", *map(str, argv)])
+
+
+def test_generate_picks_its_recipe_from_the_options_before_the_model_loads(tmp_path):
+    assert cli.generate_recipe(_generate_args()) == "auto"
+    assert cli.generate_recipe(_generate_args("--drafter", "none")) == "plain"
+    assert cli.generate_recipe(_generate_args("--tree", "8")) == "heads"
+    assert cli.generate_recipe(_generate_args("--eagle", tmp_path)) == "eagle"
+    assert cli.generate_recipe(_generate_args("--drafter", "dynamic", "--tree", "8")) == "dynamic"
+    assert cli.generate_recipe(_generate_args("--exit-head", tmp_path)) is None  # the chain drafts
+    for argv, named in [
+        (("--drafter", "suffix", "--tree", "8"), "--heads / --tree"),
+        (("--drafter", "dynamic", "--eagle", tmp_path), "--eagle"),
+        (("--drafter", "heads", "--exit-head", tmp_path), "--drafter heads"),
+        (("--drafter", "eagle+suffix", "--model", "some/other-model"), "--eagle FOLDER"),
+    ]:
+        with pytest.raises(ValueError, match=named):
+            cli.generate_recipe(_generate_args(*argv))
+    with pytest.raises(SystemExit):
+        _generate_args("--drafter", "fastest")  # not a recipe
+
+
+def test_generate_builds_the_recipe_with_the_options_parts():
+    model = tiny_model("llama", dtype=torch.float32)
+    args = _generate_args("--drafter", "heads+lookup", "--lookup", 3, "--tree", 8, "--model", "tiny")
+    drafter, parts = cli.generate_drafter(args, model, "heads+lookup", 8)
+    assert isinstance(drafter, treespec.LookupDrafter) and drafter.tree.num_nodes == 8 + 3
+    assert parts.heads.num_heads == 4 and parts.tree.num_nodes == 8
+    args = _generate_args("--drafter", "suffix", "--model", "tiny")
+    drafter, parts = cli.generate_drafter(args, model, "suffix", None)
+    assert isinstance(drafter, treespec.SuffixDrafter) and parts.suffix_drafters == [drafter]
+    assert drafter.cache.num_requests == 0  # another model's suffix cache starts cold
+    assert cli.generate_drafter(_generate_args("--model", "tiny"), model, "auto", None)[0] is None
+    with pytest.raises(ValueError, match="drop --lookup"):
+        cli.generate_drafter(_generate_args("--lookup", 2, "--drafter", "suffix"), model, "suffix", None)
+    with pytest.raises(ValueError, match="--suffix-cache goes with"):
+        cli.generate_drafter(_generate_args("--suffix-cache", "x.json"), model, "heads", None)

@@ -14,14 +14,75 @@ from treespec.drafters.draft_model import DraftModelDrafter
 from treespec.drafters.lookup import LookupDrafter
 from treespec.drafters.self_spec import SelfSpeculativeDrafter
 
-PROTOCOL_METHODS = ["start", "keep_rows", "propose", "observe", "verified", "report", "scorer"]
-PROTOCOL_ATTRIBUTES = ["tree", "feature_layers", "batched", "limits_depth", "node_levels", "target_topk"]
+
+def _declared() -> tuple[list[str], list[str]]:
+    """(methods, attributes) the `Drafter` protocol declares: read from it, so this test follows it."""
+    methods = [n for n, v in vars(Drafter).items() if not n.startswith("_") and inspect.isfunction(v)]
+    properties = [n for n, v in vars(Drafter).items() if isinstance(v, property)]
+    return methods, [*Drafter.__annotations__, *properties]
+
+
+PROTOCOL_METHODS, PROTOCOL_ATTRIBUTES = _declared()
 
 
 def _shipped_drafter_classes():
     """Every drafter class the package exports (so a new one cannot skip this test)."""
     exported = [getattr(treespec, name) for name in treespec.__all__]
     return [c for c in exported if inspect.isclass(c) and issubclass(c, treespec.BaseDrafter)]
+
+
+def interface_violations(cls) -> list[str]:
+    """What `cls` lacks of the protocol: a declared method missing or with other parameters, a declared
+    attribute missing on the class (`tree` is set per instance)."""
+    found = []
+    for name in PROTOCOL_METHODS:
+        implemented = getattr(cls, name, None)
+        if not callable(implemented):
+            found.append(f"{name}: missing")
+        elif list(inspect.signature(getattr(Drafter, name)).parameters) != list(
+            inspect.signature(implemented).parameters
+        ):
+            found.append(f"{name}: parameters differ")
+    found += [f"{name}: missing" for name in PROTOCOL_ATTRIBUTES if name != "tree" and not hasattr(cls, name)]
+    return found
+
+
+def value_violations(drafter) -> list[str]:
+    """Declared attributes whose value on an instance is not of the declared kind."""
+    found = []
+    if not isinstance(drafter.tree, treespec.Tree):
+        found.append("tree")
+    layers = drafter.feature_layers
+    if not isinstance(layers, tuple) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in layers
+    ):
+        found.append("feature_layers")
+    found += [name for name in ("batched", "limits_depth") if not isinstance(getattr(drafter, name), bool)]
+    topk = drafter.target_topk
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 0:
+        found.append("target_topk")
+    levels = drafter.node_levels
+    if (
+        not isinstance(levels, torch.Tensor)
+        or levels.shape != (drafter.tree.num_nodes,)
+        or int(levels[0]) != 0
+    ):
+        found.append("node_levels")
+    return found
+
+
+def forwarding_violations(wrapper, inner: list) -> list[str]:
+    """What a wrapper (lookup chain, union, dynamic tree) fails to pass on from the drafters it wraps: the
+    target's top-k one of them asks for, the feature layers they read, their limits (a batch only when
+    every one drafts batches)."""
+    found = []
+    if wrapper.target_topk < max(d.target_topk for d in inner):
+        found.append("target_topk")
+    if not all(set(d.feature_layers) <= set(wrapper.feature_layers) for d in inner):
+        found.append("feature_layers")
+    if wrapper.batched and not all(d.batched for d in inner):
+        found.append("batched")
+    return found
 
 
 def test_the_protocol_test_covers_every_shipped_drafter():
@@ -31,16 +92,80 @@ def test_the_protocol_test_covers_every_shipped_drafter():
         "SelfSpeculativeDrafter", "EagleDrafter", "DynamicTreeDrafter", "SuffixDrafter", "RecyclingDrafter",
         "UnionDrafter",
     } <= names  # fmt: skip
+    assert {"propose", "observe", "keep_rows", "verified", "scorer"} <= set(PROTOCOL_METHODS)
+    assert {"tree", "feature_layers", "batched", "target_topk", "node_levels"} <= set(PROTOCOL_ATTRIBUTES)
 
 
 @pytest.mark.parametrize("cls", _shipped_drafter_classes(), ids=lambda c: c.__name__)
 def test_every_drafter_implements_the_declared_interface_with_its_signatures(cls):
-    for name in PROTOCOL_METHODS:
-        declared = inspect.signature(getattr(Drafter, name))
-        implemented = inspect.signature(getattr(cls, name))
-        assert list(declared.parameters) == list(implemented.parameters), (cls.__name__, name)
-    for name in PROTOCOL_ATTRIBUTES:  # declared on the class (`tree` is set per instance)
-        assert name == "tree" or hasattr(cls, name), (cls.__name__, name)
+    assert not interface_violations(cls)
+
+
+def test_the_interface_checks_catch_a_drafter_that_breaks_the_protocol():
+    class Wrong:  # not a BaseDrafter: nothing inherited
+        tree = treespec.Tree.from_choices([[0]])
+        feature_layers = [1]  # a list, not a tuple
+        batched = 1  # an int, not a bool
+        limits_depth = False
+        target_topk = -1
+
+        @property
+        def node_levels(self):
+            return torch.zeros(3, dtype=torch.long)  # the tree has 2 nodes
+
+        def propose(self, hidden, roots):  # max_depth missing
+            raise NotImplementedError
+
+    found = interface_violations(Wrong)
+    assert "propose: parameters differ" in found and "start: missing" in found and "scorer: missing" in found
+    assert set(value_violations(Wrong())) == {"feature_layers", "batched", "target_topk", "node_levels"}
+
+    class Forgetful(treespec.BaseDrafter):  # wraps a drafter and passes nothing on
+        batched = True
+
+        def __init__(self, inner):
+            self.inner, self.tree = inner, inner.tree
+
+    class Needs(treespec.BaseDrafter):  # one row, the target's top-4 and its layer-2 features
+        target_topk, feature_layers, batched = 4, (2,), False
+
+        def __init__(self):
+            self.tree = treespec.Tree.from_choices([[0]])
+
+    inner = Needs()
+    assert forwarding_violations(Forgetful(inner), [inner]) == ["target_topk", "feature_layers", "batched"]
+
+
+def test_the_wrappers_pass_on_what_their_drafters_need():
+    from conftest import random_eagle
+
+    model = tiny_model("llama", dtype=torch.float32)
+    tree = treespec.default_tree(8, 4)
+    layer = random_eagle(model, seed=2, draft_size=40)
+    heads = treespec.make_drafter(random_heads(model), tree, model)
+    eagle, recycling = (
+        treespec.EagleDrafter(layer, tree, model),
+        treespec.RecyclingDrafter(model.config.vocab_size),
+    )
+    union = treespec.UnionDrafter(eagle, recycling)
+    cases = [
+        (LookupDrafter(heads, 2), [heads]),
+        (LookupDrafter(eagle, 3), [eagle]),
+        (LookupDrafter(recycling, 3), [recycling]),
+        (union, [eagle, recycling]),
+        (treespec.UnionDrafter(heads, treespec.SuffixDrafter()), [heads]),
+        (treespec.DynamicTreeDrafter(union, lambda nodes, prefix: 1e-3), [eagle, recycling]),
+        (
+            treespec.DynamicTreeDrafter(LookupDrafter(union, 2), lambda nodes, prefix: 1e-3),
+            [eagle, recycling],
+        ),
+    ]
+    for wrapper, inner in cases:
+        assert not forwarding_violations(wrapper, inner), (
+            type(wrapper).__name__,
+            forwarding_violations(wrapper, inner),
+        )
+    assert LookupDrafter(heads, 2).batched  # heads + lookup decode batches
 
 
 def _made_drafters(model):
@@ -75,10 +200,7 @@ def test_every_drafter_answers_the_protocol_and_decodes_exactly_through_the_one_
     prompt = [5, 9, 14, 2, 33, 61]
     want = hf_greedy(model, prompt, 16)
     for name, drafter in _made_drafters(model).items():
-        levels = drafter.node_levels
-        assert levels.shape == (drafter.tree.num_nodes,) and int(levels[0]) == 0, name
-        assert isinstance(drafter.batched, bool) and isinstance(drafter.limits_depth, bool), name
-        assert isinstance(tuple(drafter.feature_layers), tuple), name
+        assert not value_violations(drafter), (name, value_violations(drafter))
         decoder = treespec.Decoder(model, drafter, acceptance="greedy")
         out = decoder.prefill(prompt, max_new_tokens=16)
         out += decoder.step().committed[0]
@@ -179,19 +301,18 @@ def test_bad_prompts_get_a_clear_error(prompt, message):
         treespec.generate(model, prompt, max_new_tokens=4)
 
 
-def test_the_old_call_form_warns_and_decodes_as_the_new_one():
+def test_the_old_call_form_is_refused_and_the_drafter_goes_third_or_by_keyword():
     model = tiny_model("llama", dtype=torch.float32)
     heads = random_heads(model)
     tree = treespec.default_tree(8, 4)
-    with pytest.warns(DeprecationWarning, match="deprecated"):
-        old = treespec.generate(model, heads, [1, 2], tree=tree, lookup=2, temperature=0.0, max_new_tokens=9)
+    with pytest.raises(TypeError, match="is gone"):
+        treespec.generate(model, heads, [1, 2], max_new_tokens=9)
+    with pytest.raises(TypeError):
+        treespec.generate(model, [1, 2], heads, tree=tree, max_new_tokens=9)  # no old keywords either
     drafter = treespec.LookupDrafter(treespec.make_drafter(heads, tree, model), 2)
-    new = treespec.generate(model, [1, 2], drafter, max_new_tokens=9)
-    assert old.token_ids == new.token_ids == hf_greedy(model, [1, 2], 9)[: len(new.token_ids)]
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="either drafter= or heads"):
-        treespec.generate(
-            model, None, heads=heads, prompt_or_input_ids=[1, 2], drafter=treespec.RootOnlyDrafter()
-        )
+    third = treespec.generate(model, [1, 2], drafter, max_new_tokens=9)
+    keyword = treespec.generate(model, [1, 2], drafter=drafter, max_new_tokens=9)
+    assert third.token_ids == keyword.token_ids == hf_greedy(model, [1, 2], 9)[: len(third.token_ids)]
     with pytest.raises(ValueError, match="tree= needs heads"):
         treespec.as_drafter(model, treespec.RootOnlyDrafter(), tree)
 

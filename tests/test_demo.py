@@ -9,7 +9,7 @@ from conftest import load_script
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.parametrize("drafter", ["dynamic", "static"])
+@pytest.mark.parametrize("drafter", ["auto", "static"])
 def test_the_demo_answers_as_hf_does_and_prints_the_speedup(capsys, drafter):
     demo = load_script("demo")
     argv = ["--prompt", "Name three primary colors.", "--max-new-tokens", "16", "--dtype", "float32"]

@@ -74,17 +74,104 @@ def test_packing_is_counted_in_the_runtime():
     assert TargetRuntime.of(model).packing.users == 0
 
 
+CONTAINERS = {  # calls that make a container a module could fill as it runs
+    "dict", "list", "set", "defaultdict", "OrderedDict", "Counter", "deque",
+    "WeakKeyDictionary", "WeakValueDictionary", "WeakSet",
+}  # fmt: skip
+MUTATORS = {"append", "extend", "insert", "update", "setdefault", "pop", "popitem", "clear", "add", "discard"}
+PLAIN_TYPES = {"int", "str", "bool", "float"}
+
+
+def _container(value: ast.expr) -> bool:
+    if isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)):
+        return True
+    if isinstance(value, ast.Call):
+        func = value.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        return name in CONTAINERS
+    return False
+
+
+def _subscripted(target: ast.expr) -> str | None:
+    """NAME of a `NAME[...]` target."""
+    if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name):
+        return target.value.id
+    return None
+
+
+def process_state(source: str) -> list[str]:
+    """Where a module's source keeps state for the whole process: a module-level container under a
+    lower-case name (a constant table is UPPER_CASE), a module-level container that any code fills or
+    empties, a `global` statement, or a cache decorator on a function that takes more than plain values
+    (a model, a module, a drafter: a cache keyed on objects)."""
+    tree = ast.parse(source)
+    found, containers = [], set()
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if (
+            isinstance(node, (ast.Assign, ast.AnnAssign))
+            and node.value is not None
+            and _container(node.value)
+        ):
+            for target in [t for t in targets if isinstance(t, ast.Name)]:
+                containers.add(target.id)
+                if not target.id.isupper():
+                    found.append(f"{node.lineno}: module-level container {target.id}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            found.append(f"{node.lineno}: global {', '.join(node.names)}")
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+            found += [f"{node.lineno}: writes {n}" for n in map(_subscripted, targets) if n in containers]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            if isinstance(owner, ast.Name) and owner.id in containers and node.func.attr in MUTATORS:
+                found.append(f"{node.lineno}: {owner.id}.{node.func.attr}")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            cached = any("cache" in ast.unparse(d) for d in node.decorator_list)
+            params = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            plain = all(a.annotation is not None and ast.unparse(a.annotation) in PLAIN_TYPES for a in params)
+            if cached and not plain:
+                found.append(f"{node.lineno}: cache on {node.name}, which takes more than plain values")
+    return found
+
+
 def test_no_module_keeps_process_wide_state_keyed_on_models():
-    """The runtime is the owner: no module-level dictionaries of models in core or drafters."""
+    """The runtime is the owner: nothing in core or drafters keeps state for the whole process."""
     offenders = []
     for path in sorted((ROOT / "treespec" / "core").glob("*.py")) + sorted(
         (ROOT / "treespec" / "drafters").glob("*.py")
     ):
-        for node in ast.parse(path.read_text()).body:
-            value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
-            if value is not None and "WeakKeyDictionary" in ast.unparse(value):
-                offenders.append(f"{path.name}:{node.lineno}")
+        offenders += [f"{path.name}:{where}" for where in process_state(path.read_text())]
     assert not offenders
+
+
+def test_the_state_check_catches_each_way_of_keeping_process_state():
+    planted = """
+import functools, weakref
+from collections import defaultdict
+
+_packs = weakref.WeakKeyDictionary()
+SEEN = {}
+TABLE = {"a": 1}
+_count = 0
+
+def remember(model):
+    SEEN[model] = 1
+    global _count
+    _count += 1
+
+@functools.lru_cache(maxsize=8)
+def pack(model, mode: str):
+    return model
+
+@functools.cache
+def default(size: int, heads: int = 4):
+    return TABLE["a"]
+"""
+    found = process_state(planted)
+    assert sorted(int(line.split(":")[0]) for line in found) == [5, 11, 12, 16], found
+    assert not process_state("TABLE = {'a': 1}\n\ndef read(key: str):\n    return TABLE[key]\n")
 
 
 def test_a_model_made_under_inference_mode_decodes_with_heads():

@@ -16,7 +16,6 @@ from .core.generate import (
     encode_prompt,
     generate,
     generate_baseline,
-    generate_batch,
 )
 from .core.pricer import StepPricer
 from .core.runtime import TargetRuntime
@@ -35,6 +34,7 @@ from .drafters.recycling import RecyclingDrafter
 from .drafters.self_spec import SelfSpeculativeDrafter
 from .drafters.suffix import SuffixCache, SuffixDrafter
 from .drafters.union import UnionDrafter
+from .recipes import RECIPES, Recipe
 from .tools.models import load_model
 from .tools.trace import Trace
 
@@ -51,6 +51,8 @@ __all__ = [
     "ExitHead",
     "KVCacheBase",
     "Proposal",
+    "RECIPES",
+    "Recipe",
     "SequenceStart",
     "StepPricer",
     "TargetRuntime",
@@ -85,7 +87,6 @@ __all__ = [
     "encode_prompt",
     "generate",
     "generate_baseline",
-    "generate_batch",
     "load_model",
     "make_drafter",
     "tree_attention_enabled",

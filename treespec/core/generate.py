@@ -9,15 +9,13 @@ one-token-at-a-time decoding on the same cache and attention (the baseline bench
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from ..drafters.base import Drafter
 from ..drafters.heads import MedusaHeads
-from ..drafters.lookup import LookupDrafter
 from ..drafters.medusa import make_drafter
 from .acceptance import SamplingConfig
 from .decoder import Decoder
@@ -70,8 +68,8 @@ class DecodeOptions:
 def generate(
     model,
     prompts,
-    drafter: Drafter | MedusaHeads | None = None,
     /,
+    drafter: Drafter | MedusaHeads | str | None = "auto",
     tokenizer=None,
     *,
     max_new_tokens: int = 128,
@@ -81,25 +79,22 @@ def generate(
     streamer=None,
     options: DecodeOptions | None = None,
     trace: bool = False,
-    **keywords,
 ) -> GenerationResult | list[GenerationResult]:
     """Generate up to `max_new_tokens` tokens per prompt with tree speculation.
 
     prompts: one prompt (a string, an id list or a [1, T] tensor) -> a `GenerationResult`; a list of them
-    or a [B, T] tensor -> a list of results, decoded together. drafter: None (plain decoding), MedusaHeads
-    (drafting into their tree.json, else a 32-node tree) or any `Drafter`. sampling: `SamplingConfig`
-    (default greedy: the output equals the base model's greedy output). eos_token_id: default from the
-    model's generation config; stop: strings that end a row; streamer: HF-style (`put`, `end`), a list of
-    one per prompt for a batch. options: `DecodeOptions`. trace: keep every step's tree (one prompt).
-    keywords: drafter= (the drafter by keyword); the old form generate(model, heads, prompt, tokenizer,
-    temperature=..., lookup=..., ...) still works for one release, with a DeprecationWarning."""
-    old_form = prompts is None or isinstance(prompts, MedusaHeads)
-    if "drafter" in keywords and not old_form:
-        if drafter is not None:
-            raise TypeError("generate() got the drafter twice: pass it third or as drafter=")
-        drafter = keywords.pop("drafter")
-    if keywords or old_form:
-        prompts, drafter, sampling, options = _old_call(model, prompts, drafter, sampling, options, keywords)
+    or a [B, T] tensor -> a list of results, decoded together. drafter: a recipe name from
+    `treespec.recipes.RECIPES` or a `Recipe` (default "auto": the best shipped recipe for the model, plain
+    decoding where none ships), None (plain decoding), MedusaHeads (drafting into their tree.json, else a
+    32-node tree) or any `Drafter`. sampling: `SamplingConfig` (default greedy: the output equals the base
+    model's greedy output). eos_token_id: default from the model's generation config; stop: strings that
+    end a row; streamer: HF-style (`put`, `end`), a list of one per prompt for a batch. options:
+    `DecodeOptions`. trace: keep every step's tree (one prompt)."""
+    if prompts is None or isinstance(prompts, MedusaHeads):
+        raise TypeError(
+            "generate(model, heads, prompt, ...) is gone: call generate(model, prompts, drafter, tokenizer, "
+            "sampling=SamplingConfig(...), options=DecodeOptions(...)) with the heads as the drafter"
+        )
     options = options or DecodeOptions()
     batch = is_batch(prompts)
     if trace and batch:
@@ -111,7 +106,7 @@ def generate(
     stopping = [StopCondition(eos, stop, tokenizer, max_new_tokens) for _ in prompt_ids]
     decoder = Decoder(
         model,
-        as_drafter(model, drafter),
+        as_drafter(model, drafter, compile=options.compile, numerics=options.numerics),
         sampling=sampling,
         kernel=options.kernel,
         linears=options.linears,
@@ -168,15 +163,29 @@ def decode(
     ]
 
 
-def as_drafter(model, drafter: Drafter | MedusaHeads | None, tree: Tree | None = None) -> Drafter | None:
-    """The drafter `generate` runs: heads draft into `tree` (default: the heads' own calibrated tree,
-    else a 32-node tree); a drafter or None as given."""
+def as_drafter(
+    model,
+    drafter: Drafter | MedusaHeads | str | None,
+    tree: Tree | None = None,
+    compile: bool = False,
+    numerics: str = "fast",
+) -> Drafter | None:
+    """The drafter `generate` runs: a recipe name or `Recipe` builds (once per model, kept on its runtime)
+    the recipe's drafter for the kernels that run (`compile`, `numerics`: the cost curve a dynamic recipe
+    prices on); heads draft into `tree` (default: the heads' own calibrated tree, else a 32-node tree); a
+    drafter or None as given."""
     if isinstance(drafter, MedusaHeads):
         drafter.check_compatible(model)
         tree = tree or drafter.tree or default_tree(32, drafter.num_heads)
         return make_drafter(drafter, tree, model)
     if tree is not None:
         raise ValueError("tree= needs heads to fill it: pass MedusaHeads as the drafter")
+    if drafter is None:
+        return None
+    from .. import recipes  # the recipes sit above core and drafters
+
+    if isinstance(drafter, (str, recipes.Recipe)):
+        return recipes.recipe_drafter(model, drafter, compile=compile, numerics=numerics)
     return drafter
 
 
@@ -256,58 +265,3 @@ def _vocab_size(model) -> int | None:
 def generate_baseline(model, prompts, tokenizer=None, **kwargs) -> GenerationResult | list[GenerationResult]:
     """Plain one-token-at-a-time decoding through the same cache, attention and loop (no drafting)."""
     return generate(model, prompts, None, tokenizer, **kwargs)
-
-
-def generate_batch(model, heads, prompts, tokenizer=None, **kwargs) -> list[GenerationResult]:
-    """Deprecated (one release): `generate(model, prompts, drafter, ...)` decodes a list of prompts
-    together and returns one result per prompt."""
-    rows = list(prompts)
-    if not rows:
-        raise ValueError("generate_batch needs at least one prompt")
-    return generate(model, heads, prompts_batch(rows), tokenizer, **kwargs)
-
-
-def prompts_batch(rows: list) -> list:
-    """Rows as a batch for `generate` even when there is one row of token ids: [[ids]], never [ids]."""
-    return [r.reshape(-1).tolist() if isinstance(r, torch.Tensor) else r for r in rows]
-
-
-_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "acceptance", "seed")
-_OPTION_KEYS = ("kernel", "linears", "compile", "plain_above", "max_length", "chat")
-
-
-def _old_call(model, prompts, drafter, sampling, options, old: dict):
-    """The old call form generate(model, heads, prompt, tokenizer, tree=, lookup=, temperature=, ...) as
-    the new one's (prompts, drafter, sampling, options), with a DeprecationWarning."""
-    warnings.warn(
-        "generate(model, heads, prompt, ..., temperature=..., lookup=...) is deprecated and goes in the "
-        "next release: call generate(model, prompts, drafter, tokenizer, sampling=SamplingConfig(...), "
-        "options=DecodeOptions(...)) with the heads (or LookupDrafter(drafter, n)) as the drafter",
-        DeprecationWarning,
-        stacklevel=4,
-    )
-    heads = old.pop("heads", None)
-    keyword_prompt = next((old.pop(k) for k in ("prompt_or_input_ids", "prompts") if k in old), None)
-    if prompts is None or isinstance(prompts, MedusaHeads):  # generate(model, heads, prompt, ...)
-        heads = heads if prompts is None else prompts
-        if keyword_prompt is None:  # the prompt came third, where the drafter comes now
-            keyword_prompt, drafter = drafter, old.pop("drafter", None)
-        prompts = keyword_prompt
-    elif keyword_prompt is not None:
-        raise TypeError("generate() got the prompt twice: pass it second (prompts)")
-    drafter = old.pop("drafter", drafter)
-    if heads is not None and drafter is not None:
-        raise ValueError("pass either drafter= or heads (with an optional tree=), not both")
-    tree, lookup = old.pop("tree", None), old.pop("lookup", 0)
-    drafter = as_drafter(model, heads if heads is not None else drafter, tree)
-    if lookup:
-        drafter = LookupDrafter(drafter, lookup)
-    picked = {k: old.pop(k) for k in _SAMPLING_KEYS if k in old}
-    if picked:
-        sampling = replace(sampling or SamplingConfig(), **picked)
-    picked = {k: old.pop(k) for k in _OPTION_KEYS if k in old}
-    if picked:
-        options = replace(options or DecodeOptions(), **picked)
-    if old:
-        raise TypeError(f"generate() got unexpected keyword arguments {sorted(old)}")
-    return prompts, drafter, sampling, options

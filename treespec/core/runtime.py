@@ -43,6 +43,8 @@ class TargetRuntime:
         self.native: dict[str, Any] = {}
         self.compiled_keys: set[tuple] = set()  # keys whose first call checked every guard
         self.pricers: dict[Hashable, Any] = {}  # drafter setting -> `pricer.StepPricer`
+        # (recipe, compile, numerics) -> () -> drafter: what `generate(drafter="NAME")` built (`recipes`)
+        self.recipes: dict[Hashable, Any] = {}
         # heads -> (weight key, output rows [V', H], their fast matrix): the heads' shared output matrix
         self.outputs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.closed = False
@@ -88,6 +90,7 @@ class TargetRuntime:
             self.other_packings.clear()
             self.compiled_keys.clear()
             self.pricers.clear()
+            self.recipes.clear()
             self.outputs.clear()
             self.closed = True
             if self.module.__dict__.get(ATTRIBUTE) is self:

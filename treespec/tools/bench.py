@@ -1,44 +1,30 @@
 """Benchmark treespec against Hugging Face generate on Spec-Bench prompts (greedy, batch 1).
 
-    treespec bench --num-prompts 16 --max-new-tokens 128 --dtype bfloat16
+    treespec bench --num-prompts 16 --max-new-tokens 128 --methods hf,plain,heads,dynamic+suffix
     python scripts/bench.py ...                                  (the same, from a checkout)
 
 Methods (all run in the same process on the same prompt token ids):
     hf                HF `model.generate(do_sample=False)`                 (the reference)
     hf_prompt_lookup  the same with `prompt_lookup_num_tokens=10`
-    baseline          `treespec.generate_baseline`: 1 token per step on treespec's cache and attention
-    treespec          `treespec.generate` with Medusa heads and a candidate tree
-    treespec_sdpa     the same with kernel="sdpa": torch SDPA with a dense tree mask and the torch commit
-                      instead of the compiled ops (csrc/); baseline_sdpa likewise for baseline
-    lookup            `treespec.generate` with no heads and a prompt-lookup branch (`--lookup` nodes)
-    treespec_lookup   heads, tree and the prompt-lookup branch together
+    RECIPE            `treespec.generate` with a recipe of `treespec.recipes` (the table `treespec generate
+                      --drafter` and the demo read): plain, heads, lookup, heads+lookup, eagle, eagle+lookup,
+                      suffix, recycling, dynamic, dynamic+suffix, dynamic+all, eagle+dynamic, eagle+suffix,
+                      eagle+all, all; auto: the best shipped recipe for the model (default model:
+                      dynamic+suffix). `--lookup` replaces the lookup chain's length, `--tree` / `--tree-size`
+                      the static heads' tree, `--eagle` / `--eagle-tree` the EAGLE layer, `--suffix-warm`
+                      the suffix cache's start (default: the recipe's, the model's shipped answers), and
+                      `--cost-curve` the curve dynamic recipes price on. A recipe that learns (dynamic trees,
+                      suffix caches, recycling tables) keeps one drafter for every call, as a user reuses it.
+    earlier names     the benchmark's earlier method names, kept for its JSON files: baseline (plain),
+                      treespec (heads), treespec_lookup (heads+lookup), eagle_lookup, eagle_dynamic
+                      (eagle+dynamic), dynamic_suffix (dynamic+suffix), dynamic_all (dynamic+all),
+                      eagle_dynamic_suffix (eagle+suffix), eagle_dynamic_all (eagle+all), eagle_heads_all
+                      (all); baseline_sdpa / treespec_sdpa: plain / heads with kernel="sdpa" (torch SDPA
+                      with a dense tree mask and the torch commit instead of the compiled ops)
     draft_model       `treespec.generate` with a DraftModelDrafter (`--draft-model`, chain of gamma tokens);
                       draft_model_fp32 / _bf16 / _fp16 / _int8: its speculative KV cache in that precision
     draft_model_tree  draft_model plus the draft's runner-up tokens as leaves (`--branching`, default 1:4)
     self_spec         `treespec.generate` with a SelfSpeculativeDrafter (`--exit-head`)
-    eagle             `treespec.generate` with an EagleDrafter (`--eagle`, default the shipped one; its tree
-                      from `--eagle-tree`, default its tree.json)
-    eagle_lookup      the same plus the prompt-lookup branch
-    dynamic           heads (their tree.json as the largest tree) + the lookup branch, pruned every step to
-                      the nodes worth their cost here (`DynamicTreeDrafter`, this machine's cost curve);
-                      one drafter serves every call, so its calibration carries from prompt to prompt
-    eagle_dynamic     the same over the EAGLE drafter's tree + the lookup branch
-    eagle_dynamic_suffix  dynamic trees over the union of the EAGLE drafter's tree and the suffix tree (as
-                      dynamic_suffix, with the EAGLE drafter in place of the heads)
-    dynamic_suffix    dynamic trees over the union of the heads' tree and a SuffixDrafter's tree of each step
-                      (up to 24 nodes, 16 deep: the pricer keeps the long copies that pay)
-                      (`UnionDrafter`: the pricer calibrates each source on its own; no lookup branch,
-                      the suffix trees match the prompt too)
-    dynamic_all       dynamic trees over the union of the heads', the suffix drafter's and the recycling
-                      drafter's trees (two nested `UnionDrafter`s; each source calibrated on its own)
-    eagle_dynamic_all the same with the EAGLE drafter in place of the heads
-    eagle_heads_all   dynamic trees over the union of the EAGLE drafter's, the heads', the suffix drafter's
-                      and the recycling drafter's trees (every source this library has but the lookup
-                      branch, which the suffix trees cover)
-    suffix            a SuffixDrafter: trees from the longest suffix match in the request and in a cache
-                      of earlier answers (one drafter for every call, so its cache carries over)
-    recycling         a RecyclingDrafter: trees walked through the target's own top-k after each token,
-                      learned from every verification (one drafter for every call: its table carries over)
     hf_assisted       HF `model.generate(assistant_model=<--draft-model>)`, num_assistant_tokens = gamma
                       with the constant schedule (the same chain length as draft_model)
     vllm              vLLM's CPU build (`make vllm-env`), plain greedy decoding, in a subprocess that gets
@@ -52,9 +38,13 @@ Methods (all run in the same process on the same prompt token ids):
                       `--llamacpp-lookup` tokens per step, default 10, matching n-grams of up to
                       `--llamacpp-ngram` tokens, default 2)
 
-Numerics (`--numerics fast,bitwise`): every treespec method runs once per value; the bitwise runs are
-named METHOD@bitwise (row-invariant kernels, `DecodeOptions.numerics`), and plain(X) counts the prompts
-where X's output equals treespec's plain loop (baseline) in the same numerics.
+The defaults (hf, hf_prompt_lookup, plain, auto; `--dtype auto`, 16 prompts) are what `treespec generate`
+runs; `make bench` runs them.
+
+Numerics (`--numerics fast,bitwise`; `core.decoder.NUMERICS` lists the values): every treespec method runs
+once per value; the runs other than fast are named METHOD@VALUE (e.g. bitwise: row-invariant kernels,
+`DecodeOptions.numerics`), and plain(X) counts the prompts where X's output equals treespec's plain loop
+(plain or baseline) in the same numerics.
 
 gamma per drafter: `--gamma`, else the drafter folder's tune.json (`treespec tune`), else 4.
 Heads, tree, draft model and exit head come from the options as in `treespec generate`
@@ -88,6 +78,7 @@ import platform
 import shlex
 import sys
 import time
+from dataclasses import replace
 from datetime import datetime
 from functools import partial
 from pathlib import Path
@@ -98,6 +89,8 @@ from tqdm import tqdm
 
 import treespec
 
+from .. import recipes
+from ..core.decoder import NUMERICS
 from ..core.generate import encode_prompt
 from ..core.tokens import eos_token_ids
 from ..core.tree import DEFAULT_TREE_SIZES, Tree, default_tree
@@ -117,38 +110,57 @@ STORAGE_METHODS = {
     "draft_model_int8": "int8",
 }
 TREE_METHOD = "draft_model_tree"  # draft_model with --branching runners-up beside the chain
-SPECULATIVE = (  # the methods that draft and verify
-    "treespec",
-    "treespec_sdpa",
-    "lookup",
-    "treespec_lookup",
-    *STORAGE_METHODS,
-    TREE_METHOD,
-    "self_spec",
-    "eagle",
-    "eagle_lookup",
-    "dynamic",
-    "eagle_dynamic",
-    "eagle_dynamic_suffix",
-    "dynamic_suffix",
-    "dynamic_all",
-    "eagle_dynamic_all",
-    "eagle_heads_all",
-    "suffix",
-    "recycling",
-)
-DYNAMIC_EAGLE_METHODS = ("eagle_dynamic", "eagle_dynamic_suffix", "eagle_dynamic_all", "eagle_heads_all")
-EAGLE_METHODS = ("eagle", "eagle_lookup", *DYNAMIC_EAGLE_METHODS)
-# methods with a prompt-lookup branch of --lookup tokens
-LOOKUP_METHODS = ("lookup", "treespec_lookup", "eagle_lookup", "dynamic", "eagle_dynamic")
-UNION_METHODS = ("dynamic_suffix", "dynamic_all")  # dynamic trees over a union of drafters' trees
-HEADS_METHODS = ("treespec", "treespec_sdpa", "treespec_lookup", "dynamic", "eagle_heads_all", *UNION_METHODS)
+CHAIN_METHODS = (*STORAGE_METHODS, TREE_METHOD, "self_spec")  # drafters the options load (not recipes)
+# the benchmark's earlier method names (its JSON files and BENCHMARKS.md use them) -> their recipe
+ALIASES = {
+    "baseline": "plain",
+    "treespec": "heads",
+    "treespec_lookup": "heads+lookup",
+    "eagle_lookup": "eagle+lookup",
+    "eagle_dynamic": "eagle+dynamic",
+    "dynamic_suffix": "dynamic+suffix",
+    "dynamic_all": "dynamic+all",
+    "eagle_dynamic_suffix": "eagle+suffix",
+    "eagle_dynamic_all": "eagle+all",
+    "eagle_heads_all": "all",
+}
+KERNEL_METHODS = {"baseline_sdpa": ("plain", "sdpa"), "treespec_sdpa": ("heads", "sdpa")}  # torch SDPA kernel
+RECIPE_METHODS = (recipes.AUTO, *recipes.RECIPES, *ALIASES, *KERNEL_METHODS)
+PLAIN_METHODS = ("plain", "baseline")  # the plain loop, which plain(X) compares with
 VLLM_METHODS = {"vllm": 0, "vllm_ngram": None}  # name -> n-gram tokens (None: --vllm-ngram)
 LLAMACPP_METHODS = {"llamacpp": 0, "llamacpp_lookup": None}  # name -> lookup tokens (None: --llamacpp-lookup)
 PEER_METHODS = {**VLLM_METHODS, **LLAMACPP_METHODS}  # the engines in subprocesses of their own
-METHODS = ("hf", "hf_prompt_lookup", "baseline", "baseline_sdpa", *SPECULATIVE, "hf_assisted", *PEER_METHODS)
-TREESPEC_METHODS = ("baseline", "baseline_sdpa", *SPECULATIVE)  # the methods that take --numerics
-DEFAULT_METHODS = ("hf", "hf_prompt_lookup", "baseline", "treespec")
+METHODS = ("hf", "hf_prompt_lookup", *RECIPE_METHODS, *CHAIN_METHODS, "hf_assisted", *PEER_METHODS)
+TREESPEC_METHODS = (*RECIPE_METHODS, *CHAIN_METHODS)  # the methods that take --numerics
+DEFAULT_METHODS = ("hf", "hf_prompt_lookup", "plain", recipes.AUTO)  # as `treespec generate` decodes
+
+
+def method_recipe(name: str) -> tuple[str, str] | None:
+    """(recipe name, kernel) of a recipe method (a recipe name, "auto", an earlier name or a kernel
+    variant), else None (HF, a chain drafter, a peer)."""
+    name = base_method(name)
+    if name in KERNEL_METHODS:
+        return KERNEL_METHODS[name]
+    name = ALIASES.get(name, name)
+    return (name, "auto") if name in (recipes.AUTO, *recipes.RECIPES) else None
+
+
+def is_speculative(name: str) -> bool:
+    """A method that drafts and verifies (every recipe but plain, every chain drafter)."""
+    picked = method_recipe(name)
+    return base_method(name) in CHAIN_METHODS or (picked is not None and picked[0] != "plain")
+
+
+def uses(source: str, methods: list[str]) -> bool:
+    """Whether a recipe among `methods` drafts with `source` ("heads", "eagle", ...; "lookup": a lookup
+    chain)."""
+    picked = [method_recipe(m) for m in methods]
+    chosen = [recipes.RECIPES[p[0]] for p in picked if p is not None and p[0] != recipes.AUTO]
+    if source == "lookup":
+        return any(r.lookup for r in chosen)
+    return any(source in r.sources for r in chosen)
+
+
 REFERENCE = "hf"
 WARMUP_PROMPT = "Say hello in one short sentence."
 
@@ -165,10 +177,12 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be >= 1")
     args.numerics = [x.strip() for x in args.numerics.split(",") if x.strip()]
-    if not args.numerics or set(args.numerics) - {"fast", "bitwise"}:
-        p.error(f"--numerics takes fast and/or bitwise, got {args.numerics}")
-    if "bitwise" in args.numerics and {"baseline_sdpa", "treespec_sdpa"} & set(args.methods):
-        p.error("the _sdpa methods run torch's SDPA kernel, which --numerics bitwise replaces")
+    if not args.numerics or set(args.numerics) - set(NUMERICS):
+        p.error(f"--numerics takes values from {', '.join(NUMERICS)}, got {args.numerics}")
+    if set(args.numerics) - {"fast"} and set(KERNEL_METHODS) & set(args.methods):
+        p.error("the _sdpa methods run torch's SDPA kernel, which --numerics other than fast replaces")
+    if args.lookup is not None and args.lookup < 1:
+        p.error("--lookup must be >= 1 (a recipe without a lookup chain: pick one, e.g. heads)")
     if {*STORAGE_METHODS, TREE_METHOD, "hf_assisted"} & set(args.methods) and not args.draft_model:
         p.error("the draft_model and hf_assisted methods need --draft-model FOLDER")
     if set(LLAMACPP_METHODS) & set(args.methods) and args.model:
@@ -179,7 +193,7 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
         )
     if "self_spec" in args.methods and not args.exit_head:
         p.error("the self_spec method needs --exit-head FOLDER")
-    if set(EAGLE_METHODS) & set(args.methods):
+    if uses("eagle", args.methods):
         try:  # the default model's shipped drafter unless --eagle names one
             args.eagle = options.eagle_folder(args.eagle, args.model)
         except ValueError as e:
@@ -227,18 +241,26 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--numerics",
         default="fast",
-        help="comma list of fast, bitwise: every treespec method runs once per value, the bitwise runs "
-        "named METHOD@bitwise (DecodeOptions.numerics)",
+        help=f"comma list from {', '.join(NUMERICS)}: every treespec method runs once per value, the runs "
+        "other than fast named METHOD@VALUE (DecodeOptions.numerics)",
     )
     p.add_argument(
-        "--methods", default=",".join(DEFAULT_METHODS), help=f"comma list from {','.join(METHODS)}"
+        "--methods",
+        default=",".join(DEFAULT_METHODS),
+        help=f"comma list from {','.join(METHODS)}: recipes (treespec.recipes; auto: the best shipped one "
+        "for the model) under their names or the benchmark's earlier ones, chain drafters, HF and peers",
     )
 
 
 def add_drafter_arguments(p: argparse.ArgumentParser) -> None:
     """The drafters' options (lookup, draft model, self-speculation, EAGLE, dynamic trees) and the run's
     output, threads and vLLM."""
-    p.add_argument("--lookup", type=int, default=8, help="prompt-lookup branch length (lookup methods)")
+    p.add_argument(
+        "--lookup",
+        type=int,
+        default=None,
+        help=f"prompt-lookup chain length of the recipes that have one (default: theirs, {recipes.LOOKUP})",
+    )
     p.add_argument(
         "--compile",
         action="store_true",
@@ -324,6 +346,18 @@ def run_names(methods: list[str], numerics: list[str]) -> list[str]:
         else:
             names.append(m)
     return names
+
+
+def plain_run(name: str, results: dict) -> dict | None:
+    """The plain loop's run in the same numerics as run `name` ("plain" or "baseline"), if it ran."""
+    suffix = name[len(base_method(name)) :]  # "" or "@bitwise"
+    return next((results[p + suffix] for p in PLAIN_METHODS if p + suffix in results), None)
+
+
+def resolve_auto(methods: list[str], model) -> list[str]:
+    """`methods` with "auto" replaced by the recipe it means for `model` (once: a repeat is dropped)."""
+    named = [recipes.auto_name(model) if m == recipes.AUTO else m for m in methods]
+    return list(dict.fromkeys(named))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -440,7 +474,7 @@ def make_runners(
     heads,
     tree,
     methods: list[str],
-    lookup: int = 8,
+    lookup: int | None = None,
     chains: dict[str, options.ChainSource | None] | None = None,
     branching_spec: str = "1:4",
     compile: bool = False,
@@ -450,47 +484,57 @@ def make_runners(
 ) -> dict:
     """name -> run(ids, max_new_tokens) -> dict(token_ids, steps, accepted, library_seconds).
     compile: every treespec method verifies through torch.compile (`Decoder(compile=True)`); numerics: how
-    every treespec method computes (`DecodeOptions.numerics`).
+    every treespec method computes (`DecodeOptions.numerics`). lookup: the lookup chain of the recipes that
+    have one (None: theirs). new_suffix_cache(): a fresh global suffix cache per suffix recipe (None: the
+    recipe's own, warm from the model's shipped answers).
 
     chains: from `load_chain_drafters` (the draft-model methods and hf_assisted need "draft_model",
-    self_spec needs "exit_head")."""
+    self_spec needs "exit_head", the EAGLE recipes "eagle" unless the default model's ships)."""
     chains = chains or {}
-    new_suffix_cache = new_suffix_cache or treespec.SuffixCache
     ours = partial(treespec_runner, model, tokenizer, compile=compile, numerics=numerics)
 
     def hf(ids, max_new_tokens, **extra):
         return {"token_ids": hf_greedy(model, tokenizer, ids, max_new_tokens, **extra)}
 
-    def heads_drafter():
-        return treespec.as_drafter(model, heads, tree)
-
     runners = {
         "hf": hf,
         "hf_prompt_lookup": lambda ids, m: hf(ids, m, prompt_lookup_num_tokens=10),
-        "baseline": ours(lambda: None),
-        "baseline_sdpa": ours(lambda: None, kernel="sdpa"),
-        "treespec": ours(heads_drafter),
-        "treespec_sdpa": ours(heads_drafter, kernel="sdpa"),
-        "lookup": ours(lambda: treespec.LookupDrafter(None, lookup)),
-        "treespec_lookup": ours(lambda: treespec.LookupDrafter(heads_drafter(), lookup)),
     }
-    runners |= chain_runners(model, chains, ours, hf, branching_spec, lookup)
-    runners |= training_free_runners(model, methods, ours, new_suffix_cache)
-    if {"dynamic", *DYNAMIC_EAGLE_METHODS, *UNION_METHODS} & set(methods):
-        runners |= dynamic_runners(
-            model, heads, chains, ours, methods, lookup, compile, cost_curve, numerics, new_suffix_cache
-        )
+    runners |= chain_runners(model, chains, ours, hf, branching_spec)
+    given = {"heads": heads, "suffix_cache": new_suffix_cache}
+    eagle = chains.get("eagle")
+    if eagle is not None:
+        given["eagle"] = lambda: eagle.drafter(model)
+    settings = {"compile": compile, "numerics": numerics, "cost_curve": cost_curve, "lookup": lookup}
+    for name in methods:
+        if method_recipe(name) is not None:
+            runners[name] = recipe_runner(model, name, ours, given | {"tree": tree}, **settings)
     missing = [name for name in methods if name not in runners]
     if missing:
-        raise ValueError(
-            f"method(s) {missing} need --draft-model (draft_model*, hf_assisted), --exit-head or --eagle"
-        )
+        raise ValueError(f"method(s) {missing} need --draft-model (draft_model*, hf_assisted) or --exit-head")
     return {name: runners[name] for name in methods}
 
 
-def chain_runners(model, chains: dict, ours, hf, branching_spec: str, lookup: int) -> dict:
-    """The methods of the chain drafters that were loaded: draft model (+ HF assisted), self-speculation,
-    EAGLE (+ lookup)."""
+def recipe_runner(
+    model, name: str, ours, given: dict, compile: bool, numerics: str, cost_curve, lookup: int | None
+):
+    """The runner of a recipe method: its drafter from `treespec.recipes` over the parts loaded once
+    (`given`: heads, their static tree, the EAGLE drafter, the suffix cache; None: the shipped one), one
+    drafter for every call where the recipe learns (dynamic trees, suffix caches, recycling tables), as a
+    user reuses it."""
+    recipe_name, kernel = method_recipe(name)
+    recipe = recipes.resolve(recipe_name, model)
+    if lookup is not None and recipe.lookup:
+        recipe = replace(recipe, lookup=lookup)
+    given = {k: v for k, v in given.items() if v is not None and not (k == "tree" and recipe.dynamic)}
+    parts = recipes.Parts.shipped(
+        model, recipe, compile=compile, numerics=numerics, cost_curve=cost_curve, **given
+    )
+    return ours(recipes.drafter_factory(recipe, parts, compile), kernel=kernel)
+
+
+def chain_runners(model, chains: dict, ours, hf, branching_spec: str) -> dict:
+    """The methods of the chain drafters that were loaded: draft model (+ HF assisted), self-speculation."""
     runners = {}
     chain = chains.get("draft_model")
     if chain is not None:
@@ -505,10 +549,6 @@ def chain_runners(model, chains: dict, ours, hf, branching_spec: str, lookup: in
     exit_chain = chains.get("exit_head")
     if exit_chain is not None:
         runners["self_spec"] = ours(lambda: exit_chain.drafter(model))
-    eagle = chains.get("eagle")
-    if eagle is not None:
-        runners["eagle"] = ours(lambda: eagle.drafter(model))
-        runners["eagle_lookup"] = ours(lambda: treespec.LookupDrafter(eagle.drafter(model), lookup))
     return runners
 
 
@@ -524,85 +564,6 @@ def suffix_cache_factory(folder: str | None):
 
     answers = read_answers(folder)
     return lambda: treespec.SuffixCache.from_sequences(answers)
-
-
-def training_free_runners(model, methods: list[str], ours, new_suffix_cache) -> dict:
-    """suffix / recycling: one drafter object for every call, as a user reuses it (its cache of earlier
-    answers, or its table of the target's top-k, carries over from prompt to prompt). new_suffix_cache():
-    a fresh global suffix cache (cold, or warmed with earlier answers: --suffix-warm), one per method."""
-    runners = {}
-    if "suffix" in methods:
-        suffix = treespec.SuffixDrafter(new_suffix_cache())
-        runners["suffix"] = ours(lambda: suffix)
-    if "recycling" in methods:
-        recycling = treespec.RecyclingDrafter(model.get_output_embeddings().weight.shape[0])
-        runners["recycling"] = ours(lambda: recycling)
-    return runners
-
-
-def dynamic_runners(
-    model,
-    heads,
-    chains,
-    ours,
-    methods,
-    lookup: int,
-    compile: bool,
-    cost_curve,
-    numerics: str,
-    new_suffix_cache,
-) -> dict:
-    """The dynamic-tree methods: one drafter for every call, as a user reuses it (its learning carries
-    over), pricing trees on this machine's verification cost curve of the kernels that run (measured
-    quickly on first use). new_suffix_cache(): a fresh global suffix cache for each suffix union."""
-    from ..drafters.dynamic import DynamicTreeDrafter
-    from ..training.costs import verify_cost_model
-
-    def with_long_suffix(drafter):
-        """`drafter`'s tree united with a suffix tree (the union methods). The pricer keeps what pays, so
-        the suffix drafter may offer long copies (16 deep, 24 nodes)."""
-        suffix = treespec.SuffixDrafter(new_suffix_cache(), max_nodes=24, max_depth=16)
-        return treespec.UnionDrafter(drafter, suffix)
-
-    verify_seconds = verify_cost_model(model, compile=compile, curve_file=cost_curve, numerics=numerics)
-
-    def priced(drafter):
-        """One DynamicTreeDrafter over `drafter` for every call."""
-        dynamic_drafter = DynamicTreeDrafter(drafter, verify_seconds)
-        return ours(lambda: dynamic_drafter)
-
-    def dynamic(inner):
-        return priced(treespec.LookupDrafter(inner, lookup) if lookup else inner)
-
-    def heads_drafter():
-        """The heads drafting their tree.json (else a 32-node default tree): the largest tree a step uses."""
-        if heads is None:
-            raise ValueError("the dynamic methods need heads")
-        return treespec.make_drafter(heads, heads.tree or default_tree(32, heads.num_heads), model)
-
-    runners = {}
-    if {"dynamic", *UNION_METHODS} & set(methods):
-        runners["dynamic"] = dynamic(heads_drafter())
-        for name in [m for m in UNION_METHODS if m in methods]:
-            union = with_long_suffix(heads_drafter())
-            runners[name] = priced(with_recycling(union, model) if name == "dynamic_all" else union)
-    eagle = chains.get("eagle")
-    if eagle is not None and "eagle_dynamic" in methods:
-        runners["eagle_dynamic"] = dynamic(eagle.drafter(model))
-    if eagle is not None and "eagle_dynamic_suffix" in methods:
-        runners["eagle_dynamic_suffix"] = priced(with_long_suffix(eagle.drafter(model)))
-    if eagle is not None and "eagle_dynamic_all" in methods:
-        runners["eagle_dynamic_all"] = priced(with_recycling(with_long_suffix(eagle.drafter(model)), model))
-    if eagle is not None and "eagle_heads_all" in methods:
-        both = treespec.UnionDrafter(eagle.drafter(model), heads_drafter())
-        runners["eagle_heads_all"] = priced(with_recycling(with_long_suffix(both), model))
-    return runners
-
-
-def with_recycling(drafter, model):
-    """`drafter`'s tree united with the recycling drafter's (the `*_all` methods)."""
-    vocab = model.get_output_embeddings().weight.shape[0]
-    return treespec.UnionDrafter(drafter, treespec.RecyclingDrafter(vocab))
 
 
 def start_peers(args, model, tokenizer=None, prompts=()) -> dict:
@@ -713,8 +674,8 @@ def make_record(q: dict, ids: list[int], results: dict, methods: list[str]) -> d
             "first_diff": None,
             "identical_to_plain": None,
         }
-        plain = results.get(m.replace(base_method(m), "baseline", 1))
-        if base_method(m) in SPECULATIVE and plain is not None:
+        plain = plain_run(m, results)
+        if is_speculative(m) and plain is not None:
             entry["identical_to_plain"] = tokens == plain["token_ids"]
         if ref is not None and m != REFERENCE:
             entry["identical_to_hf"] = tokens == ref["token_ids"]
@@ -793,8 +754,9 @@ def summarize(records: list[dict], methods: list[str], reference: str = REFERENC
             ref_tps = row["methods"][reference]["tokens_per_second"]
             for entry in row["methods"].values():
                 entry["speedup"] = entry["tokens_per_second"] / ref_tps if ref_tps else None
-        if "baseline" in methods:
-            base_tps = row["methods"]["baseline"]["tokens_per_second"]
+        base = next((m for m in PLAIN_METHODS if m in methods), None)
+        if base is not None:
+            base_tps = row["methods"][base]["tokens_per_second"]
             for entry in row["methods"].values():
                 entry["speedup_vs_baseline"] = entry["tokens_per_second"] / base_tps if base_tps else None
         rows.append(row)
@@ -854,7 +816,7 @@ def format_tables(summary: list[dict], methods: list[str], reference: str = REFE
     title = "tokens/s" + (f" (speedup over {reference})" if has_ref else "")
     parts = [title, _grid(["category", "n", *methods], rows)]
 
-    accept = [m for m in methods if base_method(m) in SPECULATIVE]
+    accept = [m for m in methods if is_speculative(m)]
     same = [m for m in methods if has_ref and m != reference]
     plain = [m for m in accept if summary[-1]["methods"][m].get("identical_to_plain") is not None]
     differ = [m for m in same if summary[-1]["methods"][m].get("first_diff_mean") is not None]
@@ -889,7 +851,8 @@ def format_tables(summary: list[dict], methods: list[str], reference: str = REFE
     overall = summary[-1]["methods"]
     if accept:
         rows = []
-        for m in [m for m in methods if base_method(m) in (*SPECULATIVE, "baseline", "hf_assisted")]:
+        measured = (*PLAIN_METHODS, "hf_assisted")
+        for m in [m for m in methods if is_speculative(m) or base_method(m) in measured]:
             e = overall[m]
 
             def fmt(key, spec, scale=1.0, e=e):
@@ -946,7 +909,10 @@ def describe_run(
         "tree_choices": [list(c) for c in tree.choices] if tree is not None else None,
         "threads": torch.get_num_threads(),
         "max_new_tokens": args.max_new_tokens,
-        "lookup": args.lookup if set(LOOKUP_METHODS) & set(args.methods) else None,
+        "lookup": (args.lookup or recipes.LOOKUP) if uses("lookup", args.methods) else None,
+        "recipes": {
+            m: recipes.RECIPES[method_recipe(m)[0]].description for m in args.methods if method_recipe(m)
+        },
         "suffix_warm": args.suffix_warm,
         "compile": args.compile,
         "num_prompts": len(prompts),
@@ -1008,11 +974,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
         raise SystemExit(f"no prompts selected for the {args.workload} workload")
     device = next(model.parameters()).device
     heads, tree, heads_desc, tree_desc = None, None, "-", "-"
-    if set(HEADS_METHODS) & set(args.methods):
+    args.methods = resolve_auto(args.methods, model)
+    if uses("heads", args.methods):
         heads, tree, heads_desc, tree_desc = load_heads_and_tree(args, model)
     chains = load_chain_drafters(args, model)
     ours = [m for m in args.methods if m not in PEER_METHODS]
-    new_suffix_cache = suffix_cache_factory(args.suffix_warm)
+    new_suffix_cache = suffix_cache_factory(args.suffix_warm) if args.suffix_warm else None
     runners = {}
     for numerics in args.numerics:
         made = make_runners(

@@ -9,11 +9,13 @@ tokens), greedy. Methods:
     hf_prompt_lookup HF `generate` with prompt_lookup_num_tokens=10, one prompt after the other (HF's
                      prompt lookup takes batch 1, so it runs at the smallest B only and its throughput
                      is reported at every B)
-    plain            treespec's batched decoder, one token per row per step
-    treespec         the heads' tree every step (plain_above=None)
-    treespec_auto    the heads' tree where it pays, plain steps where not (plain_above="auto")
-    treespec_lookup  treespec_auto with a prompt-lookup branch (--lookup)
-    eagle            an EAGLE-style drafter (--eagle FOLDER, its tree from --eagle-tree), plain_above="auto"
+    plain            treespec's batched decoder, one token per row per step (the recipe "plain")
+    treespec         the recipe "heads": the heads' tree every step (plain_above=None)
+    treespec_auto    "heads" where it pays, plain steps where not (plain_above="auto")
+    treespec_lookup  "heads+lookup" (--lookup replaces its chain length), plain_above="auto"
+    eagle            "eagle" (the default model's shipped layer, or --eagle FOLDER with --eagle-tree),
+                     plain_above="auto"
+    RECIPE           any other recipe of `treespec.recipes` whose drafter decodes batches, plain_above="auto"
     vllm             vLLM's CPU engine on the group (`make vllm-env`)
 
 Each group runs every method back to back, the order rotating per group. It reports tokens/s per method
@@ -28,6 +30,7 @@ import platform
 import shlex
 import sys
 import time
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
@@ -36,6 +39,7 @@ import transformers
 
 import treespec
 
+from .. import recipes
 from ..core.generate import encode_prompt
 from ..core.tokens import eos_token_ids
 from ..io import atomic_write_json
@@ -44,7 +48,16 @@ from . import drafter_options as options
 from .models import default_model_folder
 from .peers import VllmPeer
 
-METHODS = ("hf", "hf_prompt_lookup", "plain", "treespec", "treespec_auto", "treespec_lookup", "eagle", "vllm")
+# the batch benchmark's method names -> (recipe, plain_above); any other recipe name runs with "auto"
+RECIPE_METHODS = {
+    "plain": ("plain", None),
+    "treespec": ("heads", None),
+    "treespec_auto": ("heads", "auto"),
+    "treespec_lookup": ("heads+lookup", "auto"),
+    "eagle": ("eagle", "auto"),
+}
+RECIPE_METHODS |= {name: (name, "auto") for name in recipes.RECIPES if name not in RECIPE_METHODS}
+METHODS = ("hf", "hf_prompt_lookup", *RECIPE_METHODS, "vllm")
 ONE_AT_A_TIME = ("hf_prompt_lookup",)  # methods that decode one prompt after the other: measured once
 DEFAULT_METHODS = ("hf", "hf_prompt_lookup", "plain", "treespec", "treespec_auto", "vllm")
 
@@ -71,8 +84,17 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
     p.add_argument(
         "--methods", default=",".join(DEFAULT_METHODS), help=f"comma list from {','.join(METHODS)}"
     )
-    p.add_argument("--lookup", type=int, default=4, help="treespec_lookup: branch length (default 4)")
-    p.add_argument("--eagle", default=None, help="eagle: EAGLE-style drafter folder (scripts/train_eagle.py)")
+    p.add_argument(
+        "--lookup",
+        type=int,
+        default=None,
+        help=f"recipes with a lookup chain: its length (default: the recipe's, {recipes.LOOKUP})",
+    )
+    p.add_argument(
+        "--eagle",
+        default=None,
+        help="eagle: EAGLE-style drafter folder (default: the default model's shipped one)",
+    )
     p.add_argument(
         "--eagle-tree", default=None, help="eagle: tree JSON, folder with tree.json, or N (a chain)"
     )
@@ -90,8 +112,13 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
     unknown = sorted(set(args.methods) - set(METHODS))
     if unknown:
         p.error(f"unknown methods {unknown}; choose from {list(METHODS)}")
-    if "eagle" in args.methods and not args.eagle:
-        p.error("the eagle method needs --eagle FOLDER")
+    if any(
+        "eagle" in recipes.RECIPES[RECIPE_METHODS[m][0]].sources for m in args.methods if m in RECIPE_METHODS
+    ):
+        try:  # the default model's shipped drafter unless --eagle names one
+            args.eagle = options.eagle_folder(args.eagle, args.model)
+        except ValueError as e:
+            p.error(str(e))
     args.batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
     if min(args.batch_sizes) < 1 or args.num_prompts < max(args.batch_sizes):
         p.error("batch sizes must be >= 1 and --num-prompts at least the largest batch size")
@@ -139,23 +166,23 @@ def make_runners(args, model, tokenizer, eos: set[int]) -> tuple[dict, dict]:
     runners["hf_prompt_lookup"] = lambda prompts, m: [
         bench.hf_greedy(model, tokenizer, p, m, prompt_lookup_num_tokens=10) for p in prompts
     ]
-    runners["plain"] = ours(lambda: None, None)
-    if {"treespec", "treespec_auto", "treespec_lookup"} & set(args.methods):
+    wanted = [recipes.RECIPES[RECIPE_METHODS[m][0]] for m in args.methods if m in RECIPE_METHODS]
+    given = {}
+    if any("heads" in r.sources for r in wanted):
         heads, tree, setup["heads"], setup["tree"] = bench.load_heads_and_tree(args, model)
         setup["tree_choices"] = [list(c) for c in tree.choices]
-
-        def heads_drafter():
-            return treespec.make_drafter(heads, tree, model)
-
-        runners["treespec"] = ours(heads_drafter, None)
-        runners["treespec_auto"] = ours(heads_drafter, "auto")
-        runners["treespec_lookup"] = ours(
-            lambda: treespec.LookupDrafter(heads_drafter(), args.lookup), "auto"
-        )
-    if "eagle" in args.methods:
+        given |= {"heads": heads, "tree": tree}
+    if any("eagle" in r.sources for r in wanted):
         eagle = options.load_eagle_option(args.eagle, model, args.eagle_tree)
         setup["eagle"] = eagle.description
-        runners["eagle"] = ours(lambda: eagle.drafter(model), "auto")
+        given["eagle"] = lambda: eagle.drafter(model)
+    for name in [m for m in args.methods if m in RECIPE_METHODS]:
+        recipe_name, plain_above = RECIPE_METHODS[name]
+        recipe = recipes.RECIPES[recipe_name]
+        if args.lookup is not None and recipe.lookup:
+            recipe = replace(recipe, lookup=args.lookup)
+        parts = recipes.Parts.shipped(model, recipe, compile=args.compile, **given)
+        runners[name] = ours(recipes.drafter_factory(recipe, parts, args.compile), plain_above)
     return {m: runners[m] for m in args.methods if m in runners}, setup
 
 

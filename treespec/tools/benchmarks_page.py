@@ -70,6 +70,16 @@ METHOD_NAMES = {  # bench.py / bench_batch.py method -> what it is
     "dynamic_suffix": "treespec, dynamic trees (heads + suffix trees)",
     "dynamic_all": "treespec, dynamic trees (heads + suffix + recycling)",
     "recycling": "treespec, token recycling",
+    # the recipes' own names (`treespec.recipes`; some earlier names above are aliases of them)
+    "heads": "treespec, heads + static tree",
+    "heads+lookup": "treespec, heads + static tree + prompt lookup",
+    "eagle+lookup": "treespec, EAGLE-style drafter + prompt lookup",
+    "dynamic+suffix": "treespec, dynamic trees (heads + suffix trees)",
+    "dynamic+all": "treespec, dynamic trees (heads + suffix + recycling)",
+    "eagle+dynamic": "treespec, dynamic trees (EAGLE-style drafter + prompt lookup)",
+    "eagle+suffix": "treespec, dynamic trees (EAGLE-style drafter + suffix trees)",
+    "eagle+all": "treespec, dynamic trees (EAGLE-style drafter + suffix + recycling)",
+    "all": "treespec, dynamic trees (EAGLE-style drafter + heads + suffix + recycling)",
 }
 REFERENCE = "hf"
 WORKLOAD_NAMES = {  # bench.py --workload -> how the page names its prompts

@@ -21,10 +21,13 @@ import importlib
 import json
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import treespec
 
+from .. import recipes
+from ..core.decoder import NUMERICS
 from ..core.tree import Tree
 from . import drafter_options as options
 from .models import (
@@ -240,30 +243,34 @@ def _add_generate(commands) -> None:
     p.add_argument("--show-tree", action="store_true", help="print each step's tree, path highlighted")
     p.add_argument("--trace", metavar="OUT.json", default=None, help="save the step-by-step trace here")
     p.add_argument(
-        "--lookup", type=int, default=0, help="add a prompt-lookup branch of N nodes (default 0: none)"
+        "--lookup",
+        type=int,
+        default=None,
+        help="a prompt-lookup chain of N tokens beside the tree (default: the recipe's own; 0: none)",
     )
     p.add_argument(
         "--drafter",
-        default="heads",
-        choices=["heads", "eagle", "suffix", "recycling", "none"],
-        help="heads (default: --heads / --tree, or --draft-model / --exit-head / --eagle when given); "
-        "eagle: the default model's shipped EAGLE-style drafter (or --eagle FOLDER) with its tree; "
-        "suffix: suffix trees over the prompt, the answer and earlier answers (--suffix-cache); "
-        "recycling: trees walked through the model's own top-k; none: plain decoding",
+        default=recipes.AUTO,
+        choices=[*recipes.names(), "none"],
+        metavar="RECIPE",
+        help="a recipe (treespec.recipes): auto (default: the best shipped one for the model, "
+        f"{recipes.DEFAULT_RECIPE} for the default model, plain for another; heads with --heads / --tree, "
+        "eagle with --eagle), none (= plain), or: "
+        + "; ".join(f"{n}: {r.description}" for n, r in recipes.RECIPES.items()),
     )
     p.add_argument(
         "--suffix-cache",
         metavar="FILE.json",
         default=None,
-        help="--drafter suffix: earlier answers to draft from, loaded when the file exists (else the "
-        "default model starts from its shipped answers) and saved back with this answer added",
+        help="recipes with suffix trees: earlier answers to draft from, loaded when the file exists (else "
+        "the default model starts from its shipped answers) and saved back with this answer added",
     )
     p.add_argument(
         "--numerics",
         default="fast",
-        choices=["fast", "bitwise"],
+        choices=list(NUMERICS),
         help="bitwise: row-invariant kernels, so the output is bit for bit the plain loop's (CPU; slower "
-        "for large trees); fast (default): the fastest kernels",
+        "for large trees); fast (default): the fastest kernels (core.decoder.NUMERICS lists every value)",
     )
     _add_chain_drafter_options(p, eagle=True)
     p.set_defaults(run=cmd_generate)
@@ -326,17 +333,82 @@ def chain_drafter_factory(args: argparse.Namespace, model) -> Callable[[int | No
     return lambda gamma=None: chain.drafter(model, gamma, storage=args.storage, branching=args.branching)
 
 
-def training_free_drafter(name: str, model, cache_file: str | None, default_model: bool = False):
-    """--drafter suffix / recycling / none: the drafter (None for plain decoding). The suffix drafter's
-    cache: `cache_file` when it exists, else (default_model) the default model's shipped earlier answers,
-    else an empty one."""
-    if name == "suffix":
-        shipped = default_suffix_cache_file() if default_model else None
-        start = next((Path(f) for f in (cache_file, shipped) if f is not None and Path(f).is_file()), None)
-        return treespec.SuffixDrafter(treespec.SuffixCache.load(start) if start else None)
-    if name == "recycling":
-        return treespec.RecyclingDrafter(model.get_output_embeddings().weight.shape[0])
-    return None
+def suffix_start(cache_file: str | None, default_model: bool) -> Path | None:
+    """The saved suffix cache a suffix recipe starts from: `cache_file` when it exists, else (default_model)
+    the default model's shipped earlier answers, else None (an empty cache)."""
+    shipped = default_suffix_cache_file() if default_model else None
+    return next((Path(f) for f in (cache_file, shipped) if f is not None and Path(f).is_file()), None)
+
+
+def generate_recipe(args: argparse.Namespace) -> str | None:
+    """The recipe name `treespec generate` runs ("auto" resolved once the model is loaded), or None when
+    a chain drafter (--draft-model / --exit-head) drafts; option errors raise ValueError before the model
+    loads."""
+    name = "plain" if args.drafter == "none" else args.drafter
+    if args.draft_model or args.exit_head:
+        if name != recipes.AUTO:
+            raise ValueError(f"--draft-model / --exit-head draft themselves: drop --drafter {args.drafter}")
+        flag = "--draft-model" if args.draft_model else "--exit-head"
+        options.existing_folder(args.draft_model or args.exit_head, flag)
+        return None
+    if name == recipes.AUTO and args.eagle:
+        name = "eagle"
+    elif name == recipes.AUTO and (args.heads or args.tree):
+        name = "heads"
+    if name == recipes.AUTO:
+        return name
+    sources = recipes.RECIPES[name].sources
+    if (args.heads or args.tree) and "heads" not in sources:
+        raise ValueError(f"--drafter {args.drafter} drafts without heads: drop --heads / --tree")
+    if (args.eagle or args.eagle_tree) and "eagle" not in sources:
+        raise ValueError(
+            f"--drafter {args.drafter} drafts without an EAGLE layer: drop --eagle / --eagle-tree"
+        )
+    if args.eagle:
+        options.existing_folder(args.eagle, "--eagle")
+    if "eagle" in sources:
+        options.eagle_folder(args.eagle, args.model)  # the shipped layer fits the default model only
+    return name
+
+
+def recipe_parts(args: argparse.Namespace, model, recipe: recipes.Recipe, tree_choice) -> recipes.Parts:
+    """The parts of `recipe` the options name (heads and their tree, the EAGLE layer, the suffix cache),
+    the rest shipped (`recipes.Parts.shipped`)."""
+    given = {}
+    if "heads" in recipe.sources:
+        folder = options.heads_folder(args.heads, args.model)
+        heads, _ = options.load_heads(folder, model, args.num_heads)
+        tree, _ = options.pick_tree(tree_choice, heads, args.tree or "--tree", folder, model)
+        given |= {"heads": heads, "tree": tree if tree_choice is not None or not recipe.dynamic else None}
+    if "eagle" in recipe.sources:
+        source = options.load_eagle_option(
+            options.eagle_folder(args.eagle, args.model), model, args.eagle_tree
+        )
+        given["eagle"] = lambda: source.drafter(model)
+    if "suffix" in recipe.sources:
+        start = suffix_start(args.suffix_cache, args.model is None and recipe.warm)
+        given["suffix_cache"] = (lambda: treespec.SuffixCache.load(start)) if start else treespec.SuffixCache
+    return recipes.Parts.shipped(model, recipe, numerics=args.numerics, **given)
+
+
+def generate_drafter(args: argparse.Namespace, model, name: str | None, tree_choice):
+    """(drafter, parts) for `treespec generate`: the chain drafter, or the recipe's drafter built from
+    the options' parts (parts None for a chain drafter)."""
+    if name is None:
+        drafter = chain_drafter_factory(args, model)()
+        return (treespec.LookupDrafter(drafter, args.lookup) if args.lookup else drafter), None
+    recipe = recipes.resolve(name, model)
+    if args.lookup is not None:
+        if args.lookup and "suffix" in recipe.sources:
+            raise ValueError(f"the suffix trees of {recipe.name} match the prompt themselves: drop --lookup")
+        recipe = replace(recipe, lookup=args.lookup)
+    if args.suffix_cache and "suffix" not in recipe.sources:
+        with_suffix = [n for n, r in recipes.RECIPES.items() if "suffix" in r.sources]
+        raise ValueError(
+            f"--suffix-cache goes with a recipe that drafts suffix trees: {', '.join(with_suffix)}"
+        )
+    parts = recipe_parts(args, model, recipe, tree_choice)
+    return recipes.build(recipe, parts), parts
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -344,38 +416,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     from transformers import TextStreamer
 
-    if args.drafter == "eagle":  # the shipped drafter unless --eagle names one
-        args.eagle, args.drafter = options.eagle_folder(args.eagle, args.model), "heads"
-    chained = args.draft_model or args.exit_head or args.eagle
-    if args.drafter != "heads" and (chained or args.heads or args.tree):
-        raise ValueError(f"--drafter {args.drafter} takes no --heads, --tree or chain drafter")
-    if args.suffix_cache and args.drafter != "suffix":
-        raise ValueError("--suffix-cache goes with --drafter suffix")
-    if args.lookup and args.drafter == "suffix":
-        raise ValueError("--drafter suffix matches the prompt itself: drop --lookup")
     # option errors (a missing folder, a bad tree file) are reported before the model loads
-    if chained:
-        flag = "--draft-model" if args.draft_model else "--exit-head" if args.exit_head else "--eagle"
-        options.existing_folder(chained, flag)
-    chained = chained or args.drafter != "heads"  # no heads to load
-    folder = None if chained else options.heads_folder(args.heads, args.model)
-    tree_choice = None if chained or args.tree is None else options.parse_tree(args.tree)
+    name = generate_recipe(args)
+    if name is not None and args.heads:
+        options.heads_folder(args.heads, args.model)
+    tree_choice = None if args.tree is None else options.parse_tree(args.tree)
     model, tokenizer = treespec.load_model(args.model, dtype=args.dtype, device=args.device)
-    if args.drafter != "heads":
-        drafter = training_free_drafter(
-            args.drafter, model, args.suffix_cache, default_model=args.model is None
-        )
-    elif args.eagle:
-        drafter = options.load_eagle_option(args.eagle, model, args.eagle_tree).drafter(model)
-    else:
-        make_chain = chain_drafter_factory(args, model)
-        drafter = make_chain() if make_chain else None
-    if not chained:
-        heads, _ = options.load_heads(folder, model, args.num_heads)
-        tree, _ = options.pick_tree(tree_choice, heads, args.tree or "--tree", folder, model)
-        drafter = treespec.as_drafter(model, heads, tree)
-    if args.lookup:
-        drafter = treespec.LookupDrafter(drafter, args.lookup)
+    drafter, parts = generate_drafter(args, model, name, tree_choice)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if args.stream else None
     want_trace = args.show_tree or args.trace is not None
     sampling = treespec.SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
@@ -391,8 +438,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         options=treespec.DecodeOptions(numerics=args.numerics),
     )
     if args.suffix_cache:
-        drafter.finish()  # this answer into the cache, then the cache to its file
-        drafter.cache.save(args.suffix_cache)
+        for suffix in parts.suffix_drafters:
+            suffix.finish()  # this answer into the cache, then the cache to its file
+            suffix.cache.save(args.suffix_cache)
     if streamer is None:
         print(result.text)
     if want_trace:
