@@ -301,6 +301,28 @@ Int8Weights repack_int8(const LinearWeights& w) {
 }
 
 void quantize_blocks(const float* x, QuantRows& rows, int64_t r, int64_t b0, int64_t b1) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  // the scalar loop below, 16 lanes at a time: the same multiplications and round-to-nearest-even
+  // conversions, so the same bytes
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  for (int64_t b = b0; b < b1; ++b) {
+    const float* xb = x + 32 * b;
+    const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+    const float d = amax / 127.0f;
+    const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    const __m512i q0 = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(v0, inverse))));
+    const __m512i q1 = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(v1, inverse))));
+    int8_t* q = rows.q.data() + r * rows.K + 32 * b;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    rows.d[r * rows.blocks + b] = d;
+    rows.sum[r * rows.blocks + b] = sum;
+    rows.dsum[r * rows.blocks + b] = d * static_cast<float>(sum);
+  }
+#else
   for (int64_t b = b0; b < b1; ++b) {
     const float* xb = x + 32 * b;
     float amax = 0.0f;
@@ -318,6 +340,7 @@ void quantize_blocks(const float* x, QuantRows& rows, int64_t r, int64_t b0, int
     rows.sum[r * rows.blocks + b] = sum;
     rows.dsum[r * rows.blocks + b] = d * static_cast<float>(sum);
   }
+#endif
 }
 
 void int8_columns_reference(const Int8Weights& w, const QuantRows& x, int64_t M, float* out, int64_t ldo, int64_t n0,
