@@ -63,6 +63,26 @@ inline void rotate(float* x, const float* cos, const float* sin, int D, bool bf1
   std::memcpy(x, tmp, sizeof(float) * D);
 }
 
+// out[j] = silu(g[j]) * u[j] for j < count (bf16 models: g, u, the silu and the product rounded to bf16, as
+// HF's bf16 tensors hold them). silu(g) = g / (1 + e^-g), with t = e^-|g| from the exp2 polynomial of vec.h:
+// g / (1 + t) for g >= 0, g t / (1 + t) below (no overflow either way). An element's result depends only on
+// its value (lanes past count compute on zeros), so every row gets the same bits for the same input.
+inline void silu_times(const float* g, const float* u, float* out, int64_t count, bool bf16) {
+  const vf minus_log2e = splat(-1.4426950408889634f), zero = splat(0.0f), one = splat(1.0f);
+  for (int64_t j = 0; j < count; j += VL) {
+    const int64_t k = std::min<int64_t>(VL, count - j);
+    float gb[VL] = {}, ub[VL] = {}, sb[VL];
+    for (int64_t i = 0; i < k; ++i) {
+      gb[i] = round_to(g[j + i], bf16);
+      ub[i] = round_to(u[j + i], bf16);
+    }
+    const vf gv = loadv(gb);
+    const vf t = exp2v((gv < zero ? zero - gv : gv) * minus_log2e);  // e^-|g|
+    storev(sb, (gv < zero ? gv * t : gv) / (one + t));
+    for (int64_t i = 0; i < k; ++i) out[j + i] = round_to(round_to(sb[i], bf16) * ub[i], bf16);
+  }
+}
+
 template <typename T>
 inline void store_row(const float* src, T* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = from_float<T>(src[i]);
@@ -322,11 +342,7 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
         linear(L.gate, L.igate, x, s.xq, s.gate.data(), I, n0, n1);
         linear(L.up, L.iup, x, s.xq, s.up.data(), I, n0, n1);
         for (int64_t r = 0; r < M; ++r)
-          for (int64_t j = n0; j < n1; ++j) {
-            const float g = round_to(s.gate[r * I + j], bf16), u = round_to(s.up[r * I + j], bf16);
-            const float silu = round_to(g / (1.0f + std::exp(-g)), bf16);
-            s.act[r * I + j] = round_to(silu * u, bf16);
-          }
+          silu_times(s.gate.data() + r * I + n0, s.up.data() + r * I + n0, s.act.data() + r * I + n0, n1 - n0, bf16);
         if (m.int8)  // the task's columns are whole blocks of 32 (kTaskColumns and I are multiples of 32)
           for (int64_t r = 0; r < M; ++r) quantize_blocks(s.act.data() + r * I, s.actq, r, n0 / 32, n1 / 32);
         break;
