@@ -23,6 +23,7 @@ try:
 except ModuleNotFoundError:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from treespec.tools.models import load_model
 from treespec.training.eagle_train import EagleTrainConfig, train_eagle
 
 
@@ -96,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    record = train_eagle(cfg, resume=args.resume)
+    model, _ = load_model(cfg.extra.get("model"), dtype="bfloat16" if cfg.bf16 else "float32")
+    record = train_eagle(cfg, model, resume=args.resume)
     if record:
         e = record["eval"]
         print(

@@ -22,8 +22,8 @@ from treespec import ops
 from treespec.core.attention import AttentionPlan, tree_attention_reference, treespec_attention
 from treespec.core.cache import CacheCapacityError, TreeKVCache
 from treespec.core.decoder import Decoder
+from treespec.core.drafting import SequenceStart
 from treespec.core.pricer import StepPricer
-from treespec.drafters.base import SequenceStart
 
 
 def _prompts(model, lengths, seed=0):
@@ -367,7 +367,7 @@ def test_the_pricer_is_shared_per_model_and_drafter_setting(monkeypatch):
         made.append(kwargs)
         raise Made
 
-    monkeypatch.setattr(treespec.core.generate, "Decoder", spy)
+    monkeypatch.setattr(treespec.api, "Decoder", spy)
     prompts = _prompts(model, [4, 6], seed=30)
     with pytest.raises(Made):
         treespec.generate(

@@ -9,7 +9,7 @@ import torch
 from conftest import hf_greedy, random_heads, tiny_model
 
 import treespec
-from treespec.drafters.base import Drafter
+from treespec.core.drafting import Drafter
 from treespec.drafters.draft_model import DraftModelDrafter
 from treespec.drafters.lookup import LookupDrafter
 from treespec.drafters.self_spec import SelfSpeculativeDrafter

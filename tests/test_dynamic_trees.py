@@ -10,7 +10,7 @@ import torch
 from conftest import ARCHS, hf_greedy, random_heads, tiny_model
 
 import treespec
-from treespec.drafters.base import BaseDrafter, Proposal
+from treespec.core.drafting import BaseDrafter, Proposal
 
 
 class RandomSubtrees(BaseDrafter):
@@ -202,7 +202,7 @@ def test_level_by_level_drafters_stop_at_max_depth():
     eagle = treespec.EagleDrafter(random_eagle(model, seed=1, draft_size=40), eagle_tree, model)
     prompt = [4, 8, 15, 16, 23]
     features = torch.randn(1, len(prompt) - 1, 3 * model.config.hidden_size)
-    eagle.start(treespec.drafters.base.SequenceStart(prompt, 32, None, "sdpa", features))
+    eagle.start(treespec.core.drafting.SequenceStart(prompt, 32, None, "sdpa", features))
     whole = eagle.propose(hidden[:1], roots[:1])
     part = eagle.propose(hidden[:1], roots[:1], max_depth=1)
     shallow = eagle_tree.depth <= 1
@@ -344,7 +344,7 @@ def test_the_step_time_beyond_the_cost_curve_is_learned_and_the_curve_made_monot
     assert result.token_ids == hf_greedy(model, prompt, 20)
     # the steps took far longer than the curve says: the rest (sampling, commit, Python) is learned
     assert drafter.step_costs.line[0] > 10 * table[-1]  # (a step of this tiny model: ~0.7 ms)
-    drafter.start(treespec.drafters.base.SequenceStart(prompt, 64, None, "sdpa", None))
+    drafter.start(treespec.core.drafting.SequenceStart(prompt, 64, None, "sdpa", None))
     assert drafter.step_started is None  # the time between sequences is not a step
 
 
@@ -443,7 +443,7 @@ def test_a_reused_dynamic_drafter_keeps_what_it_learned_and_stays_exact():
     proposed = drafter.calibration.proposed.clone()
     gains, costs = dict(drafter.level_gains), dict(drafter.draft_costs.measured)
     assert gains and costs and all(t > 0 for t in costs.values())
-    drafter.start(treespec.drafters.base.SequenceStart(prompts[1], 64, None, "sdpa", None))
+    drafter.start(treespec.core.drafting.SequenceStart(prompts[1], 64, None, "sdpa", None))
     # a new sequence: its own counts and prefix, the learned calibration, cost and depths unchanged
     assert drafter.counts["steps"] == 0 and drafter.prefix == len(prompts[1])
     assert torch.equal(drafter.calibration.proposed, proposed)

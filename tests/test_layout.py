@@ -1,5 +1,6 @@
-"""The layout's rules, checked on the source: the runtime (core, drafters) never imports training or tools,
-stays in short functions, and no project file reads the shared folder beside the checkout."""
+"""The layout's rules, checked on the source, each with a companion test that plants the violation: the
+layers import only the layers below them, functions stay short, nothing probes a drafter, no file reads the
+shared folder beside the checkout, and docs/architecture.md names every module."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNTIME = sorted((ROOT / "treespec" / "core").glob("*.py")) + sorted(
     (ROOT / "treespec" / "drafters").glob("*.py")
 )
+LAYERED = RUNTIME + sorted((ROOT / "treespec" / "training").glob("*.py"))  # the packages `LAYERS` rules
 PACKAGE = sorted((ROOT / "treespec").rglob("*.py"))  # runtime, training, tools and the top level
 
 
-LAYERS = {  # package -> the packages of treespec it must not import (directly or inside a function)
-    "core": ("training", "tools"),
-    "drafters": ("training", "tools"),
+LAYERS = {  # package -> the parts of treespec it must not import (directly or inside a function)
+    "core": ("drafters", "training", "tools", "recipes", "api"),
+    "drafters": ("training", "tools", "recipes", "api"),
+    "training": ("tools", "recipes", "api"),
 }
 
 
@@ -53,8 +56,10 @@ def layer_violations(source: str, module: str) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("path", RUNTIME, ids=lambda p: f"{p.parent.name}/{p.name}")
-def test_runtime_imports_neither_training_nor_tools(path):
+@pytest.mark.parametrize("path", LAYERED, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_each_layer_imports_only_the_layers_below_it(path):
+    """core imports nothing from drafters, training, tools or the API above; drafters nothing from
+    training or tools; training nothing from tools."""
     assert not layer_violations(path.read_text(), _module_name(path))
 
 
@@ -74,9 +79,12 @@ def later():
         "treespec.tools.cli",
     ]
     assert len(found) == 4
-    allowed = "from ..drafters.base import Drafter\nfrom .tree import Tree\nimport torch\n"
+    allowed = "from .drafting import Drafter\nfrom .tree import Tree\nimport torch\n"
     assert not layer_violations(allowed, "treespec.core.planted")
     assert not layer_violations(planted, "treespec.tools.planted")  # tools may import anything
+    assert layer_violations("from ..drafters.heads import MedusaHeads\n", "treespec.core.planted")
+    assert layer_violations("from .. import recipes\n", "treespec.drafters.planted")
+    assert not layer_violations("from ..drafters.heads import MedusaHeads\n", "treespec.training.planted")
 
 
 def _long_functions(source: str, limit: int = 80) -> list[tuple[str, int]]:
@@ -115,12 +123,12 @@ def test_the_public_generate_is_one_function_of_at_most_60_lines_and_12_paramete
     """The module-level `generate` itself (not a wrapper of the same name), every parameter counted."""
     import treespec
 
-    source = (ROOT / "treespec" / "core" / "generate.py").read_text()
+    source = (ROOT / "treespec" / "api.py").read_text()
     lines, count = _generate_shape(source)
     assert lines <= 60 and count <= 12
     (node,) = [n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "generate"]
     real = inspect.unwrap(treespec.generate)  # under torch.inference_mode's wrapper
-    assert real.__code__.co_filename.endswith("generate.py")
+    assert real.__code__.co_filename.endswith("api.py")
     first = min(n.lineno for n in [node, *node.decorator_list])  # code objects start at the decorators
     assert real.__code__.co_firstlineno == first
 
@@ -133,7 +141,7 @@ def test_the_generate_shape_counts_every_kind_of_parameter():
 def _drafter_members() -> set[str]:
     """Every name of the drafter protocol and every public member a shipped drafter class defines."""
     import treespec
-    from treespec.drafters.base import BaseDrafter, Drafter
+    from treespec.core.drafting import BaseDrafter, Drafter
 
     members = {n for n in dir(Drafter) if not n.startswith("_")} | set(Drafter.__annotations__)
     for name in treespec.__all__:

@@ -9,7 +9,7 @@ import torch
 from conftest import ARCHS, hf_greedy, second_token_marginals, tiny_model, total_variation
 
 import treespec
-from treespec.drafters.base import SequenceStart
+from treespec.core.drafting import SequenceStart
 from treespec.drafters.recycling import RecyclingDrafter, last_occurrences
 
 TREE = treespec.Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])

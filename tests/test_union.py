@@ -21,7 +21,7 @@ from conftest import (
 
 import treespec
 from treespec import Proposal, SequenceStart, SuffixCache, SuffixDrafter, Tree, UnionDrafter
-from treespec.drafters.base import BaseDrafter, step_layout
+from treespec.core.drafting import BaseDrafter, step_layout
 from treespec.drafters.union import BOTH, SOURCES
 
 SPECULATE = treespec.DecodeOptions(plain_above=None)  # batches speculate in every step

@@ -1,5 +1,6 @@
 """treespec: tree-speculative decoding for Hugging Face causal LMs (same output, fewer forward passes)."""
 
+from .api import as_drafter, generate, generate_baseline
 from .core.acceptance import SamplingConfig
 from .core.attention import (
     AttentionPlan,
@@ -9,20 +10,13 @@ from .core.attention import (
 )
 from .core.cache import CacheCapacityError, KVCacheBase, TreeKVCache
 from .core.decoder import Decoder, DecodeStep
-from .core.generate import (
-    DecodeOptions,
-    GenerationResult,
-    as_drafter,
-    encode_prompt,
-    generate,
-    generate_baseline,
-)
+from .core.drafting import BaseDrafter, Drafter, DrafterReport, Proposal, RootOnlyDrafter, SequenceStart
+from .core.generate import DecodeOptions, GenerationResult, encode_prompt
 from .core.pricer import StepPricer
 from .core.runtime import TargetRuntime
 from .core.spec_cache import SpeculativeKVCache
 from .core.stats import GenerationStats
 from .core.tree import DEFAULT_TREE_SIZES, Tree, default_tree
-from .drafters.base import BaseDrafter, Drafter, DrafterReport, Proposal, RootOnlyDrafter, SequenceStart
 from .drafters.draft_model import DraftModelDrafter
 from .drafters.dynamic import AcceptanceCalibration, DynamicTreeDrafter
 from .drafters.eagle import EagleDrafter

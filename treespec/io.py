@@ -9,6 +9,9 @@ killed process left behind match TEMP_GLOB (`remove_temps`).
 `cache_root()` is the one folder treespec keeps files in across runs (`$TREESPEC_CACHE`, default
 `~/.cache/treespec`): converted models, the compiled extension, compiled steps, cost curves.
 
+`DEFAULT_MODEL_NAME` is the name `treespec.load_model()` gives the embedded default model (the model's
+`config.name_or_path`), which the cost curves' messages and the recipes' "auto" recognise it by.
+
 This module depends on nothing in treespec: every layer (core, drafters, training, tools) may use it.
 """
 
@@ -23,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 TEMP_GLOB = ".*.tmp"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # `tools.models.load_model()` names the default model so
 
 
 def cache_root() -> Path:

@@ -29,10 +29,10 @@ from pathlib import Path
 
 from torch import nn
 
+from .core.drafting import Drafter
 from .core.packed import BLOCK_ROWS_MAX
 from .core.runtime import TargetRuntime
 from .core.tree import Tree, default_tree
-from .drafters.base import Drafter
 from .drafters.dynamic import DynamicTreeDrafter
 from .drafters.heads import MedusaHeads
 from .drafters.lookup import LookupDrafter

@@ -2,7 +2,7 @@
 
     CompiledForward(model, linears)(ids [B, n], positions [B, n], cache, plan) -> hidden [B, n, H]
 
-is `decoder.full_forward` (the model's decoder layers, treespec's tree attention op, the cache write,
+is `forward.full_forward` (the model's decoder layers, treespec's tree attention op, the cache write,
 the linear layers as `core.packed` switched them) traced with every size symbolic: the node count n, the
 committed length, the cache capacity. Dynamo still splits on what changes the graph itself: n = 1
 (its 0/1 rule) and more than `packed.BLOCK_ROWS_MAX` rows (block weights go to a GEMM there), so the
@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from ..io import cache_root
+from .forward import full_forward
 from .packed import BLOCK_ROWS_MAX
 from .runtime import TargetRuntime
 
@@ -74,8 +75,6 @@ def compile_settings() -> Iterator[None]:
 def compiled_forward(runtime: TargetRuntime):
     """The runtime's compiled `full_forward` (created on first use)."""
     if runtime.compiled is None:
-        from .decoder import full_forward
-
         runtime.compiled = torch.compile(full_forward, dynamic=True)
     return runtime.compiled
 
@@ -88,7 +87,7 @@ def size_class(n: int) -> str:
 
 
 class CompiledForward:
-    """A scorer (`drafters.base.Scorer`) running `full_forward` compiled, the node count symbolic."""
+    """A scorer (`drafting.Scorer`) running `full_forward` compiled, the node count symbolic."""
 
     def __init__(self, model, linears: str = "auto", progress=sys.stderr):
         """linears: the decoder's linear mode (part of the key, since it changes the traced modules);
@@ -97,7 +96,7 @@ class CompiledForward:
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache, plan, feature_layers=()):
         # ids, positions: [B, n], every size symbolic; one graph per size class of n
-        # feature_layers: also return the target's hidden states there (`decoder.full_forward`)
+        # feature_layers: also return the target's hidden states there (`forward.full_forward`)
         n = ids.shape[1]
         cache._reserve(n)  # the capacity check, outside the graph (its guard may be skipped)
         # committed lengths 0 and 1 would be specialised (dynamo's 0/1 rule): those calls keep all guards

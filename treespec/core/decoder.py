@@ -29,11 +29,12 @@ from functools import partial
 
 import torch
 
-from ..drafters.base import Drafter, Proposal, RootOnlyDrafter, SequenceStart
 from .acceptance import RULES, SamplingConfig, verify
 from .attention import KERNELS, AttentionPlan, auto_kernel, require_exact_ops, tree_attention_enabled
-from .cache import CACHE_KWARG, CacheCapacityError, TreeKVCache
+from .cache import CacheCapacityError, TreeKVCache
 from .compiled import CompiledForward
+from .drafting import Drafter, Proposal, RootOnlyDrafter, SequenceStart
+from .forward import full_forward, output_logits
 from .native import STEPS, NativeStep, int8_reason
 from .native import unsupported_reason as native_unsupported
 from .packed import MODES as LINEAR_MODES
@@ -77,39 +78,6 @@ class DecodeStep:
             entry["expected_accept"] = self.expected_accept
         entry["choices"] = [list(c) for c in self.tree.choices]
         return entry
-
-
-def full_forward(
-    model, ids: torch.Tensor, positions: torch.Tensor, cache, plan: AttentionPlan, feature_layers=()
-):
-    """The decoder without lm_head: ids, positions [B, n] -> final hidden states [B, n, H].
-
-    feature_layers: indices into transformers' `hidden_states` (0 = the embeddings, i = after layer i);
-    when given, returns (hidden [B, n, H], features [B, n, len(feature_layers) * H]) concatenated in order."""
-    if not feature_layers:
-        out = model.base_model(
-            input_ids=ids, position_ids=positions, use_cache=True, tree_attention=plan, **{CACHE_KWARG: cache}
-        )
-        return out.last_hidden_state
-    out = model.base_model(
-        input_ids=ids,
-        position_ids=positions,
-        use_cache=True,
-        tree_attention=plan,
-        output_hidden_states=True,
-        **{CACHE_KWARG: cache},
-    )
-    features = torch.cat([out.hidden_states[i] for i in feature_layers], dim=-1)  # [B, n, F]
-    return out.last_hidden_state, features
-
-
-def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
-    """Base model logits of hidden states [..., H] -> [..., V] (with the model's logit soft-capping)."""
-    logits = model.get_output_embeddings()(hidden)
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
 
 
 def check_settings(linears: str, acceptance: str, kernel: str) -> None:

@@ -1,10 +1,12 @@
-"""`generate`: the Python API over the decoder core (prompt encoding, drafter choice, stopping, streaming).
+"""The loop of `treespec.generate` over the decoder core: prompt encoding, stop conditions, streamers.
 
     prompts -> ids -> Decoder.prefill -> first token of every row
     until every row stops: Decoder.step() -> committed tokens per row -> stop conditions -> streamers
 
-One prompt is a batch of one. With drafter=None the tree is the root alone: the same loop is plain
+One prompt is a batch of one. With no drafter the tree is the root alone: the same loop is plain
 one-token-at-a-time decoding on the same cache and attention (the baseline benchmarks compare against).
+The public `generate`, which also turns a recipe name or heads into a drafter, sits above core and the
+drafters, in `treespec.api`.
 """
 
 from __future__ import annotations
@@ -14,15 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..drafters.base import Drafter
-from ..drafters.heads import MedusaHeads
-from ..drafters.medusa import make_drafter
-from .acceptance import SamplingConfig
 from .decoder import Decoder
 from .stats import GenerationStats
 from .stopping import StopCondition
-from .tokens import eos_token_ids
-from .tree import Tree, default_tree
+from .tree import Tree
 
 
 @dataclass
@@ -62,61 +59,6 @@ class DecodeOptions:
     chat: bool | None = None
     numerics: str = "fast"
     step: str = "auto"
-
-
-@torch.inference_mode()
-def generate(
-    model,
-    prompts,
-    /,
-    drafter: Drafter | MedusaHeads | str | None = "auto",
-    tokenizer=None,
-    *,
-    max_new_tokens: int = 128,
-    sampling: SamplingConfig | None = None,
-    eos_token_id: int | Sequence[int] | None = None,
-    stop: str | Sequence[str] | None = None,
-    streamer=None,
-    options: DecodeOptions | None = None,
-    trace: bool = False,
-) -> GenerationResult | list[GenerationResult]:
-    """Generate up to `max_new_tokens` tokens per prompt with tree speculation.
-
-    prompts: one prompt (a string, an id list or a [1, T] tensor) -> a `GenerationResult`; a list of them
-    or a [B, T] tensor -> a list of results, decoded together. drafter: a recipe name from
-    `treespec.recipes.RECIPES` or a `Recipe` (default "auto": the best shipped recipe for the model, plain
-    decoding where none ships), None (plain decoding), MedusaHeads (drafting into their tree.json, else a
-    32-node tree) or any `Drafter`. sampling: `SamplingConfig` (default greedy: the output equals the base
-    model's greedy output). eos_token_id: default from the model's generation config; stop: strings that
-    end a row; streamer: HF-style (`put`, `end`), a list of one per prompt for a batch. options:
-    `DecodeOptions`. trace: keep every step's tree (one prompt)."""
-    if prompts is None or isinstance(prompts, MedusaHeads):
-        raise TypeError(
-            "generate(model, heads, prompt, ...) is gone: call generate(model, prompts, drafter, tokenizer, "
-            "sampling=SamplingConfig(...), options=DecodeOptions(...)) with the heads as the drafter"
-        )
-    options = options or DecodeOptions()
-    batch = is_batch(prompts)
-    if trace and batch:
-        raise ValueError("trace= takes one prompt; decode a batch without it")
-    rows = list(prompts) if batch else [prompts]
-    prompt_ids = [encode_prompt(p, tokenizer, options.chat, vocab_size=_vocab_size(model)) for p in rows]
-    streamers = _row_streamers(streamer, len(prompt_ids)) if batch else [streamer]
-    eos = eos_token_ids(model, tokenizer, eos_token_id)
-    stopping = [StopCondition(eos, stop, tokenizer, max_new_tokens) for _ in prompt_ids]
-    decoder = Decoder(
-        model,
-        as_drafter(model, drafter, compile=options.compile, numerics=options.numerics),
-        sampling=sampling,
-        kernel=options.kernel,
-        linears=options.linears,
-        compile=options.compile,
-        plain_above=options.plain_above,
-        numerics=options.numerics,
-        step=options.step,
-    )
-    results = decode(decoder, prompt_ids, stopping, streamers, options.max_length, trace)
-    return results if batch else results[0]
 
 
 def decode(
@@ -161,32 +103,6 @@ def decode(
         GenerationResult(out, stopping[r].text(out), prompt_ids[r], stats[r], decoder.tree, steps)
         for r, out in enumerate(outs)
     ]
-
-
-def as_drafter(
-    model,
-    drafter: Drafter | MedusaHeads | str | None,
-    tree: Tree | None = None,
-    compile: bool = False,
-    numerics: str = "fast",
-) -> Drafter | None:
-    """The drafter `generate` runs: a recipe name or `Recipe` builds (once per model, kept on its runtime)
-    the recipe's drafter for the kernels that run (`compile`, `numerics`: the cost curve a dynamic recipe
-    prices on); heads draft into `tree` (default: the heads' own calibrated tree, else a 32-node tree); a
-    drafter or None as given."""
-    if isinstance(drafter, MedusaHeads):
-        drafter.check_compatible(model)
-        tree = tree or drafter.tree or default_tree(32, drafter.num_heads)
-        return make_drafter(drafter, tree, model)
-    if tree is not None:
-        raise ValueError("tree= needs heads to fill it: pass MedusaHeads as the drafter")
-    if drafter is None:
-        return None
-    from .. import recipes  # the recipes sit above core and drafters
-
-    if isinstance(drafter, (str, recipes.Recipe)):
-        return recipes.recipe_drafter(model, drafter, compile=compile, numerics=numerics)
-    return drafter
 
 
 def is_batch(prompts) -> bool:
@@ -245,7 +161,7 @@ def _encode_text(prompt: str, tokenizer, chat: bool | None) -> list[int]:
     return [int(t) for t in ids]
 
 
-def _row_streamers(streamer, rows: int) -> list:
+def row_streamers(streamer, rows: int) -> list:
     """One streamer (or None) per row of a batch: `streamer` must be None or a list of `rows` of them."""
     if streamer is None:
         return [None] * rows
@@ -257,11 +173,6 @@ def _row_streamers(streamer, rows: int) -> list:
     return list(streamer)
 
 
-def _vocab_size(model) -> int | None:
+def vocab_size(model) -> int | None:
     embedding = model.get_input_embeddings()
     return None if embedding is None else int(embedding.weight.shape[0])
-
-
-def generate_baseline(model, prompts, tokenizer=None, **kwargs) -> GenerationResult | list[GenerationResult]:
-    """Plain one-token-at-a-time decoding through the same cache, attention and loop (no drafting)."""
-    return generate(model, prompts, None, tokenizer, **kwargs)

@@ -37,7 +37,7 @@ class TargetRuntime:
         self.attention_users = 0
         self.packing: Any = None  # `packed._ModelPacking` of the module's linears, built on first use
         self.other_packings: dict[str, Any] = {}  # mode -> a packing built earlier for another mode
-        self.compiled: Any = None  # the module's torch.compile wrapper of `decoder.full_forward`
+        self.compiled: Any = None  # the module's torch.compile wrapper of `forward.full_forward`
         # numerics form ("float" or "int8") -> (weight key, the native step's model over these weights, bytes
         # of its own copies): `core.native`
         self.native: dict[str, Any] = {}

@@ -26,9 +26,9 @@ import torch
 
 from ..core.attention import AttentionPlan, auto_kernel, tree_attention_enabled
 from ..core.cache import CACHE_KWARG
+from ..core.drafting import BaseDrafter, DrafterReport, Proposal, SequenceStart, single_row
 from ..core.spec_cache import STORAGES, SpeculativeKVCache
 from ..core.tree import Tree
-from .base import BaseDrafter, DrafterReport, Proposal, SequenceStart, single_row
 
 
 def chain_tree(gamma: int, branching: dict[int, int] | None = None) -> Tree:

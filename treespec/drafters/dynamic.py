@@ -49,8 +49,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..core.drafting import BaseDrafter, Drafter, DrafterReport, Proposal, Scorer, SequenceStart, step_layout
 from ..core.tree import Tree
-from .base import BaseDrafter, Drafter, DrafterReport, Proposal, Scorer, SequenceStart, step_layout
 
 # distinct kept-node sets whose pruned trees a drafter keeps: the decoder keeps as many layouts of them
 MAX_PRUNED_TREES = 512

@@ -27,9 +27,9 @@ import time
 import torch
 
 from ..core.cache import TreeKVCache
+from ..core.drafting import BaseDrafter, DrafterReport, Proposal, SequenceStart, batch_rows
 from ..core.packed import packed_linears
 from ..core.tree import Tree
-from .base import BaseDrafter, DrafterReport, Proposal, SequenceStart, batch_rows
 from .eagle_model import EagleDraftModel
 
 

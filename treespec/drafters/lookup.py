@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.tree import Tree
-from .base import (
+from ..core.drafting import (
     BaseDrafter,
     Drafter,
     DrafterReport,
@@ -27,6 +26,7 @@ from .base import (
     SequenceStart,
     step_layout,
 )
+from ..core.tree import Tree
 
 
 class NgramIndex:

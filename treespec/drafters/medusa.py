@@ -1,7 +1,7 @@
 """Medusa-style drafters: heads on the base model's last hidden state fill a static candidate tree.
 
 Node 0 is always the root, the base model's own next token; the other nodes get the heads' top-ranked
-guesses. Both drafters implement `treespec.drafters.base.Drafter` (stateless: only `propose`) and draft
+guesses. Both drafters implement `treespec.core.drafting.Drafter` (stateless: only `propose`) and draft
 for a batch of rows at once.
 """
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from ..core.drafting import BaseDrafter, Proposal, batch_rows
 from ..core.packed import PackedMatrix, packed_linears, weight_key
 from ..core.runtime import TargetRuntime
 from ..core.tree import Tree
-from .base import BaseDrafter, Proposal, batch_rows
 from .heads import ExitHead, MedusaHeads
 
 

@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import torch
 
+from ..core.drafting import BaseDrafter, DrafterReport, Proposal, SequenceStart, batch_rows
 from ..core.tree import Tree
-from .base import BaseDrafter, DrafterReport, Proposal, SequenceStart, batch_rows
 
 TARGET, SEEDED = 0, 1  # where a table row came from (the node statistics are kept per source)
 # prior of the acceptance estimates: P(accepted | parent accepted) = PRIOR_ACCEPT * PRIOR_DECAY**rank

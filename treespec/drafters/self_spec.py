@@ -25,7 +25,7 @@ import torch
 
 from ..core.attention import AttentionPlan
 from ..core.cache import CACHE_KWARG
-from .base import BaseDrafter, DrafterReport, Proposal, Scorer, SequenceStart, single_row
+from ..core.drafting import BaseDrafter, DrafterReport, Proposal, Scorer, SequenceStart, single_row
 from .draft_model import DraftStats, accepted_prefix, chain_tree
 from .heads import ExitHead
 

@@ -36,9 +36,9 @@ from pathlib import Path
 
 import torch
 
+from ..core.drafting import BaseDrafter, DrafterReport, Proposal, SequenceStart, StepTrees, batch_rows
 from ..core.tree import Tree
 from ..io import atomic_write_json
-from .base import BaseDrafter, DrafterReport, Proposal, SequenceStart, StepTrees, batch_rows
 
 SENTINEL = -1  # separates requests in a stream: never equal to a token, never inside an indexed n-gram
 FORMAT = "treespec.suffix_cache"

@@ -30,8 +30,17 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.drafting import (
+    BaseDrafter,
+    Drafter,
+    DrafterReport,
+    Proposal,
+    Scorer,
+    SequenceStart,
+    StepTrees,
+    step_layout,
+)
 from ..core.tree import Tree
-from .base import BaseDrafter, Drafter, DrafterReport, Proposal, Scorer, SequenceStart, StepTrees, step_layout
 
 SOURCES = 3  # calibration groups per group of a drafter: primary only, secondary only, both
 BOTH = 2

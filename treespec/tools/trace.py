@@ -85,7 +85,7 @@ class Trace:
         decoded on its own, the running text with special tokens skipped (as ``result.text``).
         """
         if result.tree is None:
-            raise ValueError("the result has no tree: was it produced by treespec.core.generate?")
+            raise ValueError("the result has no tree: was it produced by treespec.generate?")
         if result.stats.steps and not result.trace:
             raise ValueError("the result has no trace: call treespec.generate(..., trace=True)")
 

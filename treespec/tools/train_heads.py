@@ -19,6 +19,7 @@ import argparse
 from pathlib import Path
 
 from ..training.heads_train import TrainConfig, train_heads
+from .models import load_model
 
 
 def parse_args(
@@ -99,7 +100,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    record = train_heads(cfg, resume=args.resume)
+    model, _ = load_model(cfg.extra.get("model"), dtype="bfloat16" if cfg.bf16 else "float32")
+    record = train_heads(cfg, model, resume=args.resume)
     if record.get("eval"):
         acc = record["eval"]
         print(f"heads written to {Path(cfg.out) / 'heads'}")

@@ -35,11 +35,11 @@ import torch
 
 from ..core.attention import auto_kernel
 from ..core.decoder import Decoder
+from ..core.drafting import BaseDrafter
 from ..core.native import unsupported_reason as native_unsupported
 from ..core.packed import BLOCK_ROWS_MAX
 from ..core.tree import Tree
-from ..drafters.base import BaseDrafter
-from ..io import atomic_write_json, cache_root
+from ..io import DEFAULT_MODEL_NAME, atomic_write_json, cache_root
 from . import calibrate
 
 # bumped whenever a kernel or the choice between kernels changes what a verification costs (2: one bf16
@@ -225,8 +225,6 @@ def runs_native(model, compile: bool = False) -> bool:
 
 def measure_command(model, path: str) -> str:
     """The command that measures the full cost curve of `path` for this model and dtype."""
-    from ..tools.models import DEFAULT_MODEL_NAME  # the name `load_model()` gives the default model
-
     name = getattr(model.config, "name_or_path", "") or ""
     where = "" if name in ("", DEFAULT_MODEL_NAME) else f" --model {name}"
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")

@@ -316,17 +316,13 @@ def _draft_forward(
     return forward
 
 
-def train_draft_model(cfg: DraftTrainConfig, target_model=None, resume: bool = False) -> dict:
-    """Distill a truncated copy of the target (default: load cfg.extra['model'] or the embedded default,
-    float32) on cfg.data; write <out>/model (safetensors) and <out>/training.json.
+def train_draft_model(cfg: DraftTrainConfig, target_model, resume: bool = False) -> dict:
+    """Distill a truncated copy of the target (scripts/make_draft_model.py loads it, float32) on cfg.data;
+    write <out>/model (safetensors) and <out>/training.json.
 
     Returns the training record: settings, steps, seconds, eval history and the final held-out top-1.
     """
-    from ..tools.models import load_model
-
     out = Path(cfg.out)
-    if target_model is None:
-        target_model, _ = load_model(cfg.extra.get("model"), dtype="float32")
     draft = truncate_model(target_model, cfg.num_layers)  # checks num_layers first
     save_dtype = draft.dtype
     target = model_identity(target_model)

@@ -302,20 +302,17 @@ def _eagle_forward(
     return forward
 
 
-def train_eagle(cfg: EagleTrainConfig, model=None, resume: bool = False, accelerator=None) -> dict:
-    """Train a draft layer for `model` (default: cfg.extra['model'] or the embedded default, in bf16 when
-    cfg.bf16), from the target's last layer or, with cfg.init_from, from an earlier round's drafter.
+def train_eagle(cfg: EagleTrainConfig, model, resume: bool = False, accelerator=None) -> dict:
+    """Train a draft layer for `model` (scripts/train_eagle.py loads cfg.extra['model'] or the embedded
+    default, in bf16 when cfg.bf16), from the target's last layer or, with cfg.init_from, from an earlier
+    round's drafter.
     Returns the training record (also <out>/training.json); the drafter is saved in <out>/drafter."""
     from accelerate import Accelerator
-
-    from ..tools.models import load_model
 
     if cfg.ttt_steps < 1:
         raise ValueError(f"ttt_steps must be >= 1, got {cfg.ttt_steps}")
     accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
     out, ckpt = Path(cfg.out), Path(cfg.out) / CHECKPOINT_DIR
-    if model is None:
-        model, _ = load_model(cfg.extra.get("model"), dtype="bfloat16" if cfg.bf16 else "float32")
     model.requires_grad_(False)
     layers = _feature_layers(cfg, model)
     train, held_out = _features(cfg, model, layers, Path(cfg.cache or out / "cache"), accelerator)

@@ -282,22 +282,18 @@ def _heads_forward(cfg: TrainConfig, ddp_heads, heads, x, y, lm_weight, embed_we
     return forward
 
 
-def train_heads(cfg: TrainConfig, model=None, resume: bool = False, accelerator=None) -> dict:
-    """Train heads for `model` (default: load cfg.extra['model'] or the embedded default) on cfg.data.
+def train_heads(cfg: TrainConfig, model, resume: bool = False, accelerator=None) -> dict:
+    """Train heads for `model` (`treespec.load_model(cfg.extra.get("model"))`: the CLI loads it) on cfg.data.
 
     Returns the training record (also written to <out>/training.json): settings, steps, time, the
     held-out top-1/top-5 accuracy of every head, and the loss curve.
     """
     from accelerate import Accelerator
 
-    from ..tools.models import load_model
-
     if cfg.exit_layer and (cfg.num_heads != 1 or cfg.sequential):
         raise ValueError("an exit head (exit_layer > 0) is a single head: use num_heads=1, not sequential")
     accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
     out = Path(cfg.out)
-    if model is None:
-        model, _ = load_model(cfg.extra.get("model"), dtype="bfloat16" if cfg.bf16 else "float32")
     model.requires_grad_(False)
     x, y, x_eval, y_eval = _examples(cfg, model, out / "cache", accelerator)
     weight_dtype = torch.bfloat16 if cfg.bf16 else torch.float32
