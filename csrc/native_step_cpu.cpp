@@ -28,6 +28,8 @@ namespace treespec {
 namespace {
 
 constexpr int64_t kTaskColumns = 32;
+constexpr int64_t kWideTaskColumns = 64;  // ... for steps of at most kWideRows rows
+constexpr int64_t kWideRows = 2;
 constexpr int kQueryTile = 8;  // query tokens per attention task of the row-invariant kernel
 
 inline float round_to(float x, bool bf16) { return bf16 ? bf16_to_float(float_to_bf16(x)) : x; }
@@ -194,7 +196,11 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
     for (int f = 0; f < a.num_features; ++f)
       if (a.feature_layers[f] == index) store_row<T>(src, static_cast<T*>(a.features) + r * F + f * H, H);
   };
-  auto column_tasks = [](int64_t N) { return (N + kTaskColumns - 1) / kTaskColumns; };
+  // columns per linear task: wider for the few rows of a plain step (longer weight streams per task, fewer
+  // tasks to hand out), kTaskColumns otherwise. No output depends on it (the kernels are row-invariant
+  // whichever columns a call covers).
+  const int64_t task_columns = M <= kWideRows ? kWideTaskColumns : kTaskColumns;
+  auto column_tasks = [&](int64_t N) { return (N + task_columns - 1) / task_columns; };
   // the q, k, v columns as one stage: task t covers columns of q, then k, then v
   const int64_t q_tasks = column_tasks(qw), k_tasks = column_tasks(kw);
 
@@ -216,7 +222,7 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
   }
   stages.push_back({StageKind::kFinal, 0, M});
 
-  auto columns = [](int64_t t, int64_t N) { return std::make_pair(t * kTaskColumns, std::min(N, (t + 1) * kTaskColumns)); };
+  auto columns = [&](int64_t t, int64_t N) { return std::make_pair(t * task_columns, std::min(N, (t + 1) * task_columns)); };
   // one linear's columns [n0, n1) over M rows: the float kernels, or int8_linear.h's over the rows' int8 form
   auto linear = [&](const LinearWeights& w, const Int8Weights& iw, const float* in, const QuantRows& qin, float* out,
                     int64_t ldo, int64_t n0, int64_t n1) {
@@ -343,7 +349,7 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
         linear(L.up, L.iup, x, s.xq, s.up.data(), I, n0, n1);
         for (int64_t r = 0; r < M; ++r)
           silu_times(s.gate.data() + r * I + n0, s.up.data() + r * I + n0, s.act.data() + r * I + n0, n1 - n0, bf16);
-        if (m.int8)  // the task's columns are whole blocks of 32 (kTaskColumns and I are multiples of 32)
+        if (m.int8)  // the task's columns are whole blocks of 32 (task columns and I are multiples of 32)
           for (int64_t r = 0; r < M; ++r) quantize_blocks(s.act.data() + r * I, s.actq, r, n0 / 32, n1 / 32);
         break;
       }
