@@ -45,11 +45,13 @@ class DecodeOptions:
     the batch runs; None: always speculate. max_length: cache capacity (default: the model's
     max_position_embeddings). chat: a string prompt goes through the chat template (None: when the
     tokenizer has one). numerics: "fast" (the fastest kernels: a verified node may differ from a one-token
-    step in the last bit, which can flip a near-tied greedy choice, mostly in bfloat16) or "bitwise"
-    (row-invariant kernels, CPU: speculative output equals the plain loop's output, bit for bit;
-    `core.decoder.numerics_settings`). step: "auto" (the native step where it covers the model: Llama,
-    Qwen2, Mistral on the CPU, no compile), "native" (refused with the reason where it cannot run) or
-    "hf" (transformers' forward; `core.native`)."""
+    step in the last bit, which can flip a near-tied greedy choice, mostly in bfloat16), "bitwise"
+    (row-invariant kernels, CPU: speculative output equals the plain loop's output, bit for bit) or "int8"
+    (bitwise with 8-bit activations in every linear of the native step: speculative output equals the
+    int8 plain loop's, which can differ from the float model's; `core.decoder.numerics_settings`).
+    step: "auto" (the native step where it covers the model: Llama, Qwen2, Mistral on the CPU, no
+    compile), "native" (refused with the reason where it cannot run) or "hf" (transformers' forward;
+    `core.native`)."""
 
     kernel: str = "auto"
     linears: str = "auto"
