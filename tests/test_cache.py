@@ -125,11 +125,11 @@ def test_the_cache_goes_under_the_keyword_this_transformers_reads():
 def test_a_model_that_ignores_the_cache_is_refused(monkeypatch):
     """A forward that writes no K/V into the cache (the cache went under a keyword the model does not
     read) raises at the prefill instead of decoding from an empty cache."""
-    import treespec.core.decoder as decoder_module
+    import treespec.core.forward as forward_module
     from treespec.core.cache import CacheNotWrittenError
 
     model = tiny_model("llama", dtype=torch.float32)
-    monkeypatch.setattr(decoder_module, "CACHE_KWARG", "not_a_cache_keyword")
+    monkeypatch.setattr(forward_module, "CACHE_KWARG", "not_a_cache_keyword")
     with pytest.raises(CacheNotWrittenError, match="did not write treespec's KV cache"):
         treespec.generate(model, [1, 2, 3], None, max_new_tokens=4)
     monkeypatch.undo()
