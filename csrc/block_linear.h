@@ -13,8 +13,30 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 namespace treespec {
+
+// The float value of float16 bits h (exact: every float16 value is a float32 value).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+  uint32_t bits;
+  if (exponent == 0 && mantissa == 0) {
+    bits = sign;
+  } else if (exponent == 0) {  // subnormal: normalise
+    int e = -1;
+    uint32_t m = mantissa;
+    do { ++e; m <<= 1; } while ((m & 0x400u) == 0);
+    bits = sign | ((127 - 15 - e) << 23) | ((m & 0x3FFu) << 13);
+  } else if (exponent == 31) {
+    bits = sign | 0x7F800000u | (mantissa << 13);
+  } else {
+    bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
 
 // One weight matrix as the CPU linear kernels read it (block_linear_cpu.cpp, exact_linear_cpu.cpp).
 enum class WeightKind : int { kFloat32 = 0, kBFloat16 = 1, kQ4_1 = 2, kQ8_0 = 3 };

@@ -37,23 +37,7 @@ inline float scale_at(const void* s, int64_t i) {
 #if defined(__F16C__)
     return _cvtsh_ss(h);
 #else
-    const uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
-    uint32_t bits;
-    if (exponent == 0 && mantissa == 0) {
-      bits = sign;
-    } else if (exponent == 0) {  // subnormal: normalise
-      int e = -1;
-      uint32_t m = mantissa;
-      do { ++e; m <<= 1; } while ((m & 0x400u) == 0);
-      bits = sign | ((127 - 15 - e) << 23) | ((m & 0x3FFu) << 13);
-    } else if (exponent == 31) {
-      bits = sign | 0x7F800000u | (mantissa << 13);
-    } else {
-      bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
-    }
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
+    return half_to_float(h);
 #endif
   } else {
     return static_cast<const float*>(s)[i];

@@ -119,7 +119,13 @@ def main(argv: list[str] | None = None) -> dict:
             f"   {r['linears_ms']:7.2f} ({r['lm_head_ms']:5.2f})   {r['attention_ms']:7.2f}"
             f"    {r['other_kernels_ms']:7.2f}   {python:6.2f}"
         )
-    result = {"dtype": dtype, "numerics": args.numerics, "threads": threads, "prefix": args.prefix, "rows": rows}
+    result = {
+        "dtype": dtype,
+        "numerics": args.numerics,
+        "threads": threads,
+        "prefix": args.prefix,
+        "rows": rows,
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return result

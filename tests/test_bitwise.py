@@ -175,9 +175,15 @@ def test_speculative_text_equals_plain_text(dtype):
         "llama", dtype=dtype, seed=5, hidden_size=64, num_attention_heads=4, num_key_value_heads=2
     )
     _near_tied(model)
+    speculative_text_equals_plain_text(model, "bitwise")
+
+
+def speculative_text_equals_plain_text(model, numerics: str) -> None:
+    """Heads, heads + lookup and suffix trees, alone and over a batch of 4, give the plain loop's text in
+    these numerics."""
     generator = random.Random(7)
     prompts = [[generator.randrange(96) for _ in range(length)] for length in (3, 11, 6, 17)]
-    options = treespec.DecodeOptions(numerics="bitwise")
+    options = treespec.DecodeOptions(numerics=numerics)
     plain = [r.token_ids for r in treespec.generate(model, prompts, None, max_new_tokens=24, options=options)]
     heads = random_heads(model, seed=1)
     drafters = [heads, treespec.LookupDrafter(treespec.as_drafter(model, heads), 3), treespec.SuffixDrafter()]

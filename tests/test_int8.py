@@ -16,13 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ARCHS, random_heads, tiny_model
+from conftest import ARCHS, tiny_model
+from test_bitwise import speculative_text_equals_plain_text
 from test_blocks import blockify
-from test_native import _filled_cache, _random_tree, _verify
+from test_native import _random_tree, _verify, one_token_logits
 
-import treespec
 from treespec import ops
-from treespec.core.attention import AttentionPlan
 from treespec.core.decoder import Decoder, decoding_mode
 from treespec.core.native import NativeStep, int8_reason, q8_blocks
 
@@ -130,17 +129,9 @@ def test_int8_nodes_get_the_bits_of_one_token_steps(arch, dtype, blocks):
             logits = native.logits(hidden)  # [B, N, V]
             for row in generator.sample(range(batch), min(batch, 2)):
                 node = generator.randrange(nodes)
-                cache = _filled_cache(model, [prompts[row]], nodes)
-                for token in tokens[row, mask[node]].tolist():  # root .. node, one token per forward
-                    cache.begin([0], 1)
-                    one = native(
-                        torch.tensor([[token]]),
-                        cache.positions(torch.zeros(1, dtype=torch.long)),
-                        cache,
-                        AttentionPlan("exact"),
-                    )
-                    cache.commit_all()
-                assert torch.equal(native.logits(one)[0, -1], logits[row, node]), (nodes, row, node)
+                path = tokens[row, mask[node]].tolist()  # root .. node
+                alone = one_token_logits(model, native, prompts[row], path, nodes)
+                assert torch.equal(alone, logits[row, node]), (nodes, row, node)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -166,17 +157,7 @@ def test_int8_logits_stay_near_the_float_ones(arch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_speculative_text_equals_the_int8_plain_text(dtype):
-    model = _model("llama", dtype, False, seed=5)
-    generator = random.Random(7)
-    prompts = [[generator.randrange(96) for _ in range(length)] for length in (3, 11, 6, 17)]
-    options = treespec.DecodeOptions(numerics="int8")
-    plain = [r.token_ids for r in treespec.generate(model, prompts, None, max_new_tokens=24, options=options)]
-    heads = random_heads(model, seed=1)
-    drafters = [heads, treespec.LookupDrafter(treespec.as_drafter(model, heads), 3), treespec.SuffixDrafter()]
-    for drafter in drafters:
-        for batch in (prompts[:1], prompts):
-            out = treespec.generate(model, batch, drafter, max_new_tokens=24, options=options)
-            assert [r.token_ids for r in out] == plain[: len(batch)], type(drafter).__name__
+    speculative_text_equals_plain_text(_model("llama", dtype, False, seed=5), "int8")
 
 
 def test_int8_refuses_what_it_cannot_run_with_the_reason():

@@ -65,6 +65,21 @@ def _verify(model, scorer, prompts, rows, mask, tokens, feature_layers):
     return hidden, features, cache
 
 
+def one_token_logits(model, native: NativeStep, prompt: list[int], path: list[int], nodes: int):
+    """Logits [V] after feeding `path` to `native` one token per call, over a cache holding `prompt`."""
+    cache = _filled_cache(model, [prompt], nodes)
+    for token in path:
+        cache.begin([0], 1)
+        one = native(
+            torch.tensor([[token]]),
+            cache.positions(torch.zeros(1, dtype=torch.long)),
+            cache,
+            AttentionPlan("exact"),
+        )
+        cache.commit_all()
+    return native.logits(one)[0, -1]
+
+
 def _model(arch: str, dtype, blocks: bool, seed: int, **overrides):
     model = tiny_model(arch, dtype=torch.float32, seed=seed, **{**SHAPE, **overrides})
     if blocks:
@@ -179,17 +194,9 @@ def test_bitwise_native_nodes_get_the_bits_of_one_token_steps(dtype):
             logits = native.logits(hidden)  # [B, N, V]
             for row in range(batch):
                 node = generator.randrange(nodes)
-                cache = _filled_cache(model, [prompts[row]], nodes)
-                for token in tokens[row, mask[node]].tolist():  # root .. node, one token per forward
-                    cache.begin([0], 1)
-                    one = native(
-                        torch.tensor([[token]]),
-                        cache.positions(torch.zeros(1, dtype=torch.long)),
-                        cache,
-                        AttentionPlan("exact"),
-                    )
-                    cache.commit_all()
-                assert torch.equal(native.logits(one)[0, -1], logits[row, node]), (nodes, row, node)
+                path = tokens[row, mask[node]].tolist()  # root .. node
+                alone = one_token_logits(model, native, prompts[row], path, nodes)
+                assert torch.equal(alone, logits[row, node]), (nodes, row, node)
 
 
 def test_auto_takes_the_native_step_where_it_covers_the_model():
