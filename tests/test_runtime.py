@@ -114,6 +114,8 @@ def process_state(source: str) -> list[str]:
             and _container(node.value)
         ):
             for target in [t for t in targets if isinstance(t, ast.Name)]:
+                if target.id.startswith("__"):  # __all__: the module's export list
+                    continue
                 containers.add(target.id)
                 if not target.id.isupper():
                     found.append(f"{node.lineno}: module-level container {target.id}")
@@ -171,7 +173,9 @@ def default(size: int, heads: int = 4):
 """
     found = process_state(planted)
     assert sorted(int(line.split(":")[0]) for line in found) == [5, 11, 12, 16], found
-    assert not process_state("TABLE = {'a': 1}\n\ndef read(key: str):\n    return TABLE[key]\n")
+    assert not process_state(
+        "__all__ = ['read']\nTABLE = {'a': 1}\n\ndef read(key: str):\n    return TABLE[key]\n"
+    )
 
 
 def test_a_model_made_under_inference_mode_decodes_with_heads():
