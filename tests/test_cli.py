@@ -311,7 +311,8 @@ def test_generate_writes_a_loadable_trace(tmp_path, capsys):
 
 @pytest.mark.integration
 def test_generate_uses_the_shipped_heads_and_tree(capsys):
-    code, out, err = run(["generate", "Why is the sky blue?", "--max-new-tokens", 24], capsys)
+    argv = ["generate", "Why is the sky blue?", "--max-new-tokens", 24, "--drafter", "heads"]
+    code, out, err = run(argv, capsys)
     assert code == 0, err
     assert "untrained" not in err
     summary = out.strip().splitlines()[-1]
