@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import ARCHS, tiny_model
 from test_bitwise import speculative_text_equals_plain_text
-from test_blocks import blockify
+from test_native import _model as native_model
 from test_native import _random_tree, _verify, one_token_logits
 
 from treespec import ops
@@ -103,10 +103,8 @@ def test_dense_weights_become_q8_blocks_within_half_a_step():
 
 
 def _model(arch: str, dtype, blocks: bool, seed: int):
-    model = tiny_model(arch, dtype=torch.float32, seed=seed, **SHAPE)
-    if blocks:
-        blockify(model)
-    return model.to(dtype)
+    """test_native's tiny model (dense or Q4_1 blocks) in the int8 shape."""
+    return native_model(arch, dtype, blocks, seed, **SHAPE)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
