@@ -102,6 +102,14 @@ struct NativeModel : torch::CustomClassHolder {
     const int64_t shapes[kLinearsPerLayer][2] = {{q_width, m.hidden}, {kv_width, m.hidden}, {kv_width, m.hidden},
                                                  {m.hidden, q_width},  {m.intermediate, m.hidden},
                                                  {m.intermediate, m.hidden}, {m.hidden, m.intermediate}};
+    if (int8) {  // one arena for every int8 form (2 MB pages): per layer the 7 linears, then the lm_head
+      int64_t total = 0;
+      for (int l = 0; l < m.layers; ++l)
+        for (int j = 0; j < kLinearsPerLayer; ++j)
+          total += int8_bytes(kinds[l * kLinearsPerLayer + j] == static_cast<int64_t>(WeightKind::kQ4_1), shapes[j][0], shapes[j][1]);
+      total += int8_bytes(kinds.back() == static_cast<int64_t>(WeightKind::kQ4_1), m.vocab, m.hidden);
+      int8_arena = AlignedBytes(total);
+    }
     for (int l = 0; l < m.layers; ++l) {
       NativeLayer L;
       L.input_norm = float_pointer(tensors[at++], "a layer norm");
@@ -127,16 +135,19 @@ struct NativeModel : torch::CustomClassHolder {
     TORCH_CHECK(w.kind == WeightKind::kQ4_1 || w.kind == WeightKind::kQ8_0,
                 "treespec native step: int8 numerics need every linear as Q4_1 or Q8_0 blocks (core.native quantizes "
                 "dense ones)");
-    Int8Weights out = repack_int8(w);
+    TORCH_CHECK(int8_used + int8_bytes(w.kind == WeightKind::kQ4_1, w.N, w.K) <= int8_arena.size(),
+                "treespec native step: int8 arena too small");
+    Int8Weights out = repack_int8(w, int8_arena.data() + int8_used);
     w.w = w.d = w.m = nullptr;
     for (int i = 0; i < 3; ++i) held[at + i] = at::Tensor();
-    int8_bytes += out.bytes();
+    int8_used += out.bytes();
     return out;
   }
-  int64_t int8_bytes = 0;
+  AlignedBytes int8_arena;  // the int8 forms' bytes
+  int64_t int8_used = 0;
 
   // Bytes of the int8 forms this model holds (0 outside int8 numerics).
-  int64_t own_bytes() { return int8_bytes; }
+  int64_t own_bytes() { return int8_used; }
 
   // One linear's descriptor from its 4 tensor slots at `at` (w or q, d, m, bias), checked against [N, K].
   static LinearWeights linear_of(const std::vector<at::Tensor>& tensors, size_t at, int64_t kind, int64_t N, int64_t K) {
