@@ -7,9 +7,9 @@ tokens per step from one prompt to the next.
 
 treespec drafts with the recipe `--drafter` names (`treespec.recipes`; default auto, which for the default
 model is dynamic+suffix): the default model's trained heads (heads/smollm2-135m-instruct/, packaged in the
-wheel as well; untrained heads, no speedup, otherwise) united with suffix trees over the prompt, the answer
-and the model's shipped earlier answers, pruned every step to the nodes worth verifying on this machine
-(`DynamicTreeDrafter` over this machine's cost curve, measured once, then kept in ~/.cache/treespec/costs/);
+wheel as well; untrained heads, no speedup, otherwise) merged with suffix trees over the prompt, the answer
+and the model's shipped earlier answers, cut every step to the nodes worth verifying on this machine
+(a `TreePlanner` on this machine's cost curve, measured once, then kept in ~/.cache/treespec/costs/);
 one drafter serves every prompt, so what it learns carries over. `--drafter static` shows the heads' tree
 priced on this machine + a prompt-lookup chain instead. `--compile` verifies through torch.compile: the
 warm-up then compiles the step (one to two minutes per size class on a small CPU, with a message; the

@@ -209,9 +209,9 @@ def repeating_prompts(seed: int, count: int) -> list[list[int]]:
 
 @pytest.fixture
 def steady_clock(monkeypatch):
-    """The dynamic pricer reads a clock that advances 0.1 ms per read: tests of what it chooses do not
-    depend on the load of the machine running them."""
-    from treespec.drafters import dynamic
+    """The tree planner's pricing reads a clock that advances 0.1 ms per read: tests of what it chooses do
+    not depend on the load of the machine running them."""
+    from treespec.core import planner
 
     ticks = [0.0]
 
@@ -219,4 +219,4 @@ def steady_clock(monkeypatch):
         ticks[0] += 1e-4
         return ticks[0]
 
-    monkeypatch.setattr(dynamic.time, "perf_counter", clock)
+    monkeypatch.setattr(planner.time, "perf_counter", clock)

@@ -23,7 +23,7 @@ from treespec.core.attention import AttentionPlan, tree_attention_reference, tre
 from treespec.core.cache import CacheCapacityError, TreeKVCache
 from treespec.core.decoder import Decoder
 from treespec.core.drafting import SequenceStart
-from treespec.core.pricer import StepPricer
+from treespec.core.pricing import StepPricer
 
 
 def _prompts(model, lengths, seed=0):
@@ -40,8 +40,13 @@ def _drafters(model):
     return [
         ("plain", lambda: None),
         ("heads", lambda: treespec.make_drafter(heads, tree, model)),
-        ("heads+lookup", lambda: treespec.LookupDrafter(treespec.make_drafter(heads, tree, model), 3)),
-        ("lookup", lambda: treespec.LookupDrafter(None, 4)),
+        (
+            "heads+lookup",
+            lambda: treespec.TreePlanner(
+                [treespec.make_drafter(heads, tree, model), treespec.PromptLookup(3)]
+            ),
+        ),
+        ("lookup", lambda: treespec.TreePlanner([treespec.PromptLookup(4)])),
         ("sequential", lambda: treespec.make_drafter(sequential, tree, model)),
         ("eagle", lambda: treespec.EagleDrafter(eagle, EAGLE_TREE, model)),
     ]

@@ -186,7 +186,8 @@ def speculative_text_equals_plain_text(model, numerics: str) -> None:
     options = treespec.DecodeOptions(numerics=numerics)
     plain = [r.token_ids for r in treespec.generate(model, prompts, None, max_new_tokens=24, options=options)]
     heads = random_heads(model, seed=1)
-    drafters = [heads, treespec.LookupDrafter(treespec.as_drafter(model, heads), 3), treespec.SuffixDrafter()]
+    with_lookup = treespec.TreePlanner([treespec.as_drafter(model, heads), treespec.PromptLookup(3)])
+    drafters = [heads, with_lookup, treespec.SuffixDrafter()]
     for drafter in drafters:
         for batch in (prompts[:1], prompts):
             out = treespec.generate(model, batch, drafter, max_new_tokens=24, options=options)

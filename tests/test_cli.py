@@ -409,7 +409,7 @@ def test_generate_builds_the_recipe_with_the_options_parts():
     model = tiny_model("llama", dtype=torch.float32)
     args = _generate_args("--drafter", "heads+lookup", "--lookup", 3, "--tree", 8, "--model", "tiny")
     drafter, parts = cli.generate_drafter(args, model, "heads+lookup", 8)
-    assert isinstance(drafter, treespec.LookupDrafter) and drafter.tree.num_nodes == 8 + 3
+    assert isinstance(drafter, treespec.TreePlanner) and drafter.tree.num_nodes == 8 + 3
     assert parts.heads.num_heads == 4 and parts.tree.num_nodes == 8
     args = _generate_args("--drafter", "suffix", "--model", "tiny")
     drafter, parts = cli.generate_drafter(args, model, "suffix", None)

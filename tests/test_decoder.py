@@ -11,7 +11,7 @@ from conftest import hf_greedy, random_heads, tiny_model
 import treespec
 from treespec.core.drafting import Drafter
 from treespec.drafters.draft_model import DraftModelDrafter
-from treespec.drafters.lookup import LookupDrafter
+from treespec.drafters.lookup import PromptLookup
 from treespec.drafters.self_spec import SelfSpeculativeDrafter
 
 
@@ -57,22 +57,16 @@ def value_violations(drafter) -> list[str]:
         isinstance(i, int) and not isinstance(i, bool) for i in layers
     ):
         found.append("feature_layers")
-    found += [name for name in ("batched", "limits_depth") if not isinstance(getattr(drafter, name), bool)]
+    flags = ("batched", "limits_depth", "prices_steps")
+    found += [name for name in flags if not isinstance(getattr(drafter, name), bool)]
     topk = drafter.target_topk
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 0:
         found.append("target_topk")
-    levels = drafter.node_levels
-    if (
-        not isinstance(levels, torch.Tensor)
-        or levels.shape != (drafter.tree.num_nodes,)
-        or int(levels[0]) != 0
-    ):
-        found.append("node_levels")
     return found
 
 
 def forwarding_violations(wrapper, inner: list) -> list[str]:
-    """What a wrapper (lookup chain, union, dynamic tree) fails to pass on from the drafters it wraps: the
+    """What a wrapper (a tree planner) fails to pass on from the drafters it wraps: the
     target's top-k one of them asks for, the feature layers they read, their limits (a batch only when
     every one drafts batches)."""
     found = []
@@ -88,12 +82,11 @@ def forwarding_violations(wrapper, inner: list) -> list[str]:
 def test_the_protocol_test_covers_every_shipped_drafter():
     names = {c.__name__ for c in _shipped_drafter_classes()}
     assert {
-        "RootOnlyDrafter", "MedusaDrafter", "SequentialDrafter", "LookupDrafter", "DraftModelDrafter",
-        "SelfSpeculativeDrafter", "EagleDrafter", "DynamicTreeDrafter", "SuffixDrafter", "RecyclingDrafter",
-        "UnionDrafter",
+        "RootOnlyDrafter", "MedusaDrafter", "SequentialDrafter", "PromptLookup", "DraftModelDrafter",
+        "SelfSpeculativeDrafter", "EagleDrafter", "TreePlanner", "SuffixDrafter", "RecyclingDrafter",
     } <= names  # fmt: skip
     assert {"propose", "observe", "keep_rows", "verified", "scorer"} <= set(PROTOCOL_METHODS)
-    assert {"tree", "feature_layers", "batched", "target_topk", "node_levels"} <= set(PROTOCOL_ATTRIBUTES)
+    assert {"tree", "feature_layers", "batched", "target_topk", "prices_steps"} <= set(PROTOCOL_ATTRIBUTES)
 
 
 @pytest.mark.parametrize("cls", _shipped_drafter_classes(), ids=lambda c: c.__name__)
@@ -108,17 +101,14 @@ def test_the_interface_checks_catch_a_drafter_that_breaks_the_protocol():
         batched = 1  # an int, not a bool
         limits_depth = False
         target_topk = -1
-
-        @property
-        def node_levels(self):
-            return torch.zeros(3, dtype=torch.long)  # the tree has 2 nodes
+        prices_steps = None  # not a bool
 
         def propose(self, hidden, roots):  # max_depth missing
             raise NotImplementedError
 
     found = interface_violations(Wrong)
     assert "propose: parameters differ" in found and "start: missing" in found and "scorer: missing" in found
-    assert set(value_violations(Wrong())) == {"feature_layers", "batched", "target_topk", "node_levels"}
+    assert set(value_violations(Wrong())) == {"feature_layers", "batched", "target_topk", "prices_steps"}
 
     class Forgetful(treespec.BaseDrafter):  # wraps a drafter and passes nothing on
         batched = True
@@ -147,25 +137,22 @@ def test_the_wrappers_pass_on_what_their_drafters_need():
         treespec.EagleDrafter(layer, tree, model),
         treespec.RecyclingDrafter(model.config.vocab_size),
     )
-    union = treespec.UnionDrafter(eagle, recycling)
+    planner = treespec.TreePlanner
     cases = [
-        (LookupDrafter(heads, 2), [heads]),
-        (LookupDrafter(eagle, 3), [eagle]),
-        (LookupDrafter(recycling, 3), [recycling]),
-        (union, [eagle, recycling]),
-        (treespec.UnionDrafter(heads, treespec.SuffixDrafter()), [heads]),
-        (treespec.DynamicTreeDrafter(union, lambda nodes, prefix: 1e-3), [eagle, recycling]),
-        (
-            treespec.DynamicTreeDrafter(LookupDrafter(union, 2), lambda nodes, prefix: 1e-3),
-            [eagle, recycling],
-        ),
+        (planner([heads, PromptLookup(2)]), [heads]),
+        (planner([eagle, PromptLookup(3)]), [eagle]),
+        (planner([recycling, PromptLookup(3)]), [recycling]),
+        (planner([eagle, recycling]), [eagle, recycling]),
+        (planner([heads, treespec.SuffixDrafter()]), [heads]),
+        (planner([eagle, recycling], lambda nodes, prefix: 1e-3), [eagle, recycling]),
+        (planner([eagle, recycling, PromptLookup(2)], lambda nodes, prefix: 1e-3), [eagle, recycling]),
     ]
     for wrapper, inner in cases:
         assert not forwarding_violations(wrapper, inner), (
             type(wrapper).__name__,
             forwarding_violations(wrapper, inner),
         )
-    assert LookupDrafter(heads, 2).batched  # heads + lookup decode batches
+    assert planner([heads, PromptLookup(2)]).batched  # heads + lookup decode batches
 
 
 def _made_drafters(model):
@@ -178,18 +165,19 @@ def _made_drafters(model):
         "RootOnlyDrafter": treespec.RootOnlyDrafter(),
         "MedusaDrafter": treespec.make_drafter(heads, tree, model),
         "SequentialDrafter": treespec.make_drafter(random_heads(model, sequential=True), tree, model),
-        "LookupDrafter": LookupDrafter(treespec.make_drafter(heads, tree, model), 3),
+        "PromptLookup": PromptLookup(3),
         "DraftModelDrafter": DraftModelDrafter(tiny_model("llama", dtype=torch.float32, seed=1), gamma=3),
         "EagleDrafter": treespec.EagleDrafter(random_eagle(model, seed=2, draft_size=40), tree, model),
-        "DynamicTreeDrafter": treespec.DynamicTreeDrafter(
-            treespec.make_drafter(heads, tree, model), lambda nodes, prefix: 1e-3 * (1 + 0.05 * nodes)
+        "TreePlanner": treespec.TreePlanner(
+            [treespec.make_drafter(heads, tree, model), treespec.SuffixDrafter(), PromptLookup(3)]
+        ),
+        "TreePlanner (priced)": treespec.TreePlanner(
+            [treespec.make_drafter(heads, tree, model), PromptLookup(3)],
+            lambda nodes, prefix: 1e-3 * (1 + 0.05 * nodes),
         ),
         "SelfSpeculativeDrafter": SelfSpeculativeDrafter(model, exit_head, gamma=3),
         "SuffixDrafter": treespec.SuffixDrafter(),
         "RecyclingDrafter": treespec.RecyclingDrafter(model.config.vocab_size),
-        "UnionDrafter": treespec.UnionDrafter(
-            treespec.make_drafter(heads, tree, model), treespec.SuffixDrafter()
-        ),
     }
     return made
 
@@ -309,7 +297,7 @@ def test_the_old_call_form_is_refused_and_the_drafter_goes_third_or_by_keyword()
         treespec.generate(model, heads, [1, 2], max_new_tokens=9)
     with pytest.raises(TypeError):
         treespec.generate(model, [1, 2], heads, tree=tree, max_new_tokens=9)  # no old keywords either
-    drafter = treespec.LookupDrafter(treespec.make_drafter(heads, tree, model), 2)
+    drafter = treespec.TreePlanner([treespec.make_drafter(heads, tree, model), PromptLookup(2)])
     third = treespec.generate(model, [1, 2], drafter, max_new_tokens=9)
     keyword = treespec.generate(model, [1, 2], drafter=drafter, max_new_tokens=9)
     assert third.token_ids == keyword.token_ids == hf_greedy(model, [1, 2], 9)[: len(third.token_ids)]
@@ -371,7 +359,7 @@ def test_verified_hands_the_targets_top_k_after_every_node_through_wrappers():
     target's top-k there; greedy, the top-1 after the root is the row's first committed token."""
     model = tiny_model("llama", dtype=torch.float32)
     listener = _Listener(treespec.make_drafter(random_heads(model), treespec.default_tree(8, 4), model))
-    decoder = treespec.Decoder(model, treespec.LookupDrafter(listener, 3), acceptance="greedy")
+    decoder = treespec.Decoder(model, treespec.TreePlanner([listener, PromptLookup(3)]), acceptance="greedy")
     decoder.prefill([[5, 9, 4, 7, 1], [3, 3, 8, 2, 6, 6, 1, 9, 4], [2, 7, 1, 8]], max_new_tokens=12)
     for _ in range(3):
         step = decoder.step()

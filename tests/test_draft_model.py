@@ -112,7 +112,7 @@ def test_with_a_lookup_branch_the_output_is_still_the_base_models():
     result = treespec.generate(
         target,
         prompt,
-        treespec.LookupDrafter(drafter, 4),
+        treespec.TreePlanner([drafter, treespec.PromptLookup(4)]),
         max_new_tokens=30,
         options=treespec.DecodeOptions(kernel="reference"),
         eos_token_id=[],

@@ -1,5 +1,6 @@
 """Trees that change from step to step: the decoder verifies whatever tree a proposal carries (any node
-count up to the drafter's declared tree), greedy output stays the base model's."""
+count up to the drafter's declared tree), greedy output stays the base model's; the pricing a planner cuts
+them with (`core.pricing`, `TreePlanner`'s cut and level counts)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from conftest import ARCHS, hf_greedy, random_heads, tiny_model
 
 import treespec
 from treespec.core.drafting import BaseDrafter, Proposal
+from treespec.core.planner import TreePlanner, best_prefix
+from treespec.core.pricing import AcceptanceCalibration, DraftCosts, StepCosts
 
 
 class RandomSubtrees(BaseDrafter):
@@ -62,7 +65,7 @@ def test_a_tree_larger_than_declared_is_refused():
         treespec.generate(model, [1, 2, 3], TooBig(), max_new_tokens=4, eos_token_id=[])
 
 
-# ----- DynamicTreeDrafter -----
+# ----- pricing -----
 
 
 def _connected_subsets(parents: list[int]):
@@ -75,9 +78,7 @@ def _connected_subsets(parents: list[int]):
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_choose_nodes_finds_the_best_connected_set(seed):
-    from treespec.drafters.dynamic import choose_nodes
-
+def test_the_best_prefix_by_value_is_the_best_connected_set(seed):
     gen = torch.Generator().manual_seed(seed)
     tree = treespec.Tree.from_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]])
     parents = tree.parents.tolist()
@@ -90,17 +91,17 @@ def test_choose_nodes_finds_the_best_connected_set(seed):
     def cost(n):
         return 1.0 + per_node * (n - 1)
 
-    kept, expected = choose_nodes(values, tree.parents, cost)
+    # by value, ties in node order: a parent (value >= its child's, index smaller) comes first
+    order = sorted(range(1, tree.num_nodes), key=lambda i: (-float(values[i]), i))
+    k = best_prefix([float(values[i]) for i in order], 1.0, cost, tree.num_nodes - 1)
+    kept = [0, *order[:k]]
     best = max(_connected_subsets(parents), key=lambda s: sum(float(values[i]) for i in s) / cost(len(s)))
     best_rate = sum(float(values[i]) for i in best) / cost(len(best))
-    assert expected / cost(len(kept)) == pytest.approx(best_rate)
-    assert expected == pytest.approx(sum(float(values[i]) for i in kept))
+    assert sum(float(values[i]) for i in kept) / cost(len(kept)) == pytest.approx(best_rate)
     assert all(parents[i] in kept for i in kept if i)
 
 
 def test_calibration_learns_the_observed_acceptance():
-    from treespec.drafters.dynamic import AcceptanceCalibration
-
     cal = AcceptanceCalibration(bins=4, prior_weight=2.0)
     probs = torch.full((400,), 0.9)
     cal.update(probs, torch.arange(400) % 10 == 0)  # a confident drafter right only 10% of the time
@@ -109,8 +110,6 @@ def test_calibration_learns_the_observed_acceptance():
 
 
 def test_calibration_per_group_starts_from_the_pooled_table_and_learns_its_own():
-    from treespec.drafters.dynamic import AcceptanceCalibration
-
     cal = AcceptanceCalibration(bins=4, prior_weight=2.0, groups=3, group_weight=4.0)
     probs = torch.full((200,), 0.6)
     groups = torch.tensor([1] * 100 + [2] * 100)
@@ -126,19 +125,16 @@ def test_calibration_per_group_starts_from_the_pooled_table_and_learns_its_own()
 
 
 @pytest.mark.parametrize("sequential", [False, True])
-def test_dynamic_drafter_is_exact_and_shrinks_when_nodes_cost_too_much(sequential):
-    from treespec.drafters.dynamic import DynamicTreeDrafter
-
+def test_a_priced_planner_is_exact_and_shrinks_when_nodes_cost_too_much(sequential):
     model = tiny_model("llama")
     heads = random_heads(model, seed=3, sequential=sequential)
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
     expected = hf_greedy(model, prompt, 40)
     sizes = {}
     for per_node in (0.0, 10.0):  # free nodes: big trees; nodes costing 10 root steps: the root alone
-        inner = treespec.LookupDrafter(
-            treespec.make_drafter(heads, treespec.default_tree(16, heads.num_heads), model), length=3
-        )
-        drafter = DynamicTreeDrafter(inner, lambda n, prefix, c=per_node: 1.0 + c * (n - 1))
+        inner = treespec.make_drafter(heads, treespec.default_tree(16, heads.num_heads), model)
+        sources = [inner, treespec.PromptLookup(3)]
+        drafter = TreePlanner(sources, lambda n, prefix, c=per_node: 1.0 + c * (n - 1))
         result = treespec.generate(model, prompt, drafter, max_new_tokens=40, eos_token_id=[])
         assert result.token_ids == expected
         sizes[per_node] = result.stats.mean_nodes_verified
@@ -211,8 +207,6 @@ def test_level_by_level_drafters_stop_at_max_depth():
 
 
 def test_draft_costs_measure_each_level_count_and_draw_a_line_through_them():
-    from treespec.drafters.dynamic import DraftCosts
-
     costs = DraftCosts(smoothing=0.5)
     assert costs(3) == 0.0  # nothing measured yet
     costs.record(4, 800.0)  # the first draft of a level count pays one-time costs: not learned
@@ -229,8 +223,6 @@ def test_draft_costs_measure_each_level_count_and_draw_a_line_through_them():
 def test_a_pause_inside_a_draft_is_not_learned_as_its_price():
     """Pauses only add time: a draft far above the mean counts as twice the mean, one below it moves the
     mean halfway (a level count priced out by one pause would not be drafted, so not priced, again)."""
-    from treespec.drafters.dynamic import DraftCosts
-
     costs = DraftCosts()  # smoothing 0.2
     costs.record(1, 99.0)  # warm-up: not learned
     costs.record(1, 1.0)
@@ -245,8 +237,6 @@ def test_a_pause_inside_a_draft_is_not_learned_as_its_price():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_level_rates_price_every_level_count_against_brute_force(seed):
-    from treespec.drafters.dynamic import level_rates
-
     gen = torch.Generator().manual_seed(seed)
     # the inner tree to depth 3 plus a 2-node chain (level 0: drafted whatever the level count)
     tree = treespec.Tree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [2], [2, 0]])
@@ -261,7 +251,13 @@ def test_level_rates_price_every_level_count_against_brute_force(seed):
     def draft(d):
         return 0.1 + per_level * d
 
-    rates = level_rates(values, levels, 3, draft, verify)
+    planner = TreePlanner([treespec.PromptLookup(2)], lambda n, prefix: 1.0)
+    planner.draft_costs = draft
+    paths = {i: tree.choices[i - 1] for i in range(1, tree.num_nodes)}
+    order = sorted(paths.values(), key=lambda p: (-values[tree.choices.index(p) + 1], len(p), p))
+    by_path = {p: values[i] for i, p in paths.items()}
+    level_of = {p: levels[i] for i, p in paths.items()}
+    rates = planner.level_rates(order, by_path, level_of, 3, verify, 1)
     assert len(rates) == 4
     for d, rate in enumerate(rates):
         best = max(
@@ -272,15 +268,13 @@ def test_level_rates_price_every_level_count_against_brute_force(seed):
         assert rate == pytest.approx(best)
 
 
-def test_dynamic_drafter_drafts_the_level_count_that_pays_and_tries_every_level_now_and_then():
-    from treespec.drafters.dynamic import DynamicTreeDrafter
-
+def test_a_planner_drafts_the_level_count_that_pays_and_tries_every_level_now_and_then():
     model = tiny_model("llama")
     heads = random_heads(model, seed=3, sequential=True)
     inner = treespec.make_drafter(heads, treespec.default_tree(16, heads.num_heads), model)
-    drafter = DynamicTreeDrafter(inner, lambda n, prefix: 1.0 + 0.01 * (n - 1), explore_after=4)
+    drafter = TreePlanner([inner], lambda n, prefix: 1.0 + 0.01 * (n - 1), explore_after=4)
     assert inner.tree.max_depth == 3 and drafter.max_levels == 3
-    assert drafter.inner_limits_depth and drafter.levels == 3  # nothing seen yet: every level
+    assert drafter.levels == 3  # nothing seen yet: every level
     drafter.choose_levels([1.0, 2.0, 1.5, 1.2], drafted=3)
     assert drafter.levels == 1
     for _ in range(3):  # the deepest drafted is the best, but 2 levels were priced lately: stay
@@ -298,35 +292,26 @@ def test_dynamic_drafter_drafts_the_level_count_that_pays_and_tries_every_level_
     assert drafter.level_gains[2] > 0 and drafter.levels == 3
     # through the decoder: exact, and levels are skipped when nodes cost much
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
-    costly = DynamicTreeDrafter(inner, lambda n, prefix: 1.0 + 0.5 * (n - 1))
+    costly = TreePlanner([inner], lambda n, prefix: 1.0 + 0.5 * (n - 1))
     result = treespec.generate(model, prompt, costly, max_new_tokens=40, eos_token_id=[])
     assert result.token_ids == hf_greedy(model, prompt, 40)
     counts = costly.counts
     assert counts["levels"] < 3 * (counts["steps"] - counts["skipped"])
-    # a pruned tree is built once per kept set; its node j is the inner tree's node order[j]
-    tree, order = costly.pruned_tree((0, 1, 3))
-    assert costly.pruned_tree((0, 1, 3))[0] is tree
-    assert tree.choices == (inner.tree.choices[0], inner.tree.choices[2]) and order == [0, 1, 3]
 
 
-def test_pruned_trees_are_kept_for_a_bounded_number_of_kept_sets(monkeypatch):
-    from treespec.drafters import dynamic
+def test_step_trees_are_kept_for_a_bounded_number_of_node_sets():
+    from treespec.core.drafting import StepTrees
 
-    model = tiny_model("llama")
-    heads = random_heads(model, seed=3, sequential=True)
-    inner = treespec.make_drafter(heads, treespec.default_tree(16, heads.num_heads), model)
-    drafter = dynamic.DynamicTreeDrafter(inner, lambda n, prefix: 1.0)
-    monkeypatch.setattr(dynamic, "MAX_PRUNED_TREES", 2)
-    first, _ = drafter.pruned_tree((0, 1, 3))
-    for kept in [(0,), (0, 1), (0, 1, 3)]:  # a long run does not keep every set it ever drafted
-        tree, order = drafter.pruned_tree(kept)
-        assert order == list(kept) and tree.num_nodes == len(kept) and len(drafter.pruned) <= 2
+    trees = StepTrees(limit=2)
+    first = trees([(0,), (1,)])
+    assert trees([(1,), (0,)]) is first  # built once per set of paths
+    for paths in [[], [(0,)], [(0,), (1,)]]:  # a long run does not keep every set it ever drafted
+        tree = trees(paths)
+        assert tree.num_nodes == len(paths) + 1 and len(trees.trees) <= 2
     assert tree is not first and tree.choices == first.choices  # dropped, then built again the same
 
 
 def test_the_step_time_beyond_the_cost_curve_is_learned_and_the_curve_made_monotone():
-    from treespec.drafters.dynamic import DynamicTreeDrafter
-
     model = tiny_model("llama")
     heads = random_heads(model, seed=3, sequential=True)
     inner = treespec.make_drafter(heads, treespec.default_tree(8, heads.num_heads), model)
@@ -335,8 +320,8 @@ def test_the_step_time_beyond_the_cost_curve_is_learned_and_the_curve_made_monot
     def curve(n, prefix):
         return 1e-6 * noisy.get(n, n - 1.0)  # far below what a step really takes
 
-    drafter = DynamicTreeDrafter(inner, curve)
-    table = drafter.verify_table()
+    drafter = TreePlanner([inner], curve)
+    table = drafter.verify_table(1)
     assert [round(t * 1e6, 6) for t in table[1:6]] == [2.0, 2.0, 2.5, 3.5, 3.5]  # never falls with n
     assert all(a <= b for a, b in zip(table[1:], table[2:], strict=False))
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
@@ -351,12 +336,11 @@ def test_the_step_time_beyond_the_cost_curve_is_learned_and_the_curve_made_monot
 def test_a_step_far_slower_than_its_price_is_not_learned_unless_slow_steps_go_on():
     """A compiled step of a new shape (or a first use) took seconds: learning it as the price of its
     nodes would price every tree out for a long run (the heads + lookup collapse of Dec 4)."""
-    from treespec.drafters.dynamic import DynamicTreeDrafter
 
     model = tiny_model("llama")
     heads = random_heads(model, seed=3, sequential=True)
     inner = treespec.make_drafter(heads, treespec.default_tree(8, heads.num_heads), model)
-    drafter = DynamicTreeDrafter(inner, lambda n, prefix: 0.01 * n, slow_step=4.0, max_slow_steps=8)
+    drafter = TreePlanner([inner], lambda n, prefix: 0.01 * n, slow_step=4.0, max_slow_steps=8)
     drafter.predicted_seconds, drafter.predicted_extra = 0.01, 0.0
     drafter.learn_step(0.012)
     assert drafter.step_costs.steps == 1 and drafter.step_costs.line[0] == pytest.approx(0.002)
@@ -373,8 +357,6 @@ def test_a_step_far_slower_than_its_price_is_not_learned_unless_slow_steps_go_on
 
 
 def test_step_costs_learn_the_rest_of_the_step_and_correct_the_curves_extra_cost():
-    from treespec.drafters.dynamic import StepCosts
-
     curve = [0.0, 10.0, 14.0, 18.0, 22.0]  # extra cost 4 s per node; the truth: 2 s per node
     costs = StepCosts(prior_weight=4.0)
     assert costs.prices(curve) == curve  # nothing observed: the curve
@@ -402,41 +384,25 @@ def test_a_tree_the_curve_overprices_is_tried_and_then_kept(explore):
     """The curve says the 3-node tree costs 2x a plain step, just above break-even for its 1.8
     expected tokens; it really costs 1.2x. Priced a little optimistically, it is tried, its real price
     learned, and it is kept; without optimism the pricer never learns it and stays on plain steps."""
-    from treespec.drafters.dynamic import StepCosts, choose_nodes
-
-    values, parents = [1.0, 0.5, 0.3], [0, 0, 1]  # a chain: E[accepted] = 1.8 with both nodes
+    values = [0.5, 0.3]  # a chain: E[accepted] = 1.8 with both nodes
     curve, truth = [0.0, 10.0, 19.0, 20.0], [0.0, 10.0, 11.0, 12.0]
     costs, sizes = StepCosts(explore=explore), []
     for _ in range(60):
         hopeful = costs.prices(curve, optimistic=True)
-        kept, _ = choose_nodes(values, parents, lambda n, table=hopeful: table[n])
-        costs.record(curve[len(kept)] - curve[1], truth[len(kept)] - curve[len(kept)])
-        sizes.append(len(kept))
+        n = 1 + best_prefix(values, 1.0, lambda n, table=hopeful: table[n], 2)
+        costs.record(curve[n] - curve[1], truth[n] - curve[n])
+        sizes.append(n)
     if explore:
         assert sizes[-40:] == [3] * 40
     else:
         assert set(sizes) == {1}
 
 
-def test_a_lookup_branch_is_drafted_whatever_the_level_count():
-    inner = treespec.make_drafter(
-        random_heads(tiny_model("llama"), seed=3, sequential=True),
-        treespec.default_tree(8, 3),
-        tiny_model("llama"),
-    )
-    lookup = treespec.LookupDrafter(inner, length=2)
-    levels = lookup.node_levels.tolist()
-    assert [levels[i] for i in lookup.chain_nodes.tolist()] == [0, 0]
-    assert [levels[i] for i in lookup.inner_nodes.tolist()] == inner.tree.depth.tolist()
-
-
-def test_a_reused_dynamic_drafter_keeps_what_it_learned_and_stays_exact():
-    from treespec.drafters.dynamic import DynamicTreeDrafter
-
+def test_a_reused_planner_keeps_what_it_learned_and_stays_exact():
     model = tiny_model("llama")
     heads = random_heads(model, seed=4, sequential=True)
     inner = treespec.make_drafter(heads, treespec.default_tree(16, heads.num_heads), model)
-    drafter = DynamicTreeDrafter(inner, lambda n, prefix: 1e-4 * (1.0 + 0.01 * (n - 1)))  # nodes ~free
+    drafter = TreePlanner([inner], lambda n, prefix: 1e-4 * (1.0 + 0.01 * (n - 1)))  # nodes ~free
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 3, 9, 3, 9, 3, 9]]
     first = treespec.generate(model, prompts[0], drafter, max_new_tokens=30, eos_token_id=[])
     assert first.token_ids == hf_greedy(model, prompts[0], 30)
@@ -445,7 +411,7 @@ def test_a_reused_dynamic_drafter_keeps_what_it_learned_and_stays_exact():
     assert gains and costs and all(t > 0 for t in costs.values())
     drafter.start(treespec.core.drafting.SequenceStart(prompts[1], 64, None, "sdpa", None))
     # a new sequence: its own counts and prefix, the learned calibration, cost and depths unchanged
-    assert drafter.counts["steps"] == 0 and drafter.prefix == len(prompts[1])
+    assert drafter.counts["steps"] == 0 and drafter.prefixes == [len(prompts[1])]
     assert torch.equal(drafter.calibration.proposed, proposed)
     assert drafter.level_gains == gains and drafter.draft_costs.measured == costs
     second = treespec.generate(model, prompts[1], drafter, max_new_tokens=30, eos_token_id=[])

@@ -112,15 +112,18 @@ def test_greedy_output_equals_the_base_models(arch):
 
 def test_greedy_with_a_lookup_branch():
     """With a prompt-lookup branch beside it the drafter still gets the features of the accepted nodes
-    (the lookup drafter passes them through), whichever branch was accepted."""
+    (the tree planner passes them through), whichever branch was accepted."""
     model = tiny_model("llama")
     draft = random_eagle(model, 1)
     prompt = [3, 4, 5, 6, 7] * 4
     result = treespec.generate(
         model,
         prompt,
-        treespec.LookupDrafter(
-            treespec.EagleDrafter(draft, treespec.Tree.from_choices([[0], [0, 0]]), model), 4
+        treespec.TreePlanner(
+            [
+                treespec.EagleDrafter(draft, treespec.Tree.from_choices([[0], [0, 0]]), model),
+                treespec.PromptLookup(4),
+            ]
         ),
         max_new_tokens=30,
         sampling=treespec.SamplingConfig(acceptance="greedy"),

@@ -1,4 +1,4 @@
-"""Prompt lookup: the n-gram index against a brute-force search, the augmented tree, greedy exactness."""
+"""Prompt lookup: the n-gram index against a brute-force search, the chain it drafts, greedy exactness."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from conftest import ARCHS, hf_greedy, random_heads, tiny_model
 
 import treespec
 from treespec.core.acceptance import accept_greedy
-from treespec.drafters.lookup import LookupDrafter, NgramIndex
+from treespec.drafters.lookup import NgramIndex, PromptLookup
 
 
 def _oracle(tokens: list[int], max_ngram: int, length: int) -> list[int]:
@@ -38,34 +38,25 @@ def test_ngram_index_matches_a_brute_force_search():
             assert index.propose(length) == _oracle(seen, max_ngram, length), (seen, max_ngram)
 
 
-def test_lookup_drafter_places_the_inner_tree_and_the_chain():
-    model = tiny_model("llama")
-    heads = random_heads(model, sequential=True)
-    inner = treespec.make_drafter(heads, treespec.default_tree(16, 4), model)
-    drafter = LookupDrafter(inner, length=5)
-    tree = drafter.tree
-    assert tree.num_nodes == inner.tree.num_nodes + 5
-    assert [len(tree.path_to(int(i))) - 1 for i in drafter.chain_nodes] == [1, 2, 3, 4, 5]  # one chain
-    drafter.start(
-        treespec.SequenceStart([5, 6, 7, 8, 5, 6], 64, None, "sdpa")
-    )  # suffix "5 6" occurred before, followed by "7 8 5 6"
-    hidden = torch.randn(model.config.hidden_size, dtype=torch.float64)
-    tokens = drafter.propose(hidden[None], torch.tensor([6])).tokens[0]
-    assert tokens[drafter.chain_nodes].tolist() == [7, 8, 5, 6, 6]  # padded with its last token
-    assert torch.equal(tokens[drafter.inner_nodes], inner.propose(hidden[None], torch.tensor([6])).tokens[0])
-    drafter.start(
-        treespec.SequenceStart([1, 2, 3], 64, None, "sdpa")
-    )  # nothing repeats: the chain copies the inner tree's top branch
-    tokens = drafter.propose(hidden[None], torch.tensor([3])).tokens[0]
-    choices = inner.tree.choices
-    depth = max(d for d in range(1, 6) if all((0,) * e in choices for e in range(1, d + 1)))
-    top = tokens[drafter.inner_nodes][[choices.index((0,) * d) + 1 for d in range(1, depth + 1)]].tolist()
-    assert tokens[drafter.chain_nodes].tolist() == (top + [top[-1]] * 5)[:5]
-    short = LookupDrafter(inner, length=2)  # shorter than the inner top branch: the filler is cut
-    short.start(treespec.SequenceStart([1, 2, 3], 64, None, "sdpa"))
-    assert short.propose(hidden[None], torch.tensor([3])).tokens[0][short.chain_nodes].tolist() == top[:2]
+def test_the_lookup_chain_copies_what_followed_and_records_its_hits():
+    lookup = PromptLookup(length=5)
+    assert lookup.tree.num_nodes == 6 and lookup.tree.max_depth == 5 and lookup.batched
+    # row 0: suffix "5 6" occurred before, followed by "7 8 5 6"; row 1: nothing repeats
+    lookup.start(treespec.SequenceStart([5, 6, 7, 8, 5, 6], 64, None, "sdpa", rows=2))
+    lookup.start(treespec.SequenceStart([1, 2, 3], 64, None, "sdpa", row=1, rows=2))
+    proposal = lookup.propose(torch.zeros(2, 4), torch.tensor([6, 3]))
+    assert proposal.tokens.tolist() == [[6, 7, 8, 5, 6, 6], [3, 3, 3, 3, 3, 3]]  # padded with the last
+    # prior: half of the nodes accepted; the padding and a row without a match: not drafted
+    assert proposal.probs.tolist() == [[1.0, 0.5, 0.5, 0.5, 0.5, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]]
+    lookup.observe([[7, 8, 1], [4]])  # the chain's first two tokens accepted, then a bonus token
+    matched = 2  # "5 6" matched two tokens
+    assert lookup.hits[matched, :3].tolist() == [2.0, 2.0, 1.0] and lookup.tries[matched, :3].tolist() == [
+        3.0, 3.0, 3.0,
+    ]  # fmt: skip
+    lookup.keep_rows([1])
+    assert len(lookup.indexes) == 1 and lookup.indexes[0].tokens == [1, 2, 3, 4]
     with pytest.raises(ValueError, match="length"):
-        LookupDrafter(inner, length=0)
+        PromptLookup(length=0)
 
 
 def test_greedy_follows_the_deepest_of_duplicate_branches():
@@ -90,13 +81,13 @@ def test_greedy_with_lookup_equals_hf_greedy(arch):
         with_heads = treespec.generate(
             model,
             prompt,
-            treespec.LookupDrafter(treespec.as_drafter(model, heads, tree), 6),
+            treespec.TreePlanner([treespec.as_drafter(model, heads, tree), PromptLookup(6)]),
             max_new_tokens=40,
             eos_token_id=[],
         )
         assert with_heads.token_ids == expected
         alone = treespec.generate(
-            model, prompt, treespec.LookupDrafter(None, 6), max_new_tokens=40, eos_token_id=[]
+            model, prompt, treespec.TreePlanner([PromptLookup(6)]), max_new_tokens=40, eos_token_id=[]
         )
         assert alone.token_ids == expected
         assert alone.tree.num_nodes == 7
@@ -113,7 +104,7 @@ def test_lookup_alone_accepts_deep_on_a_model_that_repeats():
     prompt = [5, 17, 33]
     expected = hf_greedy(model, prompt, 60)
     res = treespec.generate(
-        model, prompt, treespec.LookupDrafter(None, 8), max_new_tokens=60, eos_token_id=[]
+        model, prompt, treespec.TreePlanner([PromptLookup(8)]), max_new_tokens=60, eos_token_id=[]
     )
     assert res.token_ids == expected
     assert res.stats.steps < 25

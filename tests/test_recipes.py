@@ -38,8 +38,6 @@ def test_the_table_names_the_recipes_the_tools_use_each_with_one_line():
 
 
 def test_a_bad_recipe_is_refused_with_what_to_do():
-    with pytest.raises(ValueError, match="dynamic=True"):
-        Recipe("two", "two sources, static", ("heads", "suffix"))
     with pytest.raises(ValueError, match="unknown source"):
         Recipe("x", "a source that does not exist", ("medusa",))
     model = tiny_model("llama", dtype=torch.float32)
@@ -63,17 +61,19 @@ def test_every_recipe_decodes_exactly(arch, name):
         assert (new_drafter() is new_drafter()) == recipe.shared
 
 
-def test_the_union_order_and_the_lookup_chain_follow_the_recipe():
+def test_the_source_order_and_the_lookup_chain_follow_the_recipe():
     model = tiny_model("llama", dtype=torch.float32)
     drafter = recipes.build(RECIPES["all"], _parts(model, RECIPES["all"]))
-    assert isinstance(drafter, treespec.DynamicTreeDrafter)
-    outer = drafter.inner
-    assert isinstance(outer, treespec.UnionDrafter) and isinstance(outer.secondary, treespec.RecyclingDrafter)
-    heads_suffix = outer.primary
-    assert isinstance(heads_suffix.secondary, treespec.SuffixDrafter)
-    assert isinstance(heads_suffix.primary.primary, treespec.EagleDrafter)
+    assert isinstance(drafter, treespec.TreePlanner) and drafter.priced
+    kinds = [treespec.EagleDrafter, treespec.MedusaDrafter, treespec.SuffixDrafter, treespec.RecyclingDrafter]
+    assert [type(s) for s in drafter.sources] == kinds
     static = recipes.build(RECIPES["heads+lookup"], _parts(model, RECIPES["heads+lookup"]))
-    assert isinstance(static, treespec.LookupDrafter)
+    assert isinstance(static, treespec.TreePlanner) and not static.priced
+    assert (
+        isinstance(static.sources[-1], treespec.PromptLookup) and static.sources[-1].length == recipes.LOOKUP
+    )
+    heads = recipes.build(RECIPES["heads"], _parts(model, RECIPES["heads"]))
+    assert isinstance(heads, treespec.MedusaDrafter)  # one static source: its tree as it is
 
 
 def test_auto_is_plain_for_a_model_with_no_shipped_drafter_and_the_default_for_the_default_model():

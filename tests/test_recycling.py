@@ -134,18 +134,18 @@ def test_combined_with_dynamic_trees_and_lookup_stays_exact():
     prompts = _repeating_prompts(model, 3, seed=7)
     expected = [hf_greedy(model, p, 40) for p in prompts]
     recycling = RecyclingDrafter(model.config.vocab_size)
-    dynamic = treespec.DynamicTreeDrafter(
-        recycling, verify_seconds=lambda nodes, prefix: 1e-3 * (1 + 0.05 * nodes)
+    dynamic = treespec.TreePlanner(
+        [recycling], verify_seconds=lambda nodes, prefix: 1e-3 * (1 + 0.05 * nodes)
     )
     for prompt, want in zip(prompts, expected, strict=True):
         assert treespec.generate(model, prompt, dynamic, max_new_tokens=40, eos_token_id=[]).token_ids == want
     assert recycling.report().stats["recycling"]["verified_nodes"] > 0
-    lookup = treespec.LookupDrafter(RecyclingDrafter(model.config.vocab_size), 4)
+    lookup = treespec.TreePlanner([RecyclingDrafter(model.config.vocab_size), treespec.PromptLookup(4)])
     for prompt, want in zip(prompts, expected, strict=True):
         assert treespec.generate(model, prompt, lookup, max_new_tokens=40, eos_token_id=[]).token_ids == want
     results = treespec.generate(model, prompts, lookup, max_new_tokens=40, eos_token_id=[])
     assert [r.token_ids for r in results] == expected
-    assert lookup.inner.report().stats["recycling"]["rows_from_target"] > 10
+    assert lookup.sources[0].report().stats["recycling"]["rows_from_target"] > 10
 
 
 def test_sampling_with_recycling_matches_the_base_model():

@@ -73,4 +73,6 @@ def test_bad_exit_heads_are_refused():
     with pytest.raises(ValueError, match="exit heads"):
         treespec.make_drafter(_exit_head(model, 2), treespec.default_tree(4, 1), model)
     with pytest.raises(ValueError, match="self-speculative"):
-        treespec.LookupDrafter(SelfSpeculativeDrafter(model, _exit_head(model, 2), gamma=2), 4)
+        treespec.TreePlanner(
+            [SelfSpeculativeDrafter(model, _exit_head(model, 2), gamma=2), treespec.PromptLookup(4)]
+        )

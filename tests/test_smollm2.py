@@ -47,7 +47,7 @@ def test_shipped_heads_keep_greedy_exact_and_accept_more_than_one_token(smollm2)
         expected = hf_greedy(model, ids, 48, eos_token_id=tokenizer.eos_token_id)
         drafter = treespec.as_drafter(model, heads, tree)
         if i % 2:  # every other prompt with the lookup branch
-            drafter = treespec.LookupDrafter(drafter, 8)
+            drafter = treespec.TreePlanner([drafter, treespec.PromptLookup(8)])
         res = treespec.generate(model, ids, drafter, tokenizer=tokenizer, max_new_tokens=48)
         assert res.token_ids == expected, i
         steps += res.stats.steps

@@ -12,22 +12,21 @@ from .core.cache import CacheCapacityError, KVCacheBase, TreeKVCache
 from .core.decoder import Decoder, DecodeStep
 from .core.drafting import BaseDrafter, Drafter, DrafterReport, Proposal, RootOnlyDrafter, SequenceStart
 from .core.generate import DecodeOptions, GenerationResult, encode_prompt
-from .core.pricer import StepPricer
+from .core.planner import TreePlanner
+from .core.pricing import AcceptanceCalibration, StepPricer
 from .core.runtime import TargetRuntime
 from .core.spec_cache import SpeculativeKVCache
 from .core.stats import GenerationStats
 from .core.tree import DEFAULT_TREE_SIZES, Tree, default_tree
 from .drafters.draft_model import DraftModelDrafter
-from .drafters.dynamic import AcceptanceCalibration, DynamicTreeDrafter
 from .drafters.eagle import EagleDrafter
 from .drafters.eagle_model import EagleDraftModel, EagleLoadError
 from .drafters.heads import ExitHead, HeadsLoadError, MedusaHeads
-from .drafters.lookup import LookupDrafter
+from .drafters.lookup import PromptLookup
 from .drafters.medusa import MedusaDrafter, SequentialDrafter, make_drafter
 from .drafters.recycling import RecyclingDrafter
 from .drafters.self_spec import SelfSpeculativeDrafter
 from .drafters.suffix import SuffixCache, SuffixDrafter
-from .drafters.union import UnionDrafter
 from .recipes import RECIPES, Recipe
 from .tools.models import load_model
 from .tools.trace import Trace
@@ -53,7 +52,6 @@ __all__ = [
     "CacheCapacityError",
     "DEFAULT_TREE_SIZES",
     "DraftModelDrafter",
-    "DynamicTreeDrafter",
     "AcceptanceCalibration",
     "EagleDraftModel",
     "EagleDrafter",
@@ -62,7 +60,7 @@ __all__ = [
     "GenerationResult",
     "GenerationStats",
     "HeadsLoadError",
-    "LookupDrafter",
+    "PromptLookup",
     "MedusaDrafter",
     "MedusaHeads",
     "RecyclingDrafter",
@@ -76,7 +74,7 @@ __all__ = [
     "Trace",
     "Tree",
     "TreeKVCache",
-    "UnionDrafter",
+    "TreePlanner",
     "default_tree",
     "encode_prompt",
     "generate",

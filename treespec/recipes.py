@@ -11,10 +11,11 @@ everywhere:
 
 Sources: "heads" (Medusa heads in their tree), "eagle" (the EAGLE-style draft layer in its tree), "suffix"
 (suffix trees over the prompt, the answer and earlier answers), "recycling" (trees walked through the
-target's own top-k); a prompt-lookup chain of `lookup` tokens goes beside any of them. A static recipe
-drafts one source's tree every step; a dynamic one unites its sources' trees (eagle, heads, suffix,
-recycling, then the lookup chain, in that order) and prunes the union every step to the nodes worth
-verifying on this machine (`DynamicTreeDrafter` over this machine's verification cost curve).
+target's own top-k); a prompt-lookup chain of `lookup` tokens goes beside any of them. A recipe's sources
+go to one `TreePlanner` (eagle, heads, suffix, recycling, then the lookup chain, in that order), which
+merges their trees every step; a dynamic recipe's planner cuts the merged tree to the nodes worth
+verifying on this machine (priced on its verification cost curve). A static recipe of one source and no
+lookup chain drafts that source's tree as it is.
 
 "auto" is the best shipped recipe for the model: for the default model with its shipped heads,
 "dynamic+suffix" (what the demo runs and the README's headline figure measures); for any other model
@@ -31,17 +32,16 @@ from torch import nn
 
 from .core.drafting import Drafter
 from .core.packed import BLOCK_ROWS_MAX
+from .core.planner import TreePlanner
 from .core.runtime import TargetRuntime
 from .core.tree import Tree, default_tree
-from .drafters.dynamic import DynamicTreeDrafter
 from .drafters.heads import MedusaHeads
-from .drafters.lookup import LookupDrafter
+from .drafters.lookup import PromptLookup
 from .drafters.medusa import make_drafter
 from .drafters.recycling import RecyclingDrafter
 from .drafters.suffix import SuffixCache, SuffixDrafter
-from .drafters.union import UnionDrafter
 
-SOURCES = ("eagle", "heads", "suffix", "recycling")  # in the order a dynamic recipe unites them
+SOURCES = ("eagle", "heads", "suffix", "recycling")  # in the order a planner merges them
 AUTO = "auto"
 FALLBACK_TREE_NODES = 32  # heads without a tree.json draft into default_tree(32, heads)
 
@@ -50,9 +50,9 @@ FALLBACK_TREE_NODES = 32  # heads without a tree.json draft into default_tree(32
 class Recipe:
     """Which drafters draft and how (see the module docstring).
 
-    sources: drafters from `SOURCES`; dynamic: prune the union every step on this machine's cost curve
-    (else one source's tree, static); nodes: the heads' tree size (None: their tree.json, else 32 nodes);
-    lookup: a prompt-lookup chain of this many tokens beside the tree (0: none); suffix_nodes /
+    sources: drafters from `SOURCES`; dynamic: the planner cuts the merged tree every step on this
+    machine's cost curve (else it verifies every merged node); nodes: the heads' tree size (None: their
+    tree.json, else 32 nodes); lookup: a prompt-lookup chain of this many tokens (0: none); suffix_nodes /
     suffix_depth: the largest suffix tree per step; warm: the suffix cache starts from the model's shipped
     earlier answers (the default model's; a cold cache otherwise)."""
 
@@ -70,11 +70,6 @@ class Recipe:
         unknown = [s for s in self.sources if s not in SOURCES]
         if unknown:
             raise ValueError(f"recipe {self.name!r}: unknown source(s) {unknown}; choose from {SOURCES}")
-        if not self.dynamic and len(self.sources) > 1:
-            raise ValueError(
-                f"recipe {self.name!r}: a static recipe drafts one source's tree; set dynamic=True to "
-                f"unite {list(self.sources)}"
-            )
         if self.lookup < 0 or (self.nodes is not None and self.nodes < 1):
             raise ValueError(f"recipe {self.name!r}: lookup must be >= 0 and nodes >= 1")
 
@@ -269,7 +264,7 @@ def _shipped_answers(model: nn.Module) -> Callable[[], SuffixCache | None]:
 
 def build(recipe: Recipe, parts: Parts, compile: bool = False) -> Drafter | None:
     """A new drafter for `recipe` from `parts` (None for "plain"). compile: the verification is
-    compiled, so a union's suffix tree keeps the whole tree within BLOCK_ROWS_MAX nodes (one compiled
+    compiled, so a planner's suffix tree keeps the whole tree within BLOCK_ROWS_MAX nodes (one compiled
     size class) unless the other trees are larger already."""
     sources: list[Drafter] = []
     for name in recipe.sources:
@@ -287,14 +282,13 @@ def build(recipe: Recipe, parts: Parts, compile: bool = False) -> Drafter | None
             suffix = SuffixDrafter(parts.suffix_cache(), max_nodes=nodes, max_depth=depth)
             parts.suffix_drafters.append(suffix)
             sources.append(suffix)
-    drafter = sources[0] if sources else None
-    for more in sources[1:]:
-        drafter = UnionDrafter(drafter, more)
     if recipe.lookup:
-        drafter = LookupDrafter(drafter, recipe.lookup)
-    if recipe.dynamic:
-        drafter = DynamicTreeDrafter(drafter, parts.verify_seconds)
-    return drafter
+        sources.append(PromptLookup(recipe.lookup))
+    if not sources:
+        return None
+    if len(sources) == 1 and not recipe.lookup and not recipe.dynamic:
+        return sources[0]
+    return TreePlanner(sources, parts.verify_seconds if recipe.dynamic else None)
 
 
 def _heads_drafter(recipe: Recipe, parts: Parts) -> Drafter:

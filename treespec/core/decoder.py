@@ -39,7 +39,7 @@ from .native import STEPS, NativeStep, int8_reason
 from .native import unsupported_reason as native_unsupported
 from .packed import MODES as LINEAR_MODES
 from .packed import packed_linears, shared_forward
-from .pricer import StepPricer
+from .pricing import StepPricer
 from .stats import GenerationStats
 from .tree import Tree
 
@@ -218,7 +218,7 @@ class Decoder:
         if self.feature_layers:
             self.scorer = partial(self.scorer, feature_layers=self.feature_layers)
         self.plain_above, self.pricer = plain_above, None
-        if plain_above == "auto" and self.tree.num_nodes > 1:
+        if plain_above == "auto" and self.tree.num_nodes > 1 and not self.drafter.prices_steps:
             key = (type(self.drafter).__name__, self.tree, self.kernel, compile, linears)
             self.pricer = pricer or StepPricer.shared(model, key)
         self.clock = clock or synchronized_clock(self.device if self.pricer else torch.device("cpu"))

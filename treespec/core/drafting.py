@@ -6,20 +6,18 @@ One decoding step, seen from a drafter:
 
     start(SequenceStart)            once per sequence, after the prefill (prompt + the first token)
     propose(hidden [B, H], roots [B], max_depth=None) -> Proposal(tokens [B, N], probs [B, N] | None)
-                                    (max_depth: a dynamic tree's hint, honoured where `limits_depth`;
-                                    a per-step tree in `Proposal.tree`, with its nodes' levels and
-                                    calibration groups where they are not the defaults: `step_layout`)
+                                    (max_depth: a planner's level count, honoured where `limits_depth`;
+                                    a per-step tree in `Proposal.tree`)
     observe(committed, features)    the tokens the step committed per row (accepted nodes, then the bonus),
                                     and the target's features there when the drafter asked for them
     feature_layers                  which of the target's hidden states the drafter reads (default none)
     batched                         True when it drafts for B > 1 rows (a batch of sequences)
     limits_depth                    True when propose(hidden, roots, max_depth=D) drafts depths 1..D only
-                                    (deeper nodes: probability 0), so a dynamic tree can skip levels
-    node_levels                     [N] the drafting level (1..) that makes each node; 0 for nodes drafted
-                                    whole at any depth (the root, a lookup chain); default: the node's depth
+                                    (deeper nodes: probability 0), so a priced planner can skip levels
     target_topk                     k > 0: after each verification the decoder calls
     verified(tokens, top_tokens)    with the step's tree tokens [A, N] and the target's k most likely next
                                     tokens after every node [A, N, k] (read from logits it computed anyway)
+    prices_steps                    True when it chooses a batch's plain steps itself (a priced planner)
     keep_rows(rows)                 batches: only these rows (indices into the last batch) go on decoding
     report() -> DrafterReport       what the drafter measured and the memory of its own cache, if any
     scorer() -> Scorer | None       its own verification forward (partial-layer verification), or None
@@ -64,16 +62,10 @@ class Proposal:
 
     tokens: torch.Tensor  # [B, N] long, in the node order of `tree` (default: the drafter's `tree`)
     probs: torch.Tensor | None = None  # [B, N] the drafter's probability of each node's token
-    # this step's tree when it differs from the drafter's static `tree` (a dynamic tree): any tree of at
+    # this step's tree when it differs from the drafter's static `tree` (a planner's): any tree of at
     # most `drafter.tree.num_nodes` nodes, which sizes the cache's speculative block
     tree: Tree | None = None
     expected_accept: float | None = None  # the drafter's prediction of this step's accepted length
-    # [B, N] long: each node's drafting level in this step (None: the drafter's `node_levels` on its own
-    # `tree`, the node's depth on a per-step `tree`); a wrapper that prunes or merges trees reads it
-    levels: torch.Tensor | None = None
-    # [B, N] long: each node's calibration group (which source drafted it, at which level, e.g. in a
-    # `UnionDrafter`; None: the levels), so a dynamic tree prices each source on its own record
-    groups: torch.Tensor | None = None
 
 
 @dataclass
@@ -105,9 +97,7 @@ class Drafter(Protocol):
     batched: bool  # drafts for several rows at once (hidden [B, H], roots [B])
     limits_depth: bool  # propose takes max_depth= (drafts depths 1..max_depth only)
     target_topk: int  # > 0: `verified` receives the target's top-k next tokens after every verified node
-
-    @property
-    def node_levels(self) -> torch.Tensor: ...  # [N] long: the drafting level that makes each node
+    prices_steps: bool  # chooses a batch's plain steps itself (a priced planner): no decoder StepPricer
 
     def start(self, sequence: SequenceStart) -> None: ...
 
@@ -135,11 +125,7 @@ class BaseDrafter:
     batched: bool = False
     limits_depth: bool = False
     target_topk: int = 0
-
-    @property
-    def node_levels(self) -> torch.Tensor:
-        """[N] the drafting level that makes each node: its depth (level d drafts depth d)."""
-        return self.tree.depth
+    prices_steps: bool = False
 
     def start(self, sequence: SequenceStart) -> None:
         pass
@@ -154,7 +140,7 @@ class BaseDrafter:
         pass
 
     def verified(self, tokens: torch.Tensor, top_tokens: torch.Tensor) -> None:
-        """tokens [A, N]: the step's verified tree (a wrapper's whole tree, all sources); top_tokens
+        """tokens [A, N]: the step's verified tree (a planner's whole tree, all sources); top_tokens
         [A, N, k]: the target's top-k next tokens after each node. Called only when `target_topk` > 0."""
 
     def report(self) -> DrafterReport:
@@ -183,25 +169,6 @@ def batch_rows(hidden: torch.Tensor, roots: torch.Tensor) -> tuple[torch.Tensor,
             f"{roots.numel()} roots"
         )
     return hidden, roots
-
-
-def step_layout(drafter: Drafter, proposal: Proposal) -> tuple[Tree, torch.Tensor, torch.Tensor]:
-    """(the step's tree, levels [B, N], groups [B, N]) of a drafter's proposal: `Proposal.tree` or the
-    drafter's own `tree`; `Proposal.levels` or the default levels (see `Proposal`); `Proposal.groups` or
-    the levels. For wrappers that combine an inner drafter's trees, static or per step."""
-    B = proposal.tokens.shape[0]
-    tree = drafter.tree if proposal.tree is None else proposal.tree
-    levels = proposal.levels
-    if levels is None:
-        levels = (drafter.node_levels if proposal.tree is None else tree.depth).reshape(1, -1).expand(B, -1)
-    levels = levels.long().cpu()
-    groups = levels if proposal.groups is None else proposal.groups.long().cpu()
-    if levels.shape != (B, tree.num_nodes) or groups.shape != (B, tree.num_nodes):
-        raise ValueError(
-            f"a proposal's levels {tuple(levels.shape)} and groups {tuple(groups.shape)} must be "
-            f"[B, N] = {(B, tree.num_nodes)}"
-        )
-    return tree, levels, groups
 
 
 class RootOnlyDrafter(BaseDrafter):

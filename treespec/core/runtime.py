@@ -3,7 +3,7 @@
 A target model (or a drafter's module: heads, an EAGLE layer) that treespec decodes with carries state
 between calls: how many users hold it in treespec's attention mode and what its implementation was
 before, the fast copies of its linear layers (`core.packed`), the compiled verification forward and the
-keys whose guards were checked (`core.compiled`), the step pricers of batches (`core.pricer`), and the
+keys whose guards were checked (`core.compiled`), the step pricers of batches (`core.pricing`), and the
 heads' shared output matrices (`drafters.medusa`). All of it lives here, one runtime per module, reached
 through `TargetRuntime.of(module)`; nothing is kept process-wide.
 

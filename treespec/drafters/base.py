@@ -12,7 +12,6 @@ from ..core.drafting import (
     StepTrees,
     batch_rows,
     single_row,
-    step_layout,
 )
 
 __all__ = [
@@ -26,5 +25,4 @@ __all__ = [
     "StepTrees",
     "batch_rows",
     "single_row",
-    "step_layout",
 ]

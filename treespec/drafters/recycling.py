@@ -25,9 +25,9 @@ its memory is fixed at construction: V x k int32 + V bytes.
 Node probabilities are running estimates of P(node accepted | parent accepted) per (row source, depth,
 rank), learned in `observe` by walking the committed tokens down the last proposal (a node counts as
 accepted when its token is the committed one at its depth and its parent's was, whether or not a
-wrapper pruned it from the verified tree: under greedy decoding that is exactly when it would have been
+planner cut it from the verified tree: under greedy decoding that is exactly when it would have been
 accepted). They are conditional probabilities like a head's softmax or the lookup chain's hit rates, so
-`DynamicTreeDrafter` (which multiplies them along paths) prices them as it does every other source.
+a priced `TreePlanner` (which multiplies them along paths) prices them as it does every other source.
 A node whose parent's token has no known candidate at its rank repeats the parent's token with
 probability 0 (it can be accepted only by chance; a dynamic tree prunes it).
 """

@@ -326,11 +326,7 @@ class SuffixDrafter(BaseDrafter):
     ceil(spec_factor x matched length) tokens deep (short matches are weak evidence). max_scan: earlier
     occurrences examined per source and step; max_candidates: continuations counted per source.
     remember: finished requests' answers go into the global cache (False: the cache is only read).
-    fixed_tree: lay every step's tree onto the declared `tree` (64 nodes for 16: an envelope of shapes),
-    tokens [B, N] in its node order, nodes not drafted at probability 0 and no `Proposal.tree`: for a
-    wrapper that indexes the inner drafter's `tree` (the shipped ones, `DynamicTreeDrafter`,
-    `LookupDrafter` and `UnionDrafter`, take each step's own tree). Default: each step proposes its own
-    tree (`Proposal.tree`), and `tree` is only the envelope that sizes the cache block."""
+    Each step proposes its own tree (`Proposal.tree`); `tree` is the envelope that sizes the cache block."""
 
     batched = True
     limits_depth = True  # propose(..., max_depth=D) drafts depths 1..D only
@@ -346,7 +342,6 @@ class SuffixDrafter(BaseDrafter):
         spec_factor: float = 1.0,
         max_scan: int = 64,
         max_candidates: int = 32,
-        fixed_tree: bool = False,
         remember: bool = True,
     ):
         for name, value, low in (
@@ -365,9 +360,8 @@ class SuffixDrafter(BaseDrafter):
         self.max_nodes, self.max_depth = max_nodes, min(max_depth, max_nodes - 1)
         self.max_context, self.min_count, self.min_prob = max_context, min_count, min_prob
         self.spec_factor, self.max_scan, self.max_candidates = spec_factor, max_scan, max_candidates
-        self.fixed_tree, self.remember = fixed_tree, remember
-        self.tree = envelope_tree(4 * max_nodes if fixed_tree else max_nodes, self.max_depth)
-        self._allowed = set(self.tree.choices) if fixed_tree else None
+        self.remember = remember
+        self.tree = envelope_tree(max_nodes, self.max_depth)
         self._tree_for = StepTrees(MAX_STEP_TREES)  # choice paths -> the step's tree (bounded)
         self.rows: list[_Row] = []
         self.counts: dict[str, int] = {}
@@ -421,7 +415,7 @@ class SuffixDrafter(BaseDrafter):
             self._row_paths(row, root, depth) for row, root in zip(self.rows, root_list, strict=True)
         ]
         choices = self._union(row_paths)
-        tree = self.tree if self.fixed_tree else self._tree_for(choices)
+        tree = self._tree_for(choices)
         keep = set(choices)
         tokens = [[root] * tree.num_nodes for root in root_list]  # [B, N]
         probs = [[1.0] + [0.0] * (tree.num_nodes - 1) for _ in root_list]  # [B, N]
@@ -434,7 +428,7 @@ class SuffixDrafter(BaseDrafter):
         return Proposal(
             torch.tensor(tokens, dtype=torch.long, device=hidden.device),
             torch.tensor(probs, dtype=torch.float32),
-            tree=None if self.fixed_tree else tree,
+            tree=tree,
         )
 
     def _row_paths(self, row: _Row, root: int, depth: int) -> dict[tuple[int, ...], tuple[int, float]]:
@@ -482,8 +476,7 @@ class SuffixDrafter(BaseDrafter):
                 if child[0] < self.min_count or p < self.min_prob:
                     break  # the later siblings count less
                 path_child = (*path, rank)
-                if self._allowed is None or path_child in self._allowed:
-                    heapq.heappush(frontier, (-p, len(path_child), path_child, token, child))
+                heapq.heappush(frontier, (-p, len(path_child), path_child, token, child))
 
         push_children((), trie, 1.0)
         while frontier and len(paths) < self.max_nodes - 1:

@@ -398,7 +398,9 @@ def generate_drafter(args: argparse.Namespace, model, name: str | None, tree_cho
     the options' parts (parts None for a chain drafter)."""
     if name is None:
         drafter = chain_drafter_factory(args, model)()
-        return (treespec.LookupDrafter(drafter, args.lookup) if args.lookup else drafter), None
+        if args.lookup and drafter is not None:
+            drafter = treespec.TreePlanner([drafter, treespec.PromptLookup(args.lookup)])
+        return drafter, None
     recipe = recipes.resolve(name, model)
     if args.lookup is not None:
         if args.lookup and "suffix" in recipe.sources:
