@@ -66,22 +66,52 @@ struct Scratch {
   std::vector<std::vector<int>> block;  // per token of the tile: the block keys it sees, ascending
 };
 
-// Scores of the first VL-multiple of prefix keys for all R rows, VL keys at a time: each row's VL dot
-// products reduced together by the lane-sum network (the same additions as `dot`). Returns how many
-// keys it scored (0 where the head dim is not whole vectors, or without the network).
+// Scores of prefix keys for all R rows through the lane-sum network (each score the additions of `dot`:
+// one VL-wide chain over d, then the lanes pairwise), which reduces VL vectors at once. With VL = 16 the 16
+// vectors are a tile of 2 rows x 8 keys: each key vector loaded feeds both rows; a row left over takes 16
+// keys at a time alone. Returns the first key it did not score (the caller scores the rest with `dot`;
+// every row the same count, so a row's split into network and `dot` keys depends on c only).
 template <typename T>
 int prefix_scores(const TreeAttentionParams& p, const T* k, int c, int R, int Tp, float scale, Scratch& w) {
-  int t = 0;
 #if TREESPEC_LANE_SUMS
   const int D = p.head_dim;
   if (D % VL != 0) return 0;
   const LaneSums& plan = lane_sums_plan();
   w.rows.resize(static_cast<size_t>(VL) * D);
-  for (; t + VL <= c; t += VL) {
-    const float* kt[VL];
-    for (int x = 0; x < VL; ++x) kt[x] = key_row<T>(k, p.k_stride_l, t + x, D, &w.rows[x * D]);
-    for (int r = 0; r < R; ++r) {
-      const float* qr = &w.q[r * D];
+  const int end = c / VL * VL;  // keys [0, end) through the network, for every row
+  int r = 0;
+  if constexpr (VL == 16) {
+    // lane_of[v]: the output lane that holds vector v's sum (v = row of the pair * 8 + key of the 8)
+    vi lane_of;
+    for (int l = 0; l < VL; ++l) lane_of[plan.vector_of_lane[l]] = l;
+    const vf scales = splat(scale);
+    for (; r + 2 <= R; r += 2) {
+      const float* q0 = &w.q[r * D];
+      const float* q1 = &w.q[(r + 1) * D];
+      for (int t = 0; t < end; t += 8) {
+        const float* kt[8];
+        for (int x = 0; x < 8; ++x) kt[x] = key_row<T>(k, p.k_stride_l, t + x, D, &w.rows[x * D]);
+        vf acc[VL];  // [row of the pair * 8 + key]
+        for (int x = 0; x < 8; ++x) acc[x] = acc[8 + x] = splat(0.0f);
+        for (int d = 0; d < D; d += VL) {
+          const vf a0 = loadv(q0 + d), a1 = loadv(q1 + d);
+          for (int x = 0; x < 8; ++x) {
+            const vf kv = loadv(kt[x] + d);
+            acc[x] += a0 * kv;
+            acc[8 + x] += a1 * kv;
+          }
+        }
+        const vf sums = __builtin_shuffle(lane_sums_run(plan, acc), lane_of) * scales;  // [2, 8] in key order
+        std::memcpy(&w.s[r * Tp + t], &sums, 8 * sizeof(float));
+        std::memcpy(&w.s[(r + 1) * Tp + t], reinterpret_cast<const float*>(&sums) + 8, 8 * sizeof(float));
+      }
+    }
+  }
+  for (; r < R; ++r) {  // one row, VL keys at a time
+    const float* qr = &w.q[r * D];
+    for (int t = 0; t < end; t += VL) {
+      const float* kt[VL];
+      for (int x = 0; x < VL; ++x) kt[x] = key_row<T>(k, p.k_stride_l, t + x, D, &w.rows[x * D]);
       vf acc[VL];
       for (int x = 0; x < VL; ++x) {
         vf a = splat(0.0f);
@@ -93,15 +123,18 @@ int prefix_scores(const TreeAttentionParams& p, const T* k, int c, int R, int Tp
       for (int l = 0; l < VL; ++l) s[plan.vector_of_lane[l]] = sums[l] * scale;
     }
   }
+  return end;
+#else
+  return 0;
 #endif
-  return t;
 }
 
-// o[r] = sum over prefix keys t of p[r][t] v_t, rows four at a time with their NDV output vectors held
-// in registers (the same additions, in the same order, as `axpy` key after key).
+// o[r] = sum over prefix keys t of p[r][t] v_t, rows RT at a time with their NDV output vectors held
+// in registers (the same additions, in the same order, as `axpy` key after key): each V row loaded feeds
+// RT rows (RT x NDV accumulators, NDV values and a broadcast weight in 32 registers).
 template <typename T, int NDV>
 void prefix_values_tiled(const TreeAttentionParams& p, const T* v, int c, int R, int Tp, Scratch& w) {
-  constexpr int RT = 4, D = NDV * VL;
+  constexpr int RT = NDV == 1 ? 8 : NDV == 2 ? 8 : NDV == 3 ? 6 : 6, D = NDV * VL;
   for (int r0 = 0; r0 < R; r0 += RT) {
     const int rows = std::min(RT, R - r0);
     vf acc[RT][NDV];
@@ -213,7 +246,7 @@ void run(const TreeAttentionParams& p) {
   const int tiles = (p.n + kTokens - 1) / kTokens;
   const int64_t tasks = static_cast<int64_t>(p.batch) * p.kv_heads * tiles;
   auto worker = [&](int64_t first, int64_t last) {
-    Scratch scratch;
+    static thread_local Scratch scratch;  // kept between calls: no allocation per call in steady state
     for (int64_t task = first; task < last; ++task) run_task<T>(p, task, scratch);
   };
   if (p.serial)
