@@ -2,7 +2,7 @@
 # A/B of the int8 native step: scripts/step_profile.py (or cost_curve.py) of a baseline commit (unpacked to
 # a temporary folder, imported ahead of the working tree through PYTHONPATH; its extension is JIT-built from
 # its own csrc) and of the working tree, alternated `rounds` times; each run's JSON lands in $out.
-#   usage: benchmarks/2026-12-06-int8-step-ab.sh OUT_DIR [baseline commit] [rounds] [profile|cost]
+#   usage: benchmarks/2026-12-06-int8-step-ab.sh OUT_DIR [baseline commit] [rounds] [profile|cost|times|cpu]
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=$1
@@ -15,7 +15,13 @@ trap 'rm -rf "$tree"' EXIT
 git -C "$root" archive "$base" | tar -x -C "$tree"
 py="$root/.venv/bin/python"
 run() {  # side folder tag round
-  if [ "$what" = profile ]; then
+  if [ "$what" = times ]; then
+    PYTHONPATH="$1" "$py" "$root/benchmarks/2026-12-06-int8-step-times.py" --nodes 1,16 --steps 150 --prefix 128 \
+      --out "$out/$2-$3.json" 2>/dev/null
+  elif [ "$what" = cpu ]; then  # one thread, process CPU time: the work, whatever the load
+    PYTHONPATH="$1" "$py" "$root/benchmarks/2026-12-06-int8-step-times.py" --nodes 1,16 --steps 100 --prefix 128 \
+      --threads 1 --cpu-time --out "$out/$2-$3.json" 2>/dev/null
+  elif [ "$what" = profile ]; then
     PYTHONPATH="$1" "$py" "$1/scripts/step_profile.py" --dtype float32 --numerics int8 --nodes 1,2,4,8,16 --steps 40 \
       --out "$out/$2-$3.json" 2>/dev/null | tail -6
   else

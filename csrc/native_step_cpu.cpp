@@ -101,10 +101,14 @@ struct Stage {
 };
 
 // Runs every task of every stage on the threads of one parallel region. Tasks are claimed in stage order
-// from one counter; a thread that claims a task of stage s first waits until stage s - 1 has completed
-// (a count of finished tasks, not of arrived threads), so a thread that comes late finds the work taken
-// and leaves at once. A thread that another process keeps off its core still holds up the task it holds:
-// `ThreadGovernor` sees those waits and runs the next steps on fewer threads while they last.
+// from one counter, in runs of consecutive tasks of one stage ("guided": a claim takes the stage's
+// remaining tasks / (2 x threads), at least one), so a stage of many small tasks (a one-row step's linears:
+// 64 columns each) costs a few claims per thread instead of one shared-counter round trip per task, and a
+// thread streams longer runs of consecutive weight panels; the last claims of a stage are single tasks, so
+// the threads still finish together. A thread that claims tasks of stage s first waits until stage s - 1
+// has completed (a count of finished tasks, not of arrived threads), so a thread that comes late finds the
+// work taken and leaves at once. A thread that another process keeps off its core still holds up the
+// tasks it holds: `ThreadGovernor` sees those waits and runs the next steps on fewer threads while they last.
 // profile: nullptr, or kNativeStageKinds nanosecond counters that each task's time is added to (by kind).
 template <class Run>
 void run_stages(const std::vector<Stage>& stages, Run run, ThreadGovernor* governor, int64_t* profile = nullptr) {
@@ -123,7 +127,14 @@ void run_stages(const std::vector<Stage>& stages, Run run, ThreadGovernor* gover
     size_t s = 0;
     int64_t waited = 0;
     for (;;) {
-      const int64_t g = next.fetch_add(1, std::memory_order_relaxed);
+      // claim tasks [g, g + count) of one stage
+      int64_t g = next.load(std::memory_order_relaxed), count = 1;
+      for (;;) {
+        if (g >= total) break;
+        while (g >= end[s]) ++s;
+        count = std::max<int64_t>(1, (end[s] - g) / (2 * threads));
+        if (next.compare_exchange_weak(g, g + count, std::memory_order_relaxed)) break;
+      }
       if (g >= total) break;
       while (g >= end[s]) ++s;
       if (s > 0 && done[s - 1].load(std::memory_order_acquire) < stages[s - 1].tasks) {
@@ -136,15 +147,16 @@ void run_stages(const std::vector<Stage>& stages, Run run, ThreadGovernor* gover
         }
         waited += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
       }
+      const int64_t first = g - (end[s] - stages[s].tasks);
       if (profile != nullptr) {
         const auto t0 = std::chrono::steady_clock::now();
-        run(stages[s], g - (end[s] - stages[s].tasks));
+        for (int64_t t = first; t < first + count; ++t) run(stages[s], t);
         const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0);
         __atomic_fetch_add(profile + static_cast<int>(stages[s].kind), static_cast<int64_t>(ns.count()), __ATOMIC_RELAXED);
       } else {
-        run(stages[s], g - (end[s] - stages[s].tasks));
+        for (int64_t t = first; t < first + count; ++t) run(stages[s], t);
       }
-      done[s].fetch_add(1, std::memory_order_release);
+      done[s].fetch_add(count, std::memory_order_release);
     }
     waited_ns.fetch_add(waited, std::memory_order_relaxed);
   }
@@ -203,6 +215,11 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
   auto column_tasks = [&](int64_t N) { return (N + task_columns - 1) / task_columns; };
   // the q, k, v columns as one stage: task t covers columns of q, then k, then v
   const int64_t q_tasks = column_tasks(qw), k_tasks = column_tasks(kw);
+  // where a task's columns are whole heads (a plain step: 64 columns, head_dim 64 or 32), the task also
+  // applies the rotary embedding to them and stores them for attention / into the cache, and the step has
+  // no rotary stage (one barrier and one single-task stage less per layer). The same operations per row
+  // and head either way.
+  const bool fused_rotary = task_columns % D == 0;
 
   // attention tasks: (row, kv head) for the fast kernel; (row, kv head, tile of kQueryTile tokens) for the
   // row-invariant one, whose result per token does not depend on how the queries are split
@@ -212,7 +229,7 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
   for (int l = 0; l < m.layers; ++l) {
     stages.push_back({StageKind::kNorm1, l, M});
     stages.push_back({StageKind::kQKV, l, q_tasks + 2 * k_tasks});
-    stages.push_back({StageKind::kRotary, l, M});
+    if (!fused_rotary) stages.push_back({StageKind::kRotary, l, M});
     stages.push_back({StageKind::kAttention, l, static_cast<int64_t>(A) * Hkv * query_tiles});
     stages.push_back({StageKind::kO, l, column_tasks(H)});
     stages.push_back({StageKind::kNorm2, l, M});
@@ -234,6 +251,26 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
   auto residual = [&](const float* out, int64_t n0, int64_t n1) {  // h += out over columns [n0, n1)
     for (int64_t r = 0; r < M; ++r)
       for (int64_t j = n0; j < n1; ++j) h[r * H + j] = round_to(h[r * H + j] + round_to(out[r * H + j], bf16), bf16);
+  };
+
+  // row r's q head `head`: rotary, then stored for attention
+  auto rotary_q = [&](int64_t r, int head) {
+    const int64_t ai = r / n, i = r % n, pos = a.positions[r];
+    float* qv = qkv + r * QKV + static_cast<int64_t>(head) * D;
+    rotate(qv, a.cos + pos * D, a.sin + pos * D, D, bf16);
+    store_row<T>(qv, qh + ((ai * Hq + head) * n + i) * D, D);
+  };
+  // row r's kv head `kvh`: rotary on k (rotate_k), then k (store_k) and / or v (store_v) into the cache
+  auto rotary_kv = [&](const NativeLayer& L, int64_t r, int kvh, bool store_k, bool store_v) {
+    const int64_t ai = r / n, i = r % n, pos = a.positions[r];
+    float* row = qkv + r * QKV;
+    const int64_t slot = a.rows[ai] * m.cache_stride_b + kvh * m.cache_stride_h + (a.starts[ai] + i) * m.cache_stride_l;
+    if (store_k) {
+      float* kv = row + qw + static_cast<int64_t>(kvh) * D;
+      rotate(kv, a.cos + pos * D, a.sin + pos * D, D, bf16);
+      store_row<T>(kv, static_cast<T*>(L.keys) + slot, D);
+    }
+    if (store_v) store_row<T>(row + qw + kw + static_cast<int64_t>(kvh) * D, static_cast<T*>(L.values) + slot, D);
   };
 
   run_stages(stages, [&](const Stage& st, int64_t t) {
@@ -269,25 +306,19 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
         linear(*w, *iw, x, s.xq, qkv + offset, QKV, n0, n1);
         if (bf16)
           for (int64_t r = 0; r < M; ++r) round_row(qkv + offset + r * QKV + n0, n1 - n0, true);
+        if (fused_rotary)  // the task's heads [n0 / D, n1 / D) of q, k or v
+          for (int64_t r = 0; r < M; ++r)
+            for (int head = static_cast<int>(n0 / D); head < n1 / D; ++head) {
+              if (offset == 0)
+                rotary_q(r, head);
+              else
+                rotary_kv(L, r, head, offset == qw, offset != qw);
+            }
         break;
       }
       case StageKind::kRotary: {  // row t: rotary on its q and k heads; k, v into the cache; q for attention
-        const int64_t ai = t / n, i = t % n, pos = a.positions[t];
-        const float* cs = a.cos + pos * D;
-        const float* sn = a.sin + pos * D;
-        float* row = qkv + t * QKV;
-        for (int head = 0; head < Hq; ++head) {
-          float* qv = row + static_cast<int64_t>(head) * D;
-          rotate(qv, cs, sn, D, bf16);
-          store_row<T>(qv, qh + ((ai * Hq + head) * n + i) * D, D);
-        }
-        for (int kvh = 0; kvh < Hkv; ++kvh) {
-          float* kv = row + qw + static_cast<int64_t>(kvh) * D;
-          rotate(kv, cs, sn, D, bf16);
-          const int64_t slot = a.rows[ai] * m.cache_stride_b + kvh * m.cache_stride_h + (a.starts[ai] + i) * m.cache_stride_l;
-          store_row<T>(kv, static_cast<T*>(L.keys) + slot, D);
-          store_row<T>(row + qw + kw + static_cast<int64_t>(kvh) * D, static_cast<T*>(L.values) + slot, D);
-        }
+        for (int head = 0; head < Hq; ++head) rotary_q(t, head);
+        for (int kvh = 0; kvh < Hkv; ++kvh) rotary_kv(L, t, kvh, true, true);
         break;
       }
       case StageKind::kAttention: {  // (row, kv head, query tile) t: its G query heads over the row's keys
