@@ -82,8 +82,13 @@ int prefix_scores(const TreeAttentionParams& p, const T* k, int c, int R, int Tp
   int r = 0;
   if constexpr (VL == 16) {
     // lane_of[v]: the output lane that holds vector v's sum (v = row of the pair * 8 + key of the 8)
+#if TREESPEC_LANE_SUMS16
+    const int* vector_of_lane = lane_sums16_vector();
+#else
+    const int* vector_of_lane = plan.vector_of_lane;
+#endif
     vi lane_of;
-    for (int l = 0; l < VL; ++l) lane_of[plan.vector_of_lane[l]] = l;
+    for (int l = 0; l < VL; ++l) lane_of[vector_of_lane[l]] = l;
     const vf scales = splat(scale);
     for (; r + 2 <= R; r += 2) {
       const float* q0 = &w.q[r * D];
@@ -101,7 +106,12 @@ int prefix_scores(const TreeAttentionParams& p, const T* k, int c, int R, int Tp
             acc[8 + x] += a1 * kv;
           }
         }
-        const vf sums = __builtin_shuffle(lane_sums_run(plan, acc), lane_of) * scales;  // [2, 8] in key order
+#if TREESPEC_LANE_SUMS16
+        const vf reduced = lane_sums16(acc);
+#else
+        const vf reduced = lane_sums_run(plan, acc);
+#endif
+        const vf sums = __builtin_shuffle(reduced, lane_of) * scales;  // [2, 8] in key order
         std::memcpy(&w.s[r * Tp + t], &sums, 8 * sizeof(float));
         std::memcpy(&w.s[(r + 1) * Tp + t], reinterpret_cast<const float*>(&sums) + 8, 8 * sizeof(float));
       }
@@ -118,9 +128,15 @@ int prefix_scores(const TreeAttentionParams& p, const T* k, int c, int R, int Tp
         for (int d = 0; d < D; d += VL) a += loadv(qr + d) * loadv(kt[x] + d);
         acc[x] = a;
       }
+#if TREESPEC_LANE_SUMS16
+      const vf sums = lane_sums16(acc);
+      const int* vector_of_lane = lane_sums16_vector();
+#else
       const vf sums = lane_sums_run(plan, acc);
+      const int* vector_of_lane = plan.vector_of_lane;
+#endif
       float* s = &w.s[r * Tp + t];
-      for (int l = 0; l < VL; ++l) s[plan.vector_of_lane[l]] = sums[l] * scale;
+      for (int l = 0; l < VL; ++l) s[vector_of_lane[l]] = sums[l] * scale;
     }
   }
   return end;

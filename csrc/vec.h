@@ -4,6 +4,9 @@
 // never depends on the other lanes), which the row-invariant kernels rely on.
 #pragma once
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -83,6 +86,46 @@ inline const LaneSums& lane_sums_plan() {
     return p;
   }();
   return plan;
+}
+#endif
+
+#if defined(__AVX512F__) && TREESPEC_LANE_SUMS
+#define TREESPEC_LANE_SUMS16 1
+// lane_sum of 16 vectors at once with the cheapest shuffles AVX-512 has for each level (256-bit halves,
+// 128-bit lanes, then within 128-bit lanes): the same additions as lane_sum (lanes i and i + 8, then of
+// those i and i + 4, i and i + 2, i and i + 1), each done in whichever lane the shuffles put it, so every
+// output equals lane_sum of its vector bit for bit. Output lane l holds the sum of vector
+// lane_sums16_vector()[l].
+inline vf lane_sums16(const vf* v) {
+  __m512 x[8], y[4], z[2];
+  for (int j = 0; j < 8; ++j) {  // [a.lo | b.lo] + [a.hi | b.hi] (256-bit halves): a's 8 sums, then b's
+    const __m512 a = reinterpret_cast<const __m512*>(v)[2 * j], b = reinterpret_cast<const __m512*>(v)[2 * j + 1];
+    x[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  for (int j = 0; j < 4; ++j)  // 128-bit lanes 0 + 1 and 2 + 3 of two vectors: 4 sums of each of 4 inputs
+    y[j] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * j], x[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(x[2 * j], x[2 * j + 1], 0xDD));
+  for (int j = 0; j < 2; ++j) {  // within 128-bit lanes: pairs (0, 2), (1, 3)
+    const __m512d a = _mm512_castps_pd(y[2 * j]), b = _mm512_castps_pd(y[2 * j + 1]);
+    z[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 out = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
+  vf r;
+  std::memcpy(&r, &out, sizeof(r));
+  return r;
+}
+
+inline const int* lane_sums16_vector() {
+  static const struct Map {
+    int lane[16];
+    Map() {
+      vf probe[16];  // vector k holds k in every lane, so its sum is 16 k
+      for (int k = 0; k < 16; ++k) probe[k] = splat(static_cast<float>(k));
+      const vf sums = lane_sums16(probe);
+      for (int l = 0; l < 16; ++l) lane[l] = static_cast<int>(sums[l]) / 16;
+    }
+  } map;
+  return map.lane;
 }
 #endif
 
