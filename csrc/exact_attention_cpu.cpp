@@ -209,7 +209,9 @@ void run_task(const TreeAttentionParams& p, int64_t task, Scratch& w) {
   }
   const int Tp = round_up(c + most, VL);  // score row stride, padded to whole vectors
   w.q.resize(static_cast<size_t>(R) * D);
-  w.s.assign(static_cast<size_t>(R) * Tp, kNegInf);
+  w.s.resize(static_cast<size_t>(R) * Tp);
+  for (int r = 0; r < R; ++r)  // the padding of each score row (every key before it is written below)
+    std::fill(w.s.begin() + r * Tp + c + static_cast<int>(w.block[r / G].size()), w.s.begin() + (r + 1) * Tp, kNegInf);
   w.o.assign(static_cast<size_t>(R) * D, 0.0f);
   w.row.resize(D);
   w.sums.resize(R);
@@ -232,9 +234,14 @@ void run_task(const TreeAttentionParams& p, int64_t task, Scratch& w) {
   // softmax weights, unnormalised, and their sums (padding: 2^-inf = 0 adds nothing)
   for (int r = 0; r < R; ++r) {
     float* s = &w.s[r * Tp];
-    const int T_r = c + static_cast<int>(w.block[r / G].size());
+    // the largest score: a VL-lane max over the row, padding (-inf) included, then over the lanes. A max
+    // is exact, so any order gives the same value (up to the sign of a zero, which 2^(s - m) does not see)
+    vf mv = splat(kNegInf);
+    for (int t = 0; t < Tp; t += VL) mv = vmax(mv, loadv(s + t));
+    float lanes[VL];
+    storev(lanes, mv);
     float m = kNegInf;
-    for (int t = 0; t < T_r; ++t) m = std::max(m, s[t]);
+    for (int l = 0; l < VL; ++l) m = std::max(m, lanes[l]);
     vf sum = splat(0.0f);
     for (int t = 0; t < Tp; t += VL) {
       const vf e = exp2v(loadv(s + t) - splat(m));
