@@ -212,6 +212,22 @@ def test_numerics_runs_are_named_per_value(capsys):
     assert "bitwise" in capsys.readouterr().err
 
 
+def test_kernel_runs_are_named_per_kernel_beside_the_numerics(capsys):
+    names = bench.run_names(["hf", "plain", "dynamic+suffix"], ["fast", "int8"], ["auto", "sdpa"])
+    assert names == [
+        "hf", "plain", "plain@sdpa", "plain@int8", "plain@int8+sdpa",
+        "dynamic+suffix", "dynamic+suffix@sdpa", "dynamic+suffix@int8", "dynamic+suffix@int8+sdpa",
+    ]  # fmt: skip
+    assert bench.base_method("dynamic+suffix@int8+sdpa") == "dynamic+suffix"
+    assert bench.plain_run("heads@sdpa", {"plain@sdpa": 1, "plain": 2}) == 1
+    assert bench.parse_args(["--kernels", "auto,sdpa"]).kernels == ["auto", "sdpa"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--kernels", "fastest"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--kernels", "sdpa", "--numerics", "bitwise"])
+    assert "choose their own kernels" in capsys.readouterr().err
+
+
 def test_sharegpt_heldout_prompts_are_the_distillation_eval_split():
     from treespec.tools import workloads
     from treespec.training.distill import is_eval

@@ -41,10 +41,11 @@ Methods (all run in the same process on the same prompt token ids):
 The defaults (hf, hf_prompt_lookup, plain, auto; `--dtype auto`, 16 prompts) are what `treespec generate`
 runs; `make bench` runs them.
 
-Numerics (`--numerics fast,bitwise`; `core.decoder.NUMERICS` lists the values): every treespec method runs
-once per value; the runs other than fast are named METHOD@VALUE (e.g. bitwise: row-invariant kernels,
-`DecodeOptions.numerics`), and plain(X) counts the prompts where X's output equals treespec's plain loop
-(plain or baseline) in the same numerics.
+Numerics and kernels (`--numerics fast,bitwise`, `--kernels auto,sdpa`; `core.decoder.NUMERICS` and
+`core.attention.KERNELS` list the values): every treespec method runs once per numerics x kernel; a run
+other than fast / auto is named METHOD@VALUES (e.g. heads@bitwise, dynamic+suffix@sdpa, plain@int8+sdpa;
+`DecodeOptions.numerics` / `kernel`), and plain(X) counts the prompts where X's output equals treespec's
+plain loop (plain or baseline) in the same numerics and kernel.
 
 gamma per drafter: `--gamma`, else the drafter folder's tune.json (`treespec tune`), else 4.
 Heads, tree, draft model and exit head come from the options as in `treespec generate`
@@ -90,6 +91,7 @@ from tqdm import tqdm
 import treespec
 
 from .. import recipes
+from ..core.attention import KERNELS
 from ..core.decoder import NUMERICS
 from ..core.generate import encode_prompt
 from ..core.tokens import eos_token_ids
@@ -181,6 +183,11 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
         p.error(f"--numerics takes values from {', '.join(NUMERICS)}, got {args.numerics}")
     if set(args.numerics) - {"fast"} and set(KERNEL_METHODS) & set(args.methods):
         p.error("the _sdpa methods run torch's SDPA kernel, which --numerics other than fast replaces")
+    args.kernels = [x.strip() for x in args.kernels.split(",") if x.strip()]
+    if not args.kernels or set(args.kernels) - {"auto", *KERNELS}:
+        p.error(f"--kernels takes values from auto, {', '.join(KERNELS)}, got {args.kernels}")
+    if set(args.kernels) - {"auto"} and set(args.numerics) - {"fast"}:
+        p.error("--numerics other than fast choose their own kernels: leave --kernels at auto")
     if args.lookup is not None and args.lookup < 1:
         p.error("--lookup must be >= 1 (a recipe without a lookup chain: pick one, e.g. heads)")
     if {*STORAGE_METHODS, TREE_METHOD, "hf_assisted"} & set(args.methods) and not args.draft_model:
@@ -243,6 +250,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         default="fast",
         help=f"comma list from {', '.join(NUMERICS)}: every treespec method runs once per value, the runs "
         "other than fast named METHOD@VALUE (DecodeOptions.numerics)",
+    )
+    p.add_argument(
+        "--kernels",
+        default="auto",
+        help=f"comma list from auto, {', '.join(KERNELS)}: every treespec method runs once per kernel, the "
+        "runs other than auto named METHOD@KERNEL (DecodeOptions.kernel: the tree-attention kernel)",
     )
     p.add_argument(
         "--methods",
@@ -336,21 +349,25 @@ def base_method(name: str) -> str:
     return name.split("@")[0]
 
 
-def run_names(methods: list[str], numerics: list[str]) -> list[str]:
-    """The runs of a benchmark: each treespec method once per numerics value (METHOD@bitwise for the
-    non-default ones), the others once."""
+def run_names(methods: list[str], numerics: list[str], kernels: list[str] = ("auto",)) -> list[str]:
+    """The runs of a benchmark: each treespec method once per numerics value x kernel (METHOD@bitwise,
+    METHOD@sdpa, METHOD@bitwise+reference for the non-default ones), the others once."""
     names = []
     for m in methods:
-        if m in TREESPEC_METHODS:
-            names += [m if x == "fast" else f"{m}@{x}" for x in numerics]
-        else:
+        if m not in TREESPEC_METHODS:
             names.append(m)
+            continue
+        for x in numerics:
+            for k in kernels:
+                variant = "+".join(v for v, default in ((x, "fast"), (k, "auto")) if v != default)
+                names.append(f"{m}@{variant}" if variant else m)
     return names
 
 
 def plain_run(name: str, results: dict) -> dict | None:
-    """The plain loop's run in the same numerics as run `name` ("plain" or "baseline"), if it ran."""
-    suffix = name[len(base_method(name)) :]  # "" or "@bitwise"
+    """The plain loop's run in the same numerics and kernel as run `name` ("plain" or "baseline"), if it
+    ran."""
+    suffix = name[len(base_method(name)) :]  # "", "@bitwise", "@sdpa" ...
     return next((results[p + suffix] for p in PLAIN_METHODS if p + suffix in results), None)
 
 
@@ -481,17 +498,19 @@ def make_runners(
     cost_curve: str | None = None,
     numerics: str = "fast",
     new_suffix_cache=None,
+    kernel: str = "auto",
 ) -> dict:
     """name -> run(ids, max_new_tokens) -> dict(token_ids, steps, accepted, library_seconds).
     compile: every treespec method verifies through torch.compile (`Decoder(compile=True)`); numerics: how
-    every treespec method computes (`DecodeOptions.numerics`). lookup: the lookup chain of the recipes that
+    every treespec method computes (`DecodeOptions.numerics`); kernel: its tree-attention kernel (a kernel
+    method, e.g. treespec_sdpa, keeps its own). lookup: the lookup chain of the recipes that
     have one (None: theirs). new_suffix_cache(): a fresh global suffix cache per suffix recipe (None: the
     recipe's own, warm from the model's shipped answers).
 
     chains: from `load_chain_drafters` (the draft-model methods and hf_assisted need "draft_model",
     self_spec needs "exit_head", the EAGLE recipes "eagle" unless the default model's ships)."""
     chains = chains or {}
-    ours = partial(treespec_runner, model, tokenizer, compile=compile, numerics=numerics)
+    ours = partial(treespec_runner, model, tokenizer, compile=compile, numerics=numerics, kernel=kernel)
 
     def hf(ids, max_new_tokens, **extra):
         return {"token_ids": hf_greedy(model, tokenizer, ids, max_new_tokens, **extra)}
@@ -523,6 +542,7 @@ def recipe_runner(
     drafter for every call where the recipe learns (dynamic trees, suffix caches, recycling tables), as a
     user reuses it."""
     recipe_name, kernel = method_recipe(name)
+    kernel_of_run = {} if kernel == "auto" else {"kernel": kernel}  # a kernel method's own, else the run's
     recipe = recipes.resolve(recipe_name, model)
     if lookup is not None and recipe.lookup:
         recipe = replace(recipe, lookup=lookup)
@@ -530,7 +550,7 @@ def recipe_runner(
     parts = recipes.Parts.shipped(
         model, recipe, compile=compile, numerics=numerics, cost_curve=cost_curve, **given
     )
-    return ours(recipes.drafter_factory(recipe, parts, compile), kernel=kernel)
+    return ours(recipes.drafter_factory(recipe, parts, compile), **kernel_of_run)
 
 
 def chain_runners(model, chains: dict, ours, hf, branching_spec: str) -> dict:
@@ -918,8 +938,9 @@ def describe_run(
         "num_prompts": len(prompts),
         "workload": args.workload,
         "numerics": args.numerics,
+        "kernels": args.kernels,
         "categories": [c.strip() for c in args.categories.split(",")] if args.categories else None,
-        "methods": run_names(args.methods, args.numerics),
+        "methods": run_names(args.methods, args.numerics, args.kernels),
         "peers": {name: peer.info for name, peer in peers.items()},
         "method_order": "rotating per prompt (prompt i starts with method i mod k)",
         "timing": "wall clock per whole call incl. prefill, after one warm-up call per method",
@@ -982,23 +1003,25 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
     new_suffix_cache = suffix_cache_factory(args.suffix_warm) if args.suffix_warm else None
     runners = {}
     for numerics in args.numerics:
-        made = make_runners(
-            model,
-            tokenizer,
-            heads,
-            tree,
-            ours,
-            args.lookup,
-            chains,
-            args.branching,
-            args.compile,
-            args.cost_curve,
-            numerics,
-            new_suffix_cache,
-        )
-        names = run_names(list(made), [numerics])
-        runners |= {name: run for name, run in zip(names, made.values(), strict=True) if name not in runners}
-    methods = run_names(args.methods, args.numerics)
+        for kernel in args.kernels:
+            made = make_runners(
+                model,
+                tokenizer,
+                heads,
+                tree,
+                ours,
+                args.lookup,
+                chains,
+                args.branching,
+                args.compile,
+                args.cost_curve,
+                numerics,
+                new_suffix_cache,
+                kernel,
+            )
+            names = run_names(list(made), [numerics], [kernel])
+            runners |= {n: run for n, run in zip(names, made.values(), strict=True) if n not in runners}
+    methods = run_names(args.methods, args.numerics, args.kernels)
     peers = start_peers(args, model, tokenizer, prompts)
     runners |= {name: peer_runner(peer) for name, peer in peers.items()}
 
