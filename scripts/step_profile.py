@@ -29,9 +29,9 @@ except ModuleNotFoundError:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import treespec
 from treespec.core.decoder import Decoder
+from treespec.core.drafting import BaseDrafter, Proposal
 from treespec.core.native import LINEAR_STAGES
 from treespec.core.tree import Tree
-from treespec.drafters.base import BaseDrafter, Proposal
 
 
 class ChainDrafter(BaseDrafter):

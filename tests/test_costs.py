@@ -25,11 +25,13 @@ def test_cost_curve_measures_every_point_and_round_trips(tmp_path):
     assert load_cost_curve(tmp_path / "c.json") == json.loads(json.dumps(curve))
 
 
-def test_interpolate_is_linear_between_measured_counts_and_clamped_outside():
+def test_interpolate_is_linear_between_measured_counts_and_goes_on_the_last_slope_beyond():
     curve = {"verify_ms": {"packed": {"100": {"1": 10.0, "8": 24.0, "16": 40.0}, "900": {"1": 99.0}}}}
     assert interpolate(curve, "packed", 120, 4) == pytest.approx(10.0 + 14.0 * 3 / 7)
     assert interpolate(curve, "packed", 120, 12) == pytest.approx(32.0)
-    assert interpolate(curve, "packed", 120, 64) == 40.0
+    # beyond the last measured count (a batch of rows x nodes): the last segment's slope, 2 ms a node
+    assert interpolate(curve, "packed", 120, 64) == pytest.approx(40.0 + 2.0 * 48)
+    assert interpolate(curve, "packed", 120, 1) == 10.0  # below the first: the first
     assert interpolate(curve, "packed", 800, 4) == 99.0  # the nearest measured prefix
 
 

@@ -171,8 +171,8 @@ def relative(curve: dict, path: str, prefix: int) -> dict[int, float]:
 
 
 def interpolate(curve: dict, path: str, prefix: int, n: int) -> float:
-    """verify ms at n nodes (linear between measured counts, clamped at the ends) for the measured
-    prefix nearest to `prefix`."""
+    """verify ms at n nodes (linear between measured counts; below the first, the first; beyond the last,
+    on the last segment's slope) for the measured prefix nearest to `prefix`."""
     return interpolate_rows(curve_rows(curve, path), prefix, n)
 
 
@@ -191,7 +191,10 @@ def interpolate_rows(rows: dict[int, list[tuple[int, float]]], prefix: int, n: i
     for (n0, v0), (n1, v1) in zip(row, row[1:], strict=False):
         if n <= n1:
             return v0 + (v1 - v0) * (n - n0) / (n1 - n0)
-    return row[-1][1]
+    if len(row) < 2:
+        return row[-1][1]
+    (n0, v0), (n1, v1) = row[-2:]  # beyond the measured counts (a batch's rows x nodes): the last slope
+    return v1 + max(0.0, v1 - v0) * (n - n1) / (n1 - n0)
 
 
 def nearest_row(rows: dict[int, list[tuple[int, float]]], prefix: int) -> list[tuple[int, float]]:
