@@ -110,6 +110,19 @@ int main(int argc, char** argv) {
       const double o = median(rate[0]), n = median(rate[1]);
       std::printf("%-24s %5ld %9.1f %9.1f %6.2fx\n", s.name, static_cast<long>(M), o, n, n / o);
       std::fflush(stdout);
+      if (M == 16) {  // the same in tasks of 32 columns, one call each (a multi-row step's split)
+        std::vector<double> split[2];
+        for (int rep = 0; rep < repeats; ++rep)
+          for (int a = 0; a < 2; ++a) {
+            const double t0 = now_ns();
+            for (int i = 0; i < iters; ++i)
+              for (int64_t c = 0; c < s.N; c += 32)
+                apis[a]->columns(w[a], rows[a], M, out.data(), s.N, c, std::min(s.N, c + 32), kVnni);
+            split[a].push_back(products * iters / (now_ns() - t0));
+          }
+        const double so = median(split[0]), sn = median(split[1]);
+        std::printf("%-24s %5s %9.1f %9.1f %6.2fx\n", s.name, "16/32c", so, sn, sn / so);
+      }
     }
   }
 

@@ -84,7 +84,7 @@ int32_t integer_sum(const Int8Weights& w, int64_t g, int64_t b, int c, const int
 //   kAhead bytes of the stream in flight ahead of its loads. Measured on a Zen 4 EPYC, one thread, weights
 //   from DRAM: Q8 (the lm_head) streams faster with 2 KB ahead; Q4_1 streamed fastest with none (the
 //   hardware prefetcher follows it alone; 1-8 KB ahead cost 5-15%).
-// - a panel computed in several tiles (compute-bound): the next panel of the task is asked for while this
+// - a panel computed in several tiles (compute-bound): the next panel of the matrix is asked for while this
 //   one computes, each tile a share of its lines, so that its first tile finds it in L2.
 template <bool Q4>
 constexpr int64_t kAhead = Q4 ? 0 : 2048;
@@ -207,7 +207,12 @@ void panel_rows(const Int8Weights& w, int64_t p, const QuantRows& x, int64_t M, 
   Prefetch pf;
   pf.end = end;
   pf.parts = static_cast<int>(tiles);
-  if (tiles > 1 && w.at(p + 1, 0) < end) pf.next = w.at(p + 1, 0);
+  // the next panel even past the caller's columns (a step's multi-row task is one panel; the claims hand a
+  // thread runs of consecutive tasks, so the next panel is mostly its own next task)
+  if (tiles > 1 && p + 1 < w.panels) {
+    pf.next = w.at(p + 1, 0);
+    pf.end = w.at(w.panels, 0);
+  }
   for (int64_t t = 0, r = 0; t < tiles; ++t) {
     const int64_t rows = (M - r) / (tiles - t) + ((M - r) % (tiles - t) != 0);
     float* o = out + r * ldo;
