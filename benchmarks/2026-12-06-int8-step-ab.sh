@@ -19,8 +19,10 @@ run() {  # side folder tag round
     PYTHONPATH="$1" "$py" "$root/benchmarks/2026-12-06-int8-step-times.py" --nodes 1,16 --steps 150 --prefix 128 \
       --out "$out/$2-$3.json" 2>/dev/null
   elif [ "$what" = cpu ]; then  # one thread, process CPU time: the work, whatever the load
-    PYTHONPATH="$1" "$py" "$root/benchmarks/2026-12-06-int8-step-times.py" --nodes 1,16 --steps 100 --prefix 128 \
-      --threads 1 --cpu-time --out "$out/$2-$3.json" 2>/dev/null
+    for prefix in 128 512; do
+      PYTHONPATH="$1" "$py" "$root/benchmarks/2026-12-06-int8-step-times.py" --nodes 1,2,4,8,16 --steps 60 \
+        --prefix $prefix --threads 1 --cpu-time --out "$out/$2-$3-prefix$prefix.json" 2>/dev/null
+    done
   elif [ "$what" = profile ]; then
     PYTHONPATH="$1" "$py" "$1/scripts/step_profile.py" --dtype float32 --numerics int8 --nodes 1,2,4,8,16 --steps 40 \
       --out "$out/$2-$3.json" 2>/dev/null | tail -6
