@@ -277,8 +277,8 @@ class Decoder:
         if B > 1 and not self.drafter.batched:
             raise ValueError(
                 f"{type(self.drafter).__name__} drafts for one sequence at a time (it keeps a cache or a "
-                "verification of its own): decode a batch with heads, prompt lookup, EAGLE or plain "
-                "decoding, or decode these prompts one by one"
+                "verification of its own): decode a batch with heads, EAGLE, suffix trees, recycling, "
+                "prompt lookup (or a TreePlanner of those) or plain decoding, or these prompts one by one"
             )
         names = ["the prompt"] if B == 1 else [f"prompt {i}" for i in range(B)]
         needed = max(

@@ -155,7 +155,8 @@ def single_row(hidden: torch.Tensor, roots: torch.Tensor) -> tuple[torch.Tensor,
     if hidden.dim() != 2 or hidden.shape[0] != 1 or roots.numel() != 1:
         raise ValueError(
             f"this drafter proposes for one sequence at a time; got hidden {tuple(hidden.shape)} "
-            f"and {roots.numel()} roots (batches of sequences take heads, prompt lookup or plain decoding)"
+            f"and {roots.numel()} roots (batches take heads, EAGLE, suffix trees, recycling, prompt lookup "
+            "or plain decoding)"
         )
     return hidden[0], int(roots.reshape(-1)[0])
 
