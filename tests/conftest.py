@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -168,6 +169,26 @@ def second_token_marginals(model, prompts: list[list[int]]) -> list[torch.Tensor
             nxt = torch.tensor([prompt + [x] for x in range(vocab)])  # [V, T + 1]
             exact.append(p1 @ model(nxt).logits[:, -1].softmax(-1))  # [V]
     return exact
+
+
+def second_token_counts(model, prompts, drafter_for_seed, seeds: int, copies: int, options=None) -> list:
+    """Sampled 2nd tokens (temperature 1): for each seed, one batch of `copies` rows of every prompt
+    (interleaved) decoded with `drafter_for_seed(seed)` (None: plain); returns one Counter {token: n} per
+    prompt, `seeds` x `copies` samples each."""
+    counts = [Counter() for _ in prompts]
+    for seed in range(seeds):
+        results = treespec.generate(
+            model,
+            [prompts[i % len(prompts)] for i in range(len(prompts) * copies)],
+            drafter_for_seed(seed),
+            max_new_tokens=2,
+            sampling=treespec.SamplingConfig(temperature=1.0, seed=seed),
+            eos_token_id=[],
+            options=options,
+        )
+        for i, result in enumerate(results):
+            counts[i % len(prompts)][result.token_ids[1]] += 1
+    return counts
 
 
 def total_variation(count, p: torch.Tensor) -> float:

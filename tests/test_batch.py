@@ -3,8 +3,6 @@ other; the batched cache and the per-row attention against their single-row refe
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 from conftest import (
@@ -12,6 +10,7 @@ from conftest import (
     hf_greedy,
     random_eagle,
     random_heads,
+    second_token_counts,
     second_token_marginals,
     tiny_model,
     total_variation,
@@ -228,20 +227,9 @@ def test_sampling_in_a_batch_matches_the_base_model_per_row():
     tree = treespec.default_tree(16, 4)
     prompts = [[1, 4, 2], [7, 7, 3, 0]]
     exact = second_token_marginals(model, prompts)  # [V] per prompt
-    counts = [Counter(), Counter()]
-    copies = 8
-    for seed in range(200):
-        batch = [prompts[i % 2] for i in range(2 * copies)]
-        results = treespec.generate(
-            model,
-            batch,
-            treespec.as_drafter(model, heads, tree),
-            max_new_tokens=2,
-            sampling=treespec.SamplingConfig(temperature=1.0, seed=seed),
-            eos_token_id=[],
-        )
-        for i, result in enumerate(results):
-            counts[i % 2][result.token_ids[1]] += 1
+    counts = second_token_counts(
+        model, prompts, lambda seed: treespec.as_drafter(model, heads, tree), seeds=200, copies=8
+    )
     for count, p in zip(counts, exact, strict=True):
         assert sum(count.values()) == 1600
         assert total_variation(count, p) < 0.06  # noise at n=1600 over 10 tokens is ~0.025

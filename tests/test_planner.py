@@ -5,7 +5,6 @@ chain, three sources; lossless sampling), each source calibrated on its own reco
 from __future__ import annotations
 
 import random
-from collections import Counter
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from conftest import (
     hf_greedy,
     random_heads,
     repeating_prompts,
+    second_token_counts,
     second_token_marginals,
     tiny_model,
     total_variation,
@@ -243,24 +243,15 @@ def test_sampling_keeps_the_base_models_distribution(priced, steady_clock):
     heads = treespec.make_drafter(random_heads(model, seed=1), treespec.default_tree(8, 4), model)
     prompts = [[1, 4, 2], [7, 7, 3, 0]]
     exact = second_token_marginals(model, prompts)  # [V] per prompt
-    counts = [Counter(), Counter()]
-    copies, shared = 32, 0
-    for seed in range(50):
+    drafters = []
+
+    def new_planner(seed):
         suffix = SuffixDrafter(cache, min_prob=0.05, spec_factor=4.0, remember=False)
-        drafter = TreePlanner([heads, suffix], cost if priced else None)
-        results = treespec.generate(
-            model,
-            [prompts[i % 2] for i in range(2 * copies)],
-            drafter,
-            max_new_tokens=2,
-            sampling=treespec.SamplingConfig(temperature=1.0, seed=seed),
-            eos_token_id=[],
-            options=SPECULATE,
-        )
-        for i, result in enumerate(results):
-            counts[i % 2][result.token_ids[1]] += 1
-        shared += drafter.report().stats["planner"]["shared"]
-    assert shared > 0  # merged nodes
+        drafters.append(TreePlanner([heads, suffix], cost if priced else None))
+        return drafters[-1]
+
+    counts = second_token_counts(model, prompts, new_planner, seeds=50, copies=32, options=SPECULATE)
+    assert sum(d.report().stats["planner"]["shared"] for d in drafters) > 0  # merged nodes
     for count, p in zip(counts, exact, strict=True):
         assert sum(count.values()) == 1600
         assert total_variation(count, p) < 0.06  # noise at n=1600 over 10 tokens is ~0.025

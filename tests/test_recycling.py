@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
-from conftest import ARCHS, hf_greedy, second_token_marginals, tiny_model, total_variation
+from conftest import (
+    ARCHS,
+    hf_greedy,
+    second_token_counts,
+    second_token_marginals,
+    tiny_model,
+    total_variation,
+)
 
 import treespec
 from treespec.core.drafting import SequenceStart
@@ -154,20 +159,8 @@ def test_sampling_with_recycling_matches_the_base_model():
     prompts = [[1, 4, 2], [7, 7, 3, 0]]
     exact = second_token_marginals(model, prompts)  # [V] per prompt
     drafter = RecyclingDrafter(10, k=8)
-    counts = [Counter(), Counter()]
-    copies = 8
-    for seed in range(100):  # each sample needs its own prefill: kept short
-        batch = [prompts[i % 2] for i in range(2 * copies)]
-        results = treespec.generate(
-            model,
-            batch,
-            drafter,
-            max_new_tokens=2,
-            sampling=treespec.SamplingConfig(temperature=1.0, seed=seed),
-            eos_token_id=[],
-        )
-        for i, result in enumerate(results):
-            counts[i % 2][result.token_ids[1]] += 1
+    # each sample needs its own prefill: kept short
+    counts = second_token_counts(model, prompts, lambda seed: drafter, seeds=100, copies=8)
     assert drafter.report().stats["recycling"]["rows_from_target"] >= 5
     for count, p in zip(counts, exact, strict=True):
         assert sum(count.values()) == 800

@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import json
 import random
-from collections import Counter
 
 import pytest
 import torch
-from conftest import ARCHS, hf_greedy, repeating_prompts, second_token_marginals, tiny_model, total_variation
+from conftest import (
+    ARCHS,
+    hf_greedy,
+    repeating_prompts,
+    second_token_counts,
+    second_token_marginals,
+    tiny_model,
+    total_variation,
+)
 
 import treespec
 from treespec import SequenceStart, SuffixCache, SuffixDrafter
@@ -247,22 +254,14 @@ def test_sampling_keeps_the_base_models_distribution():
         cache.add([rng.randrange(10) for _ in range(12)])
     prompts = [[1, 4, 2], [7, 7, 3, 0]]
     exact = second_token_marginals(model, prompts)  # [V] per prompt
-    counts = [Counter(), Counter()]
-    copies = 32
-    for seed in range(50):
-        drafter = SuffixDrafter(cache, min_prob=0.05, spec_factor=4.0, remember=False)
-        batch = [prompts[i % 2] for i in range(2 * copies)]
-        results = treespec.generate(
-            model,
-            batch,
-            drafter,
-            max_new_tokens=2,
-            sampling=treespec.SamplingConfig(temperature=1.0, seed=seed),
-            eos_token_id=[],
-            options=SPECULATE,
-        )
-        for i, result in enumerate(results):
-            counts[i % 2][result.token_ids[1]] += 1
+    drafters = []
+
+    def new_suffix(seed):
+        drafters.append(SuffixDrafter(cache, min_prob=0.05, spec_factor=4.0, remember=False))
+        return drafters[-1]
+
+    counts = second_token_counts(model, prompts, new_suffix, seeds=50, copies=32, options=SPECULATE)
+    drafter = drafters[-1]
     assert drafter.report().stats["suffix"]["nodes"] >= 3  # a tree, not the root alone
     for count, p in zip(counts, exact, strict=True):
         assert sum(count.values()) == 1600
