@@ -57,7 +57,10 @@ class _MergedRow:
         self.parents, self.tokens, self.paths = [-1], [root], [()]
         self.children: list[dict[int, int]] = [{}]  # token -> node
         self.probs, self.levels = [[1.0] * sources], [0]
-        self.node_probs: list[float] = []  # per node, once merged: the sources' combined probability
+        # per node, once every source is merged (`TreePlanner._merge`): the sources' combined
+        # probability and the calibration group
+        self.node_probs: list[float] = []
+        self.groups: list[int] = []
 
     def add(self, parent: int, token: int, source: int, prob: float, level: int) -> int:
         """The node for `token` under `parent` (made when new), now also proposed by `source`."""
@@ -307,9 +310,9 @@ class TreePlanner(BaseDrafter):
         probs = torch.ones(proposal.tokens.shape) if probs is None else probs.float().cpu()  # [B, N]
         return tree.parents.tolist(), proposal.tokens.tolist(), probs.tolist(), node_levels
 
-    def _merge(self, root: int, row: int, drafts: list[tuple]) -> tuple[_MergedRow, list[float], list[int]]:
-        """Row `row`'s trees merged by token path: (the merged tree, each node's value, its calibration
-        group)."""
+    def _merge(self, root: int, row: int, drafts: list[tuple]) -> tuple[_MergedRow, list[float]]:
+        """Row `row`'s trees merged by token path: (the merged tree with each node's combined probability
+        and calibration group, each node's value)."""
         merged = _MergedRow(root, len(drafts))
         for source, (parents, tokens, probs, levels) in enumerate(drafts):
             where = [0] + [-1] * (len(parents) - 1)  # the source's node -> merged node (-1: left out)
@@ -326,7 +329,7 @@ class TreePlanner(BaseDrafter):
             self.counts["shared"] += mask & (mask - 1) != 0
             for s, p in enumerate(by_source):
                 self.counts["proposed"][s] += p > 0
-        merged.node_probs = probs
+        merged.node_probs, merged.groups = probs, groups
         if self.priced:  # calibrated acceptance of each node given its parent
             self.calibration.reserve(len(self.group_ids))
             accept = self.calibration.predict(torch.tensor(probs), groups).tolist()
@@ -335,13 +338,13 @@ class TreePlanner(BaseDrafter):
         values = [1.0] * len(probs)
         for node in range(1, len(probs)):  # parents come first
             values[node] = values[merged.parents[node]] * accept[node]
-        return merged, values, groups
+        return merged, values
 
     def _join(self, rows: list[tuple]) -> tuple[dict[tuple, float], dict[tuple, int]]:
         """Every row's rank paths: (path -> value summed over the rows, path -> smallest drafting level)."""
         values: dict[tuple, float] = {}
         levels: dict[tuple, int] = {}
-        for merged, row_values, _ in rows:
+        for merged, row_values in rows:
             for node in range(1, len(merged.tokens)):
                 path = merged.paths[node]
                 values[path] = values.get(path, 0.0) + row_values[node]
@@ -354,12 +357,12 @@ class TreePlanner(BaseDrafter):
         n = tree.num_nodes
         index = {path: i for i, path in enumerate(tree.choices, start=1)}
         tokens, probs, groups = [], [], []
-        for merged, _, row_groups in rows:
+        for merged, _ in rows:
             t, p, g = [merged.tokens[0]] * n, [1.0] + [0.0] * (n - 1), [0] * n
             for node in range(1, len(merged.tokens)):
                 i = index.get(merged.paths[node])
                 if i is not None:
-                    t[i], p[i], g[i] = merged.tokens[node], merged.node_probs[node], row_groups[node]
+                    t[i], p[i], g[i] = merged.tokens[node], merged.node_probs[node], merged.groups[node]
             tokens.append(t)
             probs.append(p)
             groups.append(g)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.drafting import BaseDrafter, Proposal, SequenceStart
+from ..core.drafting import BaseDrafter, Proposal, SequenceStart, batch_rows
 from ..core.tree import Tree
 
 
@@ -99,7 +99,8 @@ class PromptLookup(BaseDrafter):
     def propose(self, hidden: torch.Tensor, roots: torch.Tensor, max_depth: int | None = None) -> Proposal:
         """tokens, probs [B, length + 1]: each row's copied chain (padded with its last token at
         probability 0; a row without a match: its root, probability 0)."""
-        roots = roots.reshape(-1).tolist()
+        hidden, roots = batch_rows(hidden, roots)
+        roots = roots.tolist()
         tokens, probs = [], torch.zeros(len(roots), self.tree.num_nodes)  # [B, N]
         for row, root in enumerate(roots):
             chain, matched = self.indexes[row].match(self.length)
