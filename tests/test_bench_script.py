@@ -45,9 +45,10 @@ def test_method_needing_a_drafter_is_refused(capsys):
 def test_bench_smoke(tmp_path, capsys):
     out = tmp_path / "b.json"
     argv = ["--num-prompts", "2", "--max-new-tokens", "8", "--dtype", "float32"]
-    methods = ["hf", "baseline", "baseline_sdpa", "treespec", "treespec_sdpa", "lookup", "treespec_lookup"]
-    methods += ["suffix", "recycling"]
-    bench.main([*argv, "--out", str(out), "--methods", ",".join(methods), "--lookup", "4"])
+    methods = ["hf", "plain", "heads", "lookup", "heads+lookup", "suffix", "recycling"]
+    argv += ["--kernels", "auto,sdpa", "--methods", ",".join(methods), "--lookup", "4"]
+    bench.main([*argv, "--out", str(out)])
+    runs = bench.run_names(methods, ["fast"], ["auto", "sdpa"])  # hf, plain, plain@sdpa, heads, ...
 
     result = json.loads(out.read_text())
     prompts = result["prompts"]
@@ -55,18 +56,18 @@ def test_bench_smoke(tmp_path, capsys):
     assert [p["category"] for p in prompts] == ["writing", "roleplay"]  # round-robin over categories
     assert [row["category"] for row in result["summary"]] == ["writing", "roleplay", "overall"]
     for p in prompts:
-        assert set(p["methods"]) == set(methods)
+        assert set(p["methods"]) == set(runs)
         assert 1 <= p["methods"]["hf"]["new_tokens"] <= 8
-        for m in methods[1:]:
+        for m in runs[1:]:
             assert p["methods"][m]["identical_to_hf"], (m, p)
     overall = result["summary"][-1]["methods"]
-    assert overall["treespec"]["identical_to_hf"] == 2
-    assert overall["treespec_sdpa"]["accept_length"] == overall["treespec"]["accept_length"]
-    assert overall["treespec"]["accept_length"] >= 1.0
+    assert overall["heads"]["identical_to_hf"] == 2
+    assert overall["heads@sdpa"]["accept_length"] == overall["heads"]["accept_length"]
+    assert overall["heads"]["accept_length"] >= 1.0
     assert overall["hf"]["speedup"] == pytest.approx(1.0)
-    assert overall["treespec_lookup"]["accept_length"] >= 1.0
+    assert overall["heads+lookup"]["accept_length"] >= 1.0
     printed = capsys.readouterr().out
-    assert "same(treespec)" in printed and "accept(treespec_lookup)" in printed
+    assert "same(heads)" in printed and "accept(heads+lookup)" in printed
     assert result["config"]["lookup"] == 4
 
 
@@ -85,7 +86,7 @@ def test_bench_draft_model_self_spec_and_assisted(tmp_path, smollm2, capsys):
     out = tmp_path / "b.json"
     methods = [
         "hf",
-        "baseline",
+        "plain",
         "draft_model",
         "draft_model_int8",
         "draft_model_tree",
@@ -135,10 +136,10 @@ def test_bench_eagle_methods(tmp_path, smollm2):
     treespec.EagleDraftModel.for_model(model, torch.arange(2048)).save_pretrained(folder)
     out = tmp_path / "b.json"
     argv = ["--num-prompts", "2", "--max-new-tokens", "8", "--dtype", "float32", "--lookup", "3"]
-    argv += ["--eagle", str(folder), "--eagle-tree", "3", "--methods", "hf,eagle,eagle_lookup"]
+    argv += ["--eagle", str(folder), "--eagle-tree", "3", "--methods", "hf,eagle,eagle+lookup"]
     result = bench.main([*argv, "--out", str(out)])
     overall = result["summary"][-1]["methods"]
-    for m in ("eagle", "eagle_lookup"):
+    for m in ("eagle", "eagle+lookup"):
         assert overall[m]["identical_to_hf"] == 2, m
         assert overall[m]["draft_ms"] > 0
     assert "chain of 3" in result["config"]["eagle"]
@@ -164,19 +165,18 @@ def test_bench_dynamic_methods(tmp_path, smollm2):
     argv = ["--num-prompts", "2", "--max-new-tokens", "8", "--dtype", "float32", "--lookup", "3"]
     argv += ["--eagle", str(folder), "--eagle-tree", "3", "--cost-curve", str(curve)]
     argv += ["--suffix-warm", WARM]  # the suffix methods start from the model's own earlier answers
-    methods = "hf,dynamic,eagle_dynamic,eagle_dynamic_suffix,eagle_dynamic_all,eagle_heads_all,dynamic_suffix"
-    methods += ",dynamic_all"
-    result = bench.main([*argv, "--methods", methods, "--out", str(out)])
-    overall = result["summary"][-1]["methods"]
-    for m in (
+    methods = [
         "dynamic",
-        "eagle_dynamic",
-        "eagle_dynamic_suffix",
-        "eagle_dynamic_all",
-        "eagle_heads_all",
-        "dynamic_suffix",
-        "dynamic_all",
-    ):
+        "eagle+dynamic",
+        "eagle+suffix",
+        "eagle+all",
+        "all",
+        "dynamic+suffix",
+        "dynamic+all",
+    ]
+    result = bench.main([*argv, "--methods", ",".join(["hf", *methods]), "--out", str(out)])
+    overall = result["summary"][-1]["methods"]
+    for m in methods:
         assert overall[m]["identical_to_hf"] == 2, m
         assert overall[m]["nodes_per_step"] >= 1 and overall[m]["predicted_accept_length"] >= 1
     # each prompt's record keeps what the pricer had learned after it (to tell why trees grew or shrank)
@@ -184,7 +184,7 @@ def test_bench_dynamic_methods(tmp_path, smollm2):
     assert pricer[1]["tree_steps"] >= pricer[0]["tree_steps"] and isinstance(pricer[1]["rest_ms"], float)
     assert 0 <= min(pricer[1]["acceptance_by_bin"]) <= max(pricer[1]["acceptance_by_bin"]) <= 1
     assert result["prompts"][0]["methods"]["hf"]["pricer"] is None
-    assert result["config"]["lookup"] == 3  # dynamic and eagle_dynamic draft a lookup branch
+    assert result["config"]["lookup"] == 3  # dynamic and eagle+dynamic draft a lookup branch
     assert result["config"]["suffix_warm"] == WARM
 
 
@@ -202,13 +202,11 @@ def test_each_method_gets_its_own_warm_suffix_cache():
 
 
 def test_numerics_runs_are_named_per_value(capsys):
-    names = bench.run_names(["hf", "baseline", "dynamic", "vllm"], ["fast", "bitwise"])
-    assert names == ["hf", "baseline", "baseline@bitwise", "dynamic", "dynamic@bitwise", "vllm"]
+    names = bench.run_names(["hf", "plain", "dynamic", "vllm"], ["fast", "bitwise"])
+    assert names == ["hf", "plain", "plain@bitwise", "dynamic", "dynamic@bitwise", "vllm"]
     assert bench.base_method("dynamic@bitwise") == "dynamic"
     with pytest.raises(SystemExit):
         bench.parse_args(["--numerics", "fast,exactish"])
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--numerics", "bitwise", "--methods", "baseline_sdpa"])
     assert "bitwise" in capsys.readouterr().err
 
 
@@ -249,7 +247,7 @@ def test_sharegpt_heldout_prompts_are_the_distillation_eval_split():
 def test_bench_refine_workload_with_bitwise_numerics(tmp_path, capsys):
     out = tmp_path / "b.json"
     argv = ["--workload", "refine", "--num-prompts", "1", "--max-new-tokens", "12", "--dtype", "float32"]
-    argv += ["--methods", "baseline,suffix", "--numerics", "fast,bitwise", "--out", str(out)]
+    argv += ["--methods", "plain,suffix", "--numerics", "fast,bitwise", "--out", str(out)]
     bench.main(argv)
     result = json.loads(out.read_text())
     categories = [p["category"] for p in result["prompts"]]
@@ -258,26 +256,23 @@ def test_bench_refine_workload_with_bitwise_numerics(tmp_path, capsys):
     assert refine_prompt > result["prompts"][0]["prompt_tokens"] + 6  # it holds the first answer
     overall = result["summary"][-1]["methods"]
     assert overall["suffix@bitwise"]["identical_to_plain"] == 3
-    assert set(overall) == {"baseline", "baseline@bitwise", "suffix", "suffix@bitwise"}
+    assert set(overall) == {"plain", "plain@bitwise", "suffix", "suffix@bitwise"}
     assert "plain(suffix@bitwise)" in capsys.readouterr().out
 
 
-def test_every_recipe_is_a_method_under_its_name_and_the_earlier_names_still_run():
+def test_every_recipe_is_a_method_under_its_name():
     from treespec import recipes
 
     for name in recipes.RECIPES:
-        assert bench.method_recipe(name) == (name, "auto") and name in bench.METHODS
-    assert bench.method_recipe("baseline") == ("plain", "auto")
-    assert bench.method_recipe("treespec_sdpa@bitwise") == ("heads", "sdpa")
-    assert bench.method_recipe("eagle_heads_all") == ("all", "auto")
+        assert bench.method_recipe(name) == name and name in bench.METHODS
+    assert bench.method_recipe("heads@bitwise+sdpa") == "heads"
     assert bench.method_recipe("hf") is None and bench.method_recipe("draft_model") is None
-    assert all(bench.ALIASES[old] in recipes.RECIPES for old in bench.ALIASES)
-    assert bench.is_speculative("dynamic+suffix") and not bench.is_speculative("baseline@bitwise")
-    assert bench.uses("eagle", ["hf", "eagle_dynamic_suffix"]) and not bench.uses("eagle", ["dynamic"])
+    assert bench.is_speculative("dynamic+suffix") and not bench.is_speculative("plain@bitwise")
+    assert bench.uses("eagle", ["hf", "eagle+suffix"]) and not bench.uses("eagle", ["dynamic"])
     assert bench.uses("lookup", ["dynamic"]) and not bench.uses("lookup", ["dynamic+suffix"])
     args = bench.parse_args([])  # the defaults: what `treespec generate` runs, beside HF and the plain loop
     assert args.methods == ["hf", "hf_prompt_lookup", "plain", "auto"] and args.dtype == "auto"
-    assert bench.plain_run("heads@bitwise", {"baseline@bitwise": 1, "plain": 2}) == 1
+    assert bench.plain_run("heads@bitwise", {"plain@bitwise": 1, "plain": 2}) == 1
 
 
 def test_recipe_runners_decode_as_hf_and_auto_resolves_per_model(tmp_path, steady_clock):
@@ -291,7 +286,7 @@ def test_recipe_runners_decode_as_hf_and_auto_resolves_per_model(tmp_path, stead
     curve = tmp_path / "curve.json"
     rows = {"1": 0.3, "4": 0.32, "8": 0.4, "16": 0.6, "32": 1.2}  # a tiny model's scale
     save_cost_curve(curve, {"format": "treespec.cost_curve", "verify_ms": {"blocks": {"300": rows}}})
-    methods = ["plain", "heads", "treespec_lookup", "dynamic", "dynamic+all", "suffix"]
+    methods = ["plain", "heads", "heads+lookup", "dynamic", "dynamic+all", "suffix"]
     heads = random_heads(model)
     runners = bench.make_runners(model, None, heads, None, methods, lookup=3, cost_curve=str(curve))
     prompt = [5, 9, 14, 2, 5, 9, 14]

@@ -201,5 +201,5 @@ def test_every_recipe_and_benchmark_method_has_a_name_on_the_page():
     from treespec.recipes import RECIPES
     from treespec.tools import bench, bench_batch
 
-    methods = {*RECIPES, *bench.ALIASES, *bench.KERNEL_METHODS, *bench_batch.METHODS} - {"hf_assisted"}
+    methods = {*RECIPES, *bench.PEER_METHODS, *bench_batch.METHODS}
     assert not methods - set(page.METHOD_NAMES)

@@ -100,7 +100,7 @@ def test_program_gets_the_arguments(monkeypatch, capsys, command):
 
 
 def test_program_errors_exit_2(tmp_path, capsys):
-    code, _, err = run(["bench", "--heads", tmp_path / "no-heads", "--methods", "treespec"], capsys)
+    code, _, err = run(["bench", "--heads", tmp_path / "no-heads", "--methods", "heads"], capsys)
     assert code == 2 and "no-heads" in err and "Traceback" not in err
 
 

@@ -15,12 +15,6 @@ Methods (all run in the same process on the same prompt token ids):
                       the suffix cache's start (default: the recipe's, the model's shipped answers), and
                       `--cost-curve` the curve dynamic recipes price on. A recipe that learns (dynamic trees,
                       suffix caches, recycling tables) keeps one drafter for every call, as a user reuses it.
-    earlier names     the benchmark's earlier method names, kept for its JSON files: baseline (plain),
-                      treespec (heads), treespec_lookup (heads+lookup), eagle_lookup, eagle_dynamic
-                      (eagle+dynamic), dynamic_suffix (dynamic+suffix), dynamic_all (dynamic+all),
-                      eagle_dynamic_suffix (eagle+suffix), eagle_dynamic_all (eagle+all), eagle_heads_all
-                      (all); baseline_sdpa / treespec_sdpa: plain / heads with kernel="sdpa" (torch SDPA
-                      with a dense tree mask and the torch commit instead of the compiled ops)
     draft_model       `treespec.generate` with a DraftModelDrafter (`--draft-model`, chain of gamma tokens);
                       draft_model_fp32 / _bf16 / _fp16 / _int8: its speculative KV cache in that precision
     draft_model_tree  draft_model plus the draft's runner-up tokens as leaves (`--branching`, default 1:4)
@@ -45,7 +39,7 @@ Numerics and kernels (`--numerics fast,bitwise`, `--kernels auto,sdpa`; `core.de
 `core.attention.KERNELS` list the values): every treespec method runs once per numerics x kernel; a run
 other than fast / auto is named METHOD@VALUES (e.g. heads@bitwise, dynamic+suffix@sdpa, plain@int8+sdpa;
 `DecodeOptions.numerics` / `kernel`), and plain(X) counts the prompts where X's output equals treespec's
-plain loop (plain or baseline) in the same numerics and kernel.
+plain loop in the same numerics and kernel.
 
 gamma per drafter: `--gamma`, else the drafter folder's tune.json (`treespec tune`), else 4.
 Heads, tree, draft model and exit head come from the options as in `treespec generate`
@@ -113,22 +107,7 @@ STORAGE_METHODS = {
 }
 TREE_METHOD = "draft_model_tree"  # draft_model with --branching runners-up beside the chain
 CHAIN_METHODS = (*STORAGE_METHODS, TREE_METHOD, "self_spec")  # drafters the options load (not recipes)
-# the benchmark's earlier method names (its JSON files and BENCHMARKS.md use them) -> their recipe
-ALIASES = {
-    "baseline": "plain",
-    "treespec": "heads",
-    "treespec_lookup": "heads+lookup",
-    "eagle_lookup": "eagle+lookup",
-    "eagle_dynamic": "eagle+dynamic",
-    "dynamic_suffix": "dynamic+suffix",
-    "dynamic_all": "dynamic+all",
-    "eagle_dynamic_suffix": "eagle+suffix",
-    "eagle_dynamic_all": "eagle+all",
-    "eagle_heads_all": "all",
-}
-KERNEL_METHODS = {"baseline_sdpa": ("plain", "sdpa"), "treespec_sdpa": ("heads", "sdpa")}  # torch SDPA kernel
-RECIPE_METHODS = (recipes.AUTO, *recipes.RECIPES, *ALIASES, *KERNEL_METHODS)
-PLAIN_METHODS = ("plain", "baseline")  # the plain loop, which plain(X) compares with
+RECIPE_METHODS = (recipes.AUTO, *recipes.RECIPES)
 VLLM_METHODS = {"vllm": 0, "vllm_ngram": None}  # name -> n-gram tokens (None: --vllm-ngram)
 LLAMACPP_METHODS = {"llamacpp": 0, "llamacpp_lookup": None}  # name -> lookup tokens (None: --llamacpp-lookup)
 PEER_METHODS = {**VLLM_METHODS, **LLAMACPP_METHODS}  # the engines in subprocesses of their own
@@ -137,27 +116,23 @@ TREESPEC_METHODS = (*RECIPE_METHODS, *CHAIN_METHODS)  # the methods that take --
 DEFAULT_METHODS = ("hf", "hf_prompt_lookup", "plain", recipes.AUTO)  # as `treespec generate` decodes
 
 
-def method_recipe(name: str) -> tuple[str, str] | None:
-    """(recipe name, kernel) of a recipe method (a recipe name, "auto", an earlier name or a kernel
-    variant), else None (HF, a chain drafter, a peer)."""
+def method_recipe(name: str) -> str | None:
+    """The recipe name of a recipe method's run (a recipe name or "auto", with or without @VALUES), else
+    None (HF, a chain drafter, a peer)."""
     name = base_method(name)
-    if name in KERNEL_METHODS:
-        return KERNEL_METHODS[name]
-    name = ALIASES.get(name, name)
-    return (name, "auto") if name in (recipes.AUTO, *recipes.RECIPES) else None
+    return name if name in RECIPE_METHODS else None
 
 
 def is_speculative(name: str) -> bool:
     """A method that drafts and verifies (every recipe but plain, every chain drafter)."""
-    picked = method_recipe(name)
-    return base_method(name) in CHAIN_METHODS or (picked is not None and picked[0] != "plain")
+    return base_method(name) in CHAIN_METHODS or method_recipe(name) not in (None, "plain")
 
 
 def uses(source: str, methods: list[str]) -> bool:
     """Whether a recipe among `methods` drafts with `source` ("heads", "eagle", ...; "lookup": a lookup
     chain)."""
     picked = [method_recipe(m) for m in methods]
-    chosen = [recipes.RECIPES[p[0]] for p in picked if p is not None and p[0] != recipes.AUTO]
+    chosen = [recipes.RECIPES[p] for p in picked if p not in (None, recipes.AUTO)]
     if source == "lookup":
         return any(r.lookup for r in chosen)
     return any(source in r.sources for r in chosen)
@@ -181,8 +156,6 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
     args.numerics = [x.strip() for x in args.numerics.split(",") if x.strip()]
     if not args.numerics or set(args.numerics) - set(NUMERICS):
         p.error(f"--numerics takes values from {', '.join(NUMERICS)}, got {args.numerics}")
-    if set(args.numerics) - {"fast"} and set(KERNEL_METHODS) & set(args.methods):
-        p.error("the _sdpa methods run torch's SDPA kernel, which --numerics other than fast replaces")
     args.kernels = [x.strip() for x in args.kernels.split(",") if x.strip()]
     if not args.kernels or set(args.kernels) - {"auto", *KERNELS}:
         p.error(f"--kernels takes values from auto, {', '.join(KERNELS)}, got {args.kernels}")
@@ -261,7 +234,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--methods",
         default=",".join(DEFAULT_METHODS),
         help=f"comma list from {','.join(METHODS)}: recipes (treespec.recipes; auto: the best shipped one "
-        "for the model) under their names or the benchmark's earlier ones, chain drafters, HF and peers",
+        "for the model), chain drafters, HF and peers",
     )
 
 
@@ -365,10 +338,9 @@ def run_names(methods: list[str], numerics: list[str], kernels: list[str] = ("au
 
 
 def plain_run(name: str, results: dict) -> dict | None:
-    """The plain loop's run in the same numerics and kernel as run `name` ("plain" or "baseline"), if it
-    ran."""
+    """The plain loop's run in the same numerics and kernel as run `name`, if it ran."""
     suffix = name[len(base_method(name)) :]  # "", "@bitwise", "@sdpa" ...
-    return next((results[p + suffix] for p in PLAIN_METHODS if p + suffix in results), None)
+    return results.get("plain" + suffix)
 
 
 def resolve_auto(methods: list[str], model) -> list[str]:
@@ -502,10 +474,9 @@ def make_runners(
 ) -> dict:
     """name -> run(ids, max_new_tokens) -> dict(token_ids, steps, accepted, library_seconds).
     compile: every treespec method verifies through torch.compile (`Decoder(compile=True)`); numerics: how
-    every treespec method computes (`DecodeOptions.numerics`); kernel: its tree-attention kernel (a kernel
-    method, e.g. treespec_sdpa, keeps its own). lookup: the lookup chain of the recipes that
-    have one (None: theirs). new_suffix_cache(): a fresh global suffix cache per suffix recipe (None: the
-    recipe's own, warm from the model's shipped answers).
+    every treespec method computes (`DecodeOptions.numerics`); kernel: its tree-attention kernel. lookup:
+    the lookup chain of the recipes that have one (None: theirs). new_suffix_cache(): a fresh global
+    suffix cache per suffix recipe (None: the recipe's own, warm from the model's shipped answers).
 
     chains: from `load_chain_drafters` (the draft-model methods and hf_assisted need "draft_model",
     self_spec needs "exit_head", the EAGLE recipes "eagle" unless the default model's ships)."""
@@ -541,16 +512,14 @@ def recipe_runner(
     (`given`: heads, their static tree, the EAGLE drafter, the suffix cache; None: the shipped one), one
     drafter for every call where the recipe learns (dynamic trees, suffix caches, recycling tables), as a
     user reuses it."""
-    recipe_name, kernel = method_recipe(name)
-    kernel_of_run = {} if kernel == "auto" else {"kernel": kernel}  # a kernel method's own, else the run's
-    recipe = recipes.resolve(recipe_name, model)
+    recipe = recipes.resolve(method_recipe(name), model)
     if lookup is not None and recipe.lookup:
         recipe = replace(recipe, lookup=lookup)
     given = {k: v for k, v in given.items() if v is not None and not (k == "tree" and recipe.dynamic)}
     parts = recipes.Parts.shipped(
         model, recipe, compile=compile, numerics=numerics, cost_curve=cost_curve, **given
     )
-    return ours(recipes.drafter_factory(recipe, parts, compile), **kernel_of_run)
+    return ours(recipes.drafter_factory(recipe, parts, compile))
 
 
 def chain_runners(model, chains: dict, ours, hf, branching_spec: str) -> dict:
@@ -774,9 +743,8 @@ def summarize(records: list[dict], methods: list[str], reference: str = REFERENC
             ref_tps = row["methods"][reference]["tokens_per_second"]
             for entry in row["methods"].values():
                 entry["speedup"] = entry["tokens_per_second"] / ref_tps if ref_tps else None
-        base = next((m for m in PLAIN_METHODS if m in methods), None)
-        if base is not None:
-            base_tps = row["methods"][base]["tokens_per_second"]
+        if "plain" in methods:
+            base_tps = row["methods"]["plain"]["tokens_per_second"]
             for entry in row["methods"].values():
                 entry["speedup_vs_baseline"] = entry["tokens_per_second"] / base_tps if base_tps else None
         rows.append(row)
@@ -865,14 +833,13 @@ def format_tables(summary: list[dict], methods: list[str], reference: str = REFE
                 if differ
                 else ""
             )
-            + "plain(X): prompts with X's tokens == treespec's plain loop's (baseline, same numerics)"
+            + "plain(X): prompts with X's tokens == treespec's plain loop's (same numerics and kernel)"
         )
         parts += ["", note, _grid(headers, rows)]
     overall = summary[-1]["methods"]
     if accept:
         rows = []
-        measured = (*PLAIN_METHODS, "hf_assisted")
-        for m in [m for m in methods if is_speculative(m) or base_method(m) in measured]:
+        for m in [m for m in methods if is_speculative(m) or base_method(m) in ("plain", "hf_assisted")]:
             e = overall[m]
 
             def fmt(key, spec, scale=1.0, e=e):
@@ -931,7 +898,7 @@ def describe_run(
         "max_new_tokens": args.max_new_tokens,
         "lookup": (args.lookup or recipes.LOOKUP) if uses("lookup", args.methods) else None,
         "recipes": {
-            m: recipes.RECIPES[method_recipe(m)[0]].description for m in args.methods if method_recipe(m)
+            m: recipes.RECIPES[method_recipe(m)].description for m in args.methods if method_recipe(m)
         },
         "suffix_warm": args.suffix_warm,
         "compile": args.compile,
