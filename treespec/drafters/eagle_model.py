@@ -34,16 +34,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from ..io import atomic_write, atomic_write_text
-from .heads import _describe, fingerprints_match, model_identity
+from .checkpoint_files import CONFIG_NAME, WEIGHTS_NAME, check_tensors, draft_vocab_problem, read_checkpoint
+from .heads import check_made_for, model_identity
 
 FORMAT = "treespec.eagle_drafter"
 VERSION = 1
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 _TRAIN_HINT = "train a drafter for this model with scripts/train_eagle.py"
 
 
@@ -159,10 +158,9 @@ class EagleDraftModel(nn.Module):
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         draft_vocab = torch.as_tensor(draft_vocab, dtype=torch.long)
-        if draft_vocab.dim() != 1 or len(torch.unique(draft_vocab)) != len(draft_vocab):
-            raise ValueError("draft_vocab must be a 1-D tensor of distinct token ids")
-        if int(draft_vocab.min()) < 0 or int(draft_vocab.max()) >= config.vocab_size:
-            raise ValueError(f"draft_vocab ids must lie in [0, {config.vocab_size})")
+        problem = draft_vocab_problem(draft_vocab, config.vocab_size)
+        if problem:
+            raise ValueError(f"draft_vocab {problem}")
         ref = model.get_output_embeddings().weight
         drafter = cls(
             config.hidden_size,
@@ -366,54 +364,20 @@ class EagleDraftModel(nn.Module):
         """Load a drafter folder; with `model`, check it was made for that model and follow its device
         and dtype. Everything is checked before any weight is used; a bad folder raises EagleLoadError."""
         folder = Path(folder)
-        config_path, weights_path = folder / CONFIG_NAME, folder / WEIGHTS_NAME
-        if not config_path.is_file() or not weights_path.is_file():
-            raise EagleLoadError(
-                f"{folder} is not an EAGLE drafter folder (needs {CONFIG_NAME} and {WEIGHTS_NAME})"
-            )
-        try:
-            config = json.loads(config_path.read_text())
-        except json.JSONDecodeError as e:
-            raise EagleLoadError(f"{config_path} is not valid JSON ({e}); the folder is corrupt") from e
-        if config.get("format") != FORMAT:
-            raise EagleLoadError(
-                f"{config_path} is not an EAGLE drafter config (format {config.get('format')!r})"
-            )
-        if config.get("version", 0) > VERSION:
-            raise EagleLoadError(
-                f"{config_path} has version {config['version']}; this treespec reads {VERSION}"
-            )
+        config, tensors = read_checkpoint(folder, "EAGLE drafter", FORMAT, VERSION, EagleLoadError)
         fields = {k: v for k, v in config.items() if k not in ("format", "version", "dtype")}
-        try:
-            tensors = load_file(str(weights_path))
-        except Exception as e:  # safetensors raises several types for a damaged file
-            raise EagleLoadError(f"cannot read {weights_path} ({e}); the file is corrupt") from e
         try:
             drafter = cls(**fields, device="meta")
         except (TypeError, ValueError) as e:
-            raise EagleLoadError(f"{config_path} does not describe a drafter: {e}") from e
-        expected = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
-        got = {k: tuple(v.shape) for k, v in tensors.items()}
-        if expected != got:
-            missing, extra = expected.keys() - got.keys(), got.keys() - expected.keys()
-            wrong = [k for k in expected.keys() & got.keys() if expected[k] != got[k]]
-            raise EagleLoadError(
-                f"{weights_path} does not match its config (missing {sorted(missing)}, unexpected "
-                f"{sorted(extra)}, wrong shape {sorted(wrong)}); the folder is corrupt"
-            )
-        vocab = tensors["draft_vocab"]
-        if (
-            len(torch.unique(vocab)) != len(vocab)
-            or int(vocab.min()) < 0
-            or int(vocab.max()) >= fields["vocab_size"]
-        ):
-            raise EagleLoadError(
-                f"{weights_path}: draft_vocab is not a set of distinct token ids; the folder is corrupt"
-            )
-        if any(not torch.isfinite(v).all() for k, v in tensors.items() if v.is_floating_point()):
-            raise EagleLoadError(f"{weights_path} holds NaN or infinite weights; the folder is corrupt")
-        if model is not None:
-            check_model(config.get("base_model"), model)
+            raise EagleLoadError(f"{folder / CONFIG_NAME} does not describe a drafter: {e}") from e
+        check_tensors(
+            folder / WEIGHTS_NAME, tensors, drafter.state_dict(), drafter.vocab_size, EagleLoadError
+        )
+        if model is not None and drafter.base_model is not None:
+            try:
+                check_made_for(drafter.base_model, model, "this drafter was made for", _TRAIN_HINT)
+            except ValueError as error:
+                raise EagleLoadError(f"cannot use the drafter in {folder}: {error}") from error
         ref = model.get_output_embeddings().weight if model is not None else None
         device = ref.device if ref is not None else "cpu"
         dtype = dtype or (ref.dtype if ref is not None else getattr(torch, config.get("dtype") or "float32"))
@@ -424,21 +388,6 @@ class EagleDraftModel(nn.Module):
 
             drafter.tree = Tree.load(folder / "tree.json")
         return drafter
-
-
-def check_model(identity: dict | None, model: nn.Module) -> None:
-    """Refuse a drafter made for another base model."""
-    if identity is None:
-        return
-    mine = model_identity(model)
-    same_sizes = (
-        identity.get("hidden_size") == mine["hidden_size"]
-        and identity.get("vocab_size") == mine["vocab_size"]
-    )
-    if not same_sizes or not fingerprints_match(identity.get("fingerprint", []), mine["fingerprint"]):
-        raise EagleLoadError(
-            f"this drafter was made for {_describe(identity)}, not for {_describe(mine)}; {_TRAIN_HINT}"
-        )
 
 
 def _rope_theta(config) -> float:

@@ -28,15 +28,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from ..io import atomic_write, atomic_write_text
+from .checkpoint_files import CONFIG_NAME, WEIGHTS_NAME, check_tensors, draft_vocab_problem, read_checkpoint
 
 FORMAT = "treespec.medusa_heads"
 VERSION = 1  # version 1 files without the `sequential` / `draft_vocab_size` fields still load
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 TREE_NAME = "tree.json"
 FINGERPRINT_SIZE = 16
 FINGERPRINT_RTOL = 1e-2
@@ -93,7 +92,26 @@ def model_identity(model: nn.Module) -> dict[str, Any]:
 
 
 def _describe(identity: dict[str, Any]) -> str:
-    return f"{identity['name']} (hidden {identity['hidden_size']}, vocab {identity['vocab_size']})"
+    return f"{identity['name']} (hidden {identity.get('hidden_size')}, vocab {identity.get('vocab_size')})"
+
+
+def check_made_for(made_for: dict[str, Any], model: nn.Module, subject: str, hint: str) -> None:
+    """Raise ValueError unless `model` has the sizes and weight fingerprint of the base model recorded as
+    `made_for` (a `model_identity`; a missing fingerprint is not compared). subject: who was made for it,
+    e.g. "these heads were trained for"; hint: what to do instead."""
+    theirs = model_identity(model)
+    problem = ""
+    sizes = (made_for.get("hidden_size"), made_for.get("vocab_size"))
+    if sizes != (theirs["hidden_size"], theirs["vocab_size"]):
+        problem = " with different sizes"
+    elif made_for.get("fingerprint") is not None and not fingerprints_match(
+        made_for["fingerprint"], theirs["fingerprint"]
+    ):
+        problem = " with different weights (embedding fingerprint mismatch)"
+    if problem:
+        raise ValueError(
+            f"{subject} {_describe(made_for)} but the model is {_describe(theirs)}{problem}; {hint}"
+        )
 
 
 def _reference_weight(model: nn.Module) -> Tensor:
@@ -405,7 +423,7 @@ class MedusaHeads(nn.Module):
         )
         if draft_vocab is not None:
             ids = torch.as_tensor(draft_vocab, dtype=torch.long)
-            problem = _draft_vocab_problem(ids, vocab_size)
+            problem = draft_vocab_problem(ids, vocab_size)
             if problem:
                 raise ValueError(f"draft_vocab {problem}")
             heads.draft_vocab.copy_(ids)
@@ -423,21 +441,9 @@ class MedusaHeads(nn.Module):
 
     def check_compatible(self, model: nn.Module) -> None:
         """Raise ValueError unless these heads were made for `model` (sizes and weight fingerprint)."""
-        theirs = model_identity(model)
         ours = dict(self.base_model or {"name": "an unrecorded model"})
         ours["hidden_size"], ours["vocab_size"] = self.hidden_size, self.vocab_size
-        problem = ""
-        if (ours["hidden_size"], ours["vocab_size"]) != (theirs["hidden_size"], theirs["vocab_size"]):
-            problem = " with different sizes"
-        elif ours.get("fingerprint") is not None and not fingerprints_match(
-            ours["fingerprint"], theirs["fingerprint"]
-        ):
-            problem = " with different weights (embedding fingerprint mismatch)"
-        if problem:
-            raise ValueError(
-                f"these heads were trained for {_describe(ours)} but the model is {_describe(theirs)}"
-                f"{problem}; {_TRAIN_HINT}"
-            )
+        check_made_for(ours, model, "these heads were trained for", _TRAIN_HINT)
 
     # -----------------------------------------------------------------------------------------------------
     # Saving and loading
@@ -473,7 +479,8 @@ class MedusaHeads(nn.Module):
         from ..core.tree import Tree
 
         folder = Path(folder)
-        config = _read_config(folder)
+        config, tensors = read_checkpoint(folder, "heads", FORMAT, VERSION, HeadsLoadError)
+        _check_config(folder / CONFIG_NAME, config)
         tree, tree_path = None, folder / TREE_NAME
         if tree_path.is_file():
             try:
@@ -486,13 +493,14 @@ class MedusaHeads(nn.Module):
                     f"{config['num_heads']} (one per tree level): recalibrate the tree for these heads "
                     "(scripts/calibrate_tree.py) or remove tree.json"
                 )
-        tensors = _read_weights(folder)
         kind = ExitHead if config.get("exit_layer", 0) else MedusaHeads
         if not issubclass(kind, cls):
             raise HeadsLoadError(f"{folder} holds {kind.__name__} weights; load them with {kind.__name__}")
         with torch.device("meta"):
             heads = kind(**{k: config[k] for k in _CONFIG_FIELDS if k in config})
-        _check_tensors(folder, tensors, heads.state_dict(), config["vocab_size"])
+        check_tensors(
+            folder / WEIGHTS_NAME, tensors, heads.state_dict(), config["vocab_size"], HeadsLoadError
+        )
         heads.load_state_dict(tensors, strict=True, assign=True)
 
         if model is not None:
@@ -547,25 +555,8 @@ class ExitHead(MedusaHeads):
         return MedusaHeads.for_model(model, num_heads=1, exit_layer=exit_layer, **kwargs)
 
 
-def _read_config(folder: Path) -> dict[str, Any]:
-    """config.json, validated: format tag, version and field types."""
-    if not folder.is_dir():
-        raise HeadsLoadError(f"heads folder {folder} does not exist (or is not a folder)")
-    path = folder / CONFIG_NAME
-    if not path.is_file():
-        raise HeadsLoadError(f"heads folder {folder} has no {CONFIG_NAME}")
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise HeadsLoadError(f"{path} is not readable JSON: {error}") from error
-    if not isinstance(config, dict):
-        raise HeadsLoadError(f"{path} must hold a JSON object")
-    if config.get("format") != FORMAT:
-        raise HeadsLoadError(
-            f"{path} has format {config.get('format')!r}, expected {FORMAT!r}: not a treespec heads folder"
-        )
-    if config.get("version") != VERSION:
-        raise HeadsLoadError(f"{path} has version {config.get('version')!r}; this treespec reads {VERSION}")
+def _check_config(path: Path, config: dict[str, Any]) -> None:
+    """The fields of a heads config.json (format and version checked by `read_checkpoint`): their types."""
     for field, low in (("num_heads", 1), ("hidden_size", 1), ("vocab_size", 1), ("num_layers", 0)):
         value = config.get(field)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -596,63 +587,3 @@ def _read_config(folder: Path) -> dict[str, Any]:
             isinstance(fingerprint, list) and all(isinstance(v, (int, float)) for v in fingerprint)
         ):
             raise HeadsLoadError(f"{path}: base_model.fingerprint must be a list of numbers")
-    return config
-
-
-def _read_weights(folder: Path) -> dict[str, Tensor]:
-    """All tensors of model.safetensors on the CPU; a truncated or corrupt file is refused."""
-    path = folder / WEIGHTS_NAME
-    if not path.is_file():
-        raise HeadsLoadError(f"heads folder {folder} has no {WEIGHTS_NAME}")
-    try:
-        return load_file(path, device="cpu")
-    except Exception as error:  # safetensors raises its own error types for corrupt files
-        raise HeadsLoadError(f"{path} is not a valid safetensors file: {error}") from error
-
-
-def _check_tensors(
-    folder: Path, tensors: dict[str, Tensor], expected: dict[str, Tensor], vocab_size: int
-) -> None:
-    """Same keys, same shapes, floating point, all finite (draft_vocab: distinct ids in range)."""
-    path = folder / WEIGHTS_NAME
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    if missing or unexpected:
-        raise HeadsLoadError(
-            f"{path} does not match {folder / CONFIG_NAME}: "
-            f"missing {_few(missing)}, unexpected {_few(unexpected)}"
-        )
-    for name, want in expected.items():
-        got = tensors[name]
-        if got.shape != want.shape:
-            raise HeadsLoadError(
-                f"{path}: tensor {name} has shape {list(got.shape)}, config says {list(want.shape)}"
-            )
-        if name == "draft_vocab":
-            problem = _draft_vocab_problem(got, vocab_size)
-            if problem:
-                raise HeadsLoadError(f"{path}: draft_vocab {problem}")
-            continue
-        if not got.is_floating_point():
-            raise HeadsLoadError(f"{path}: tensor {name} has non-float dtype {got.dtype}")
-        if not torch.isfinite(got).all():
-            raise HeadsLoadError(f"{path}: tensor {name} contains NaN or Inf values (corrupt checkpoint)")
-
-
-def _draft_vocab_problem(ids: Tensor, vocab_size: int) -> str | None:
-    """What is wrong with a draft vocabulary (int64 [V'] of distinct ids in [0, V)), or None."""
-    if ids.dtype != torch.long or ids.dim() != 1 or len(ids) == 0:
-        return f"must be a non-empty 1-D int64 tensor of token ids, got {ids.dtype} {list(ids.shape)}"
-    if ids.min() < 0 or ids.max() >= vocab_size:
-        return f"must hold distinct token ids in [0, {vocab_size})"
-    if len(torch.unique(ids)) != len(ids):
-        return "has repeated token ids"
-    return None
-
-
-def _few(names: list[str], limit: int = 4) -> str:
-    """A short printable list of names."""
-    if not names:
-        return "none"
-    shown = ", ".join(names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
