@@ -28,14 +28,8 @@ import treespec
 
 from .. import recipes
 from ..core.decoder import NUMERICS
-from ..core.tree import Tree
 from . import drafter_options as options
-from .models import (
-    MissingDefaultModelError,
-    default_data_file,
-    default_heads_folder,
-    default_suffix_cache_file,
-)
+from .models import MissingDefaultModelError, default_data_file, default_suffix_cache_file
 from .trace import Trace
 
 PROGRAMS = {  # subcommand -> (module with main(argv, prog), one-line help); they parse their own options
@@ -213,20 +207,7 @@ def _add_generate(commands) -> None:
     )
     p.add_argument("prompt", help="the prompt (goes through the chat template when the model has one)")
     p.add_argument("--model", default=None, help="HF model id or folder (default: embedded SmolLM2-135M)")
-    p.add_argument(
-        "--heads",
-        default=None,
-        help="trained heads folder (default: the default model's shipped heads, "
-        f"{default_heads_folder()}; untrained heads for another --model)",
-    )
-    p.add_argument(
-        "--tree",
-        default=None,
-        help="tree JSON file, a folder with tree.json, a default tree size (8, 16, 32, 64), or "
-        "'machine' (the heads' trees priced on this machine once, then kept); "
-        "default: the heads folder's tree.json, else the 32-node default tree",
-    )
-    p.add_argument("--num-heads", type=int, default=4, help="number of untrained heads (default 4)")
+    options.add_heads_arguments(p)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
@@ -288,12 +269,7 @@ def _add_chain_drafter_options(p, required: bool = False, eagle: bool = False) -
             metavar="FOLDER",
             help="draft with this EAGLE-style draft layer (scripts/train_eagle.py) instead of heads",
         )
-        p.add_argument(
-            "--eagle-tree",
-            default=None,
-            help="with --eagle: tree JSON file, folder with tree.json, or N (a chain of N tokens); "
-            "default: the drafter's tree.json, else a chain of 4",
-        )
+        options.add_eagle_tree_argument(p)
     which.add_argument(
         "--draft-model", metavar="FOLDER", help="draft with this HF causal LM (same tokenizer)"
     )
@@ -458,12 +434,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def tree_arg(spec: str) -> Tree | int:
-    """A tree JSON file, a folder holding tree.json, or a default tree size (see
-    :func:`drafter_options.parse_tree`)."""
-    return options.parse_tree(spec)
-
-
 def print_trace_trees(trace: Trace) -> None:
     """Print each step's candidate tree in the terminal (rich)."""
     from rich.console import Console
@@ -544,7 +514,7 @@ def cmd_viz(args: argparse.Namespace) -> int:
             raise ValueError("--step needs --trace")
         if ext not in PICTURES:
             raise ValueError(f"{out}: a tree is drawn as .png or .svg, not {ext or 'no extension'!r}")
-        tree = tree_arg(args.tree)
+        tree = options.parse_tree(args.tree)
         if isinstance(tree, int):
             tree = treespec.default_tree(tree, args.num_heads)
         acceptance = load_acceptance(args.acceptance) if args.acceptance else None

@@ -29,6 +29,25 @@ from .models import DEFAULT_EAGLE_NAME, default_heads_folder
 # ----- Medusa heads and their tree -----
 
 
+def add_heads_arguments(p, tree: str | None = None) -> None:
+    """--heads, --tree (default `tree`, else the heads' tree.json) and --num-heads, as `treespec generate`
+    and the benchmarks take them."""
+    p.add_argument(
+        "--heads",
+        default=None,
+        help="trained heads folder (default: the default model's shipped heads, "
+        f"{default_heads_folder()}; untrained heads for another --model)",
+    )
+    p.add_argument(
+        "--tree",
+        default=tree,
+        help="tree JSON file, a folder with tree.json, a default tree size (8, 16, 32, 64), or "
+        "'machine' (the heads' trees priced on this machine once, then kept); default: "
+        + (f"{tree!r}" if tree else "the heads folder's tree.json, else the 32-node default tree"),
+    )
+    p.add_argument("--num-heads", type=int, default=4, help="number of untrained heads (default 4)")
+
+
 def heads_folder(option: str | None, model_option: str | None) -> Path | None:
     """The heads folder to load: --heads when given (it must be a folder), else the default heads when
     the default model is used (no --model) and they exist, else None (untrained heads)."""
@@ -206,6 +225,16 @@ def load_chain_option(
 # ----- the EAGLE-style drafter -----
 
 EAGLE_DEFAULT_CHAIN = 4  # tokens drafted when the drafter folder has no tree.json and no --eagle-tree
+
+
+def add_eagle_tree_argument(p) -> None:
+    """--eagle-tree, as `treespec generate` and the benchmarks take it."""
+    p.add_argument(
+        "--eagle-tree",
+        default=None,
+        help="with --eagle (or an eagle recipe): tree JSON file, folder with tree.json, or N (a chain of N "
+        f"tokens); default: the drafter's tree.json, else a chain of {EAGLE_DEFAULT_CHAIN}",
+    )
 
 
 @dataclass
