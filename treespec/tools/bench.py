@@ -144,8 +144,8 @@ WARMUP_PROMPT = "Say hello in one short sentence."
 
 def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    add_model_arguments(p)
-    add_drafter_arguments(p)
+    add_shared_arguments(p)
+    add_bench_arguments(p)
     args = p.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in args.methods if m not in METHODS]
@@ -181,34 +181,57 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
     return args
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """The model, heads, tree, dtype and the run's prompts and methods."""
+def add_shared_arguments(p: argparse.ArgumentParser, name: str = "bench", tree: str | None = None) -> None:
+    """The options the batch benchmark (`bench_batch`) shares: the model, heads and tree (--tree default
+    `tree`), dtype, device, new tokens, lookup chain, torch.compile, EAGLE layer, data, output (default
+    name-<timestamp>.json), threads and vLLM's python."""
     p.add_argument(
         "--model", default=None, help="HF model id or folder (default: embedded SmolLM2-135M-Instruct)"
     )
-    p.add_argument(
-        "--heads",
-        default=None,
-        help="trained heads folder (default: the default model's shipped heads; untrained for --model)",
-    )
-    p.add_argument(
-        "--tree",
-        default=None,
-        help="tree JSON file, folder with tree.json, default tree size, or 'machine' "
-        "(priced on this machine once, then kept; overrides --tree-size and "
-        "the heads' tree.json)",
-    )
+    options.add_heads_arguments(p, tree)
     p.add_argument(
         "--tree-size",
         type=int,
         choices=DEFAULT_TREE_SIZES,
         default=None,
-        help="default tree size (default 32, or the heads folder's tree.json)",
+        help="default tree size when no --tree is given (default: the heads folder's tree.json, else 32)",
     )
-    p.add_argument("--num-heads", type=int, default=4, help="number of untrained heads (default 4)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
     p.add_argument("--device", default=None, help="torch device (default cpu)")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument(
+        "--lookup",
+        type=int,
+        default=None,
+        help=f"prompt-lookup chain length of the recipes that have one (default: theirs, {recipes.LOOKUP})",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="treespec methods verify through torch.compile (compiled during each method's warm-up call)",
+    )
+    p.add_argument(
+        "--eagle",
+        default=None,
+        help="EAGLE-style drafter folder for the eagle methods (default: the default model's shipped one, "
+        "heads/smollm2-135m-instruct-eagle; scripts/train_eagle.py makes others)",
+    )
+    options.add_eagle_tree_argument(p)
+    p.add_argument("--data", default=None, help=f"Spec-Bench questions JSONL (default {default_data_file()})")
+    p.add_argument(
+        "--out", default=None, help=f"results JSON (default {DEFAULT_OUT_DIR}/{name}-<timestamp>.json)"
+    )
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave)")
+    p.add_argument(
+        "--vllm-python",
+        default=None,
+        help="python of vLLM's environment (default .venv-vllm, `make vllm-env`)",
+    )
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `treespec bench` alone: the prompts, numerics, kernels and methods, the chain
+    drafters, dynamic trees' cost curve, suffix caches and the peers' settings."""
     p.add_argument("--num-prompts", type=int, default=16, help="stratified subset size (0 = all)")
     p.add_argument("--categories", default=None, help="comma list of categories to keep")
     p.add_argument(
@@ -236,22 +259,6 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         help=f"comma list from {','.join(METHODS)}: recipes (treespec.recipes; auto: the best shipped one "
         "for the model), chain drafters, HF and peers",
     )
-
-
-def add_drafter_arguments(p: argparse.ArgumentParser) -> None:
-    """The drafters' options (lookup, draft model, self-speculation, EAGLE, dynamic trees) and the run's
-    output, threads and vLLM."""
-    p.add_argument(
-        "--lookup",
-        type=int,
-        default=None,
-        help=f"prompt-lookup chain length of the recipes that have one (default: theirs, {recipes.LOOKUP})",
-    )
-    p.add_argument(
-        "--compile",
-        action="store_true",
-        help="treespec methods verify through torch.compile (compiled during each method's warm-up call)",
-    )
     p.add_argument("--draft-model", default=None, help="HF draft model folder (draft_model*, hf_assisted)")
     p.add_argument(
         "--exit-head", default=None, help="exit head folder (self_spec; train_heads.py --exit-layer)"
@@ -263,32 +270,10 @@ def add_drafter_arguments(p: argparse.ArgumentParser) -> None:
         "first use; a fuller one: scripts/cost_curve.py)",
     )
     p.add_argument(
-        "--eagle",
-        default=None,
-        help="EAGLE-style drafter folder for the eagle methods (default: the default model's shipped one, "
-        "heads/smollm2-135m-instruct-eagle; scripts/train_eagle.py makes others)",
-    )
-    p.add_argument(
-        "--eagle-tree",
-        default=None,
-        help="eagle methods: tree JSON file, folder with tree.json, or N (a chain of N tokens); "
-        "default: the drafter's tree.json, else a chain of 4",
-    )
-    p.add_argument(
         "--gamma", type=int, default=None, help="tokens drafted per step (default: tune.json, else 4)"
     )
     p.add_argument(
         "--branching", default="1:4", help="draft_model_tree: depth:k runners-up as leaves (default 1:4)"
-    )
-    p.add_argument("--data", default=None, help=f"Spec-Bench questions JSONL (default {default_data_file()})")
-    p.add_argument(
-        "--out", default=None, help=f"results JSON (default {DEFAULT_OUT_DIR}/bench-<timestamp>.json)"
-    )
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave)")
-    p.add_argument(
-        "--vllm-python",
-        default=None,
-        help="python of vLLM's environment (default .venv-vllm, `make vllm-env`)",
     )
     p.add_argument("--vllm-ngram", type=int, default=5, help="vllm_ngram: tokens per step (default 5)")
     p.add_argument(

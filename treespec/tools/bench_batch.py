@@ -64,49 +64,13 @@ DEFAULT_METHODS = ("hf", "hf_prompt_lookup", "plain", "treespec", "treespec_auto
 
 def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--model", default=None, help="HF model id or folder (default: embedded SmolLM2-135M-Instruct)"
-    )
-    p.add_argument("--heads", default=None, help="trained heads folder (default: the default model's)")
-    p.add_argument(
-        "--tree",
-        default="machine",
-        help="tree JSON file, folder with tree.json, default tree size, or 'machine' (default: priced on "
-        "this machine for one sequence, `treespec tune`)",
-    )
-    p.add_argument("--tree-size", type=int, default=32, choices=[8, 16, 32, 64])
-    p.add_argument("--num-heads", type=int, default=4)
-    p.add_argument("--dtype", default="float32", choices=["auto", "bfloat16", "float32", "float16"])
-    p.add_argument("--device", default=None)
+    bench.add_shared_arguments(p, "batch", tree="machine")
     p.add_argument("--batch-sizes", default="1,4,8,16", help="comma list (default 1,4,8,16)")
     p.add_argument("--num-prompts", type=int, default=16, help="prompts per batch size (default 16)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument(
         "--methods", default=",".join(DEFAULT_METHODS), help=f"comma list from {','.join(METHODS)}"
     )
-    p.add_argument(
-        "--lookup",
-        type=int,
-        default=None,
-        help=f"recipes with a lookup chain: its length (default: the recipe's, {recipes.LOOKUP})",
-    )
-    p.add_argument(
-        "--eagle",
-        default=None,
-        help="eagle: EAGLE-style drafter folder (default: the default model's shipped one)",
-    )
-    p.add_argument(
-        "--eagle-tree", default=None, help="eagle: tree JSON, folder with tree.json, or N (a chain)"
-    )
-    p.add_argument("--data", default=None, help="Spec-Bench questions JSONL (default: the project's)")
-    p.add_argument("--out", default=None, help="results JSON (default bench_results/batch-<timestamp>.json)")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--vllm-python", default=None, help="python of vLLM's environment (default .venv-vllm)")
-    p.add_argument(
-        "--compile",
-        action="store_true",
-        help="treespec methods step through torch.compile (compiled in the warm-up)",
-    )
+    p.set_defaults(dtype="float32", tree_size=32)
     args = p.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = sorted(set(args.methods) - set(METHODS))
