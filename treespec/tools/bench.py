@@ -382,25 +382,26 @@ def load_chain_drafters(args, model) -> dict:
     }
 
 
-def hf_greedy(model, tokenizer, ids: list[int], max_new_tokens: int, **extra) -> list[int]:
-    """HF `model.generate(do_sample=False)` on prompt token ids: the new tokens, up to and including the
-    first of the model's end tokens. extra: more generate arguments (e.g. prompt_lookup_num_tokens)."""
+def hf_batch(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, **extra) -> list[list[int]]:
+    """HF `model.generate(do_sample=False)` on left-padded prompt token ids: each row's new tokens, up to
+    and including its first of the model's end tokens. extra: more generate arguments (e.g.
+    prompt_lookup_num_tokens)."""
     eos = set(eos_token_ids(model, tokenizer))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
-    input_ids = torch.tensor([ids], device=next(model.parameters()).device)
+    width = max(len(p) for p in prompts)
+    device = next(model.parameters()).device
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # [B, T]
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     out = model.generate(
-        input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        pad_token_id=pad,
-        **extra,
+        ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, **extra
     )
-    tokens = out[0, len(ids) :].tolist()
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[: i + 1]
-    return tokens
+    rows = [row[width:].tolist() for row in out]
+    return [next((row[: i + 1] for i, t in enumerate(row) if t in eos), row) for row in rows]
+
+
+def hf_greedy(model, tokenizer, ids: list[int], max_new_tokens: int, **extra) -> list[int]:
+    """`hf_batch` on one prompt: its new tokens."""
+    return hf_batch(model, tokenizer, [ids], max_new_tokens, **extra)[0]
 
 
 def result_record(res) -> dict:

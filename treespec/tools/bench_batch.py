@@ -89,29 +89,7 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
     return args
 
 
-def hf_batch(
-    model, tokenizer, prompts: list[list[int]], max_new_tokens: int, eos: set[int]
-) -> list[list[int]]:
-    """HF `generate` on a left-padded batch, greedy: each row's new tokens up to its first end token."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
-    width = max(len(p) for p in prompts)
-    device = next(model.parameters()).device
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # [B, T]
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    out = model.generate(
-        ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad
-    )
-    return [_cut(row[width:].tolist(), eos) for row in out]
-
-
-def _cut(tokens: list[int], eos: set[int]) -> list[int]:
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[: i + 1]
-    return tokens
-
-
-def make_runners(args, model, tokenizer, eos: set[int]) -> tuple[dict, dict]:
+def make_runners(args, model, tokenizer, eos: list[int]) -> tuple[dict, dict]:
     """name -> run(prompts, max_new_tokens) -> token lists; and a description of the setup."""
     runners, setup = {}, {"heads": "-", "tree": "-"}
 
@@ -119,14 +97,14 @@ def make_runners(args, model, tokenizer, eos: set[int]) -> tuple[dict, dict]:
         def run(prompts, max_new_tokens):
             options = treespec.DecodeOptions(plain_above=plain_above, compile=args.compile)
             results = treespec.generate(
-                model, prompts, make_drafter(), max_new_tokens=max_new_tokens, eos_token_id=sorted(eos),
+                model, prompts, make_drafter(), max_new_tokens=max_new_tokens, eos_token_id=eos,
                 options=options,
             )  # fmt: skip
             return [r.token_ids for r in results]
 
         return run
 
-    runners["hf"] = lambda prompts, m: hf_batch(model, tokenizer, prompts, m, eos)
+    runners["hf"] = lambda prompts, m: bench.hf_batch(model, tokenizer, prompts, m)
     runners["hf_prompt_lookup"] = lambda prompts, m: [
         bench.hf_greedy(model, tokenizer, p, m, prompt_lookup_num_tokens=10) for p in prompts
     ]
@@ -280,7 +258,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
     data = Path(args.data) if args.data else bench.default_data_file()
     questions = bench.select_prompts(bench.load_questions(data), args.num_prompts)
     model, tokenizer = treespec.load_model(args.model, dtype=args.dtype, device=args.device)
-    eos = set(eos_token_ids(model, tokenizer))
+    eos = eos_token_ids(model, tokenizer)
     prompts = [encode_prompt(q["turns"][0], tokenizer) for q in questions]
     runners, setup = make_runners(args, model, tokenizer, eos)
     peer = None
@@ -295,7 +273,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
             python=args.vllm_python,
             log=out_dir / "vllm-worker.log",
         )
-        runners["vllm"] = lambda group, m: peer.run_batch(group, m, 0.0, None, sorted(eos))
+        runners["vllm"] = lambda group, m: peer.run_batch(group, m, 0.0, None, eos)
     try:
         t0 = time.perf_counter()
         records = run_groups(prompts, runners, args.batch_sizes, args.max_new_tokens, args.compile)
