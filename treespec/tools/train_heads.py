@@ -16,6 +16,7 @@ continues from it) and `cache/` (the base model's hidden states, computed once).
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 from pathlib import Path
 
 from ..training.heads_train import TrainConfig, train_heads
@@ -69,27 +70,9 @@ def parse_args(
     p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint")
     p.add_argument("--threads", type=int, default=None, help="torch threads per process")
     args = p.parse_args(argv)
-    cfg = TrainConfig(
-        data=args.data,
-        out=args.out,
-        num_heads=args.num_heads,
-        num_layers=args.num_layers,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        warmup_steps=args.warmup_steps,
-        max_steps=args.max_steps,
-        batch_size=args.batch_size,
-        eval_every=args.eval_every,
-        checkpoint_every=args.checkpoint_every,
-        seed=args.seed,
-        bf16=not args.no_bf16,
-        max_positions=args.max_positions,
-        sequential=args.sequential,
-        own_lm_head=args.own_lm_head,
-        draft_vocab_size=args.draft_vocab_size,
-        exit_layer=args.exit_layer,
-        extra={"model": args.model},
-    )
+    # every option named like a TrainConfig field sets that field
+    same = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
+    cfg = TrainConfig(**same, bf16=not args.no_bf16, extra={"model": args.model})
     return cfg, args
 
 
