@@ -28,22 +28,26 @@ except ModuleNotFoundError:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import treespec
 from treespec.tools.models import default_heads_folder
-from treespec.training.calibrate import format_budget_report
+from treespec.training.calibrate import choose_budget, format_budget_report, forward_costs
 from treespec.training.costs import (
     NODES,
     PATHS,
     PREFIXES,
     cost_curve,
     default_cost_file,
-    price_trees,
     read_acceptance,
-    relative,
     save_cost_curve,
 )
 
 
 def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
+
+
+def relative(curve: dict, path: str, prefix: int) -> dict[int, float]:
+    """n -> verify_ms(n) / verify_ms(1) for one path and prefix."""
+    row = {int(n): ms for n, ms in curve["verify_ms"][path][str(prefix)].items()}
+    return {n: ms / row[1] for n, ms in sorted(row.items())} if 1 in row else {}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -93,12 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(
                 f"{folder} has no acceptance.json to price trees with: run scripts/calibrate_tree.py"
             )
-        # verification from the curve just measured (its fastest path), drafting timed
-        path = next((p for p in ("compiled", "blocks") if p in curve["verify_ms"]), None)
-        priced = curve if path else None
-        best, report = price_trees(
-            model, heads, table, budgets, args.repeats, curve=priced, path=path or "blocks"
-        )
+        costs = forward_costs(model, budgets, heads, prefix=300, repeats=args.repeats, table=table)
+        best, report = choose_budget(table, costs)
         print("\n" + format_budget_report(report, best))
         tree = treespec.Tree.from_acceptance(table, best)
         tree_out = Path(args.tree_out) if args.tree_out else out.with_name(out.stem + "-tree.json")
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
         tree.save(tree_out)
         curve["step"] = {
             "heads": str(folder),
-            "verification": path or "timed steps",
+            "verification": "timed steps",
             "budgets": {str(n): r for n, r in report.items()},
             "best_budget": best,
             "tree_file": str(tree_out),

@@ -51,9 +51,7 @@ PROMPTS = [
 STATIC = "static"  # --drafter static: heads+lookup in the heads' tree priced on this machine
 
 
-def load_heads(
-    model, folder: Path, compile: bool, price: bool
-) -> tuple[treespec.MedusaHeads, treespec.Tree, str]:
+def load_heads(model, folder: Path, price: bool) -> tuple[treespec.MedusaHeads, treespec.Tree, str]:
     """Trained heads if present, else untrained identity heads, with their tree: priced on this machine
     (`price`: `--tree machine`, measured once, then kept), else their tree.json (the largest tree a
     dynamic drafter may use)."""
@@ -62,7 +60,7 @@ def load_heads(
         return heads, treespec.default_tree(16, 4), "UNTRAINED heads (no trained heads shipped yet)"
     heads = treespec.MedusaHeads.from_pretrained(folder, model=model)
     if price:
-        tree, source = pick_tree(MACHINE, heads, "--tree", folder, model, compile=compile)
+        tree, source = pick_tree(MACHINE, heads, "--tree", folder, model)
         return heads, tree, f"trained heads from {folder}; tree {source}"
     tree = heads.tree or treespec.default_tree(16, heads.num_heads)
     return heads, tree, f"trained heads from {folder}"
@@ -220,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     recipe = demo_recipe(args, model)
     heads = tree = None
     if "heads" in recipe.sources:
-        heads, tree, heads_note = load_heads(model, args.heads, args.compile, price=args.drafter == STATIC)
+        heads, tree, heads_note = load_heads(model, args.heads, price=args.drafter == STATIC)
         print(f"{heads_note}\ntree of {tree.num_nodes} nodes, depth {tree.max_depth}")
     print(f"drafter: {recipe.name} ({recipe.description}; lookup {recipe.lookup})")
     new_drafter = make_drafter(model, recipe, heads, tree, args)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from treespec.training.costs import cost_curve, interpolate, load_cost_curve, relative, save_cost_curve
+from treespec.training.costs import cost_curve, interpolate, load_cost_curve, save_cost_curve
 
 
 def test_cost_curve_measures_every_point_and_round_trips(tmp_path):
@@ -20,19 +20,19 @@ def test_cost_curve_measures_every_point_and_round_trips(tmp_path):
         for prefix in ("16", "40"):
             row = curve["verify_ms"][path][prefix]
             assert set(row) == {"1", "4", "8"} and all(ms > 0 for ms in row.values())
-        assert relative(curve, path, 16)[1] == 1.0
     save_cost_curve(tmp_path / "c.json", curve)
     assert load_cost_curve(tmp_path / "c.json") == json.loads(json.dumps(curve))
 
 
 def test_interpolate_is_linear_between_measured_counts_and_goes_on_the_last_slope_beyond():
-    curve = {"verify_ms": {"packed": {"100": {"1": 10.0, "8": 24.0, "16": 40.0}, "900": {"1": 99.0}}}}
-    assert interpolate(curve, "packed", 120, 4) == pytest.approx(10.0 + 14.0 * 3 / 7)
-    assert interpolate(curve, "packed", 120, 12) == pytest.approx(32.0)
+    rows = {"100": {"1": 10.0, "8": 24.0, "16": 40.0}, "900": {"1": 99.0}}
+    assert interpolate(rows, 120, 4) == pytest.approx(10.0 + 14.0 * 3 / 7)
+    assert interpolate(rows, 120, 12) == pytest.approx(32.0)
     # beyond the last measured count (a batch of rows x nodes): the last segment's slope, 2 ms a node
-    assert interpolate(curve, "packed", 120, 64) == pytest.approx(40.0 + 2.0 * 48)
-    assert interpolate(curve, "packed", 120, 1) == 10.0  # below the first: the first
-    assert interpolate(curve, "packed", 800, 4) == 99.0  # the nearest measured prefix
+    assert interpolate(rows, 120, 64) == pytest.approx(40.0 + 2.0 * 48)
+    assert interpolate(rows, 120, 1) == 10.0  # below the first: the first
+    assert interpolate(rows, 800, 4) == 99.0  # the nearest measured prefix
+    assert interpolate({"100": {"1": 1.0}, "300": {"1": 3.0}}, 200, 1) == 1.0  # a tie: the shorter
 
 
 def test_a_file_that_is_not_a_cost_curve_is_refused(tmp_path):
@@ -90,34 +90,6 @@ def test_heads_without_an_acceptance_table_keep_their_own_tree(tmp_path):
     heads = random_heads(model, num_heads=3)
     tree, note = machine_tree(model, heads, tmp_path)
     assert tree is heads.tree and "no acceptance.json" in note
-
-
-def test_machine_tree_prices_verification_from_the_cost_curve_of_its_path(tmp_path, monkeypatch):
-    from treespec.training import calibrate
-    from treespec.training.costs import default_cost_file, machine_tree, machine_tree_file
-
-    model, heads, folder = heads_with_acceptance(tmp_path, monkeypatch)
-
-    def no_timed_steps(*args, **kwargs):
-        raise AssertionError("with a cost curve of the path, verification comes from the curve")
-
-    monkeypatch.setattr(calibrate, "forward_costs", no_timed_steps)
-    # a second per verification whatever the node count on the compiled path (drafting is noise beside it):
-    # the bigger tree wins; on the uncompiled path 8 nodes cost a hundred times more: the small one wins
-    curve = {
-        "format": "treespec.cost_curve",
-        "verify_ms": {
-            "compiled": {"300": {"1": 1000.0, "64": 1000.0}},
-            "blocks": {"300": {"1": 1000.0, "2": 1000.0, "8": 100000.0}},
-        },
-    }
-    save_cost_curve(default_cost_file(model), curve)
-    flat, note = machine_tree(model, heads, folder, budgets=(2, 8), repeats=1, compile=True)
-    assert flat.num_nodes == 8 and "compiled cost curve" in note
-    steep, note = machine_tree(model, heads, folder, budgets=(2, 8), repeats=1, compile=False)
-    assert steep.num_nodes == 2 and "blocks cost curve" in note
-    assert machine_tree_file(model, folder, "compiled").is_file()
-    assert machine_tree_file(model, folder, "blocks").is_file()
 
 
 def test_verify_cost_model_reads_the_curve_of_the_path_that_runs(tmp_path):
@@ -213,7 +185,7 @@ def test_bitwise_numerics_price_trees_on_the_exact_kernels_they_run(tmp_path, mo
     costs.save_cost_curve(
         costs.default_cost_file(model), {"format": "treespec.cost_curve", "verify_ms": {"blocks": blocks}}
     )
-    assert costs.verify_path_choices(False, "bitwise") == ["exact"]
+    assert costs.verify_paths(model, numerics="bitwise") == ["exact"]
     messages = []
     seconds = costs.verify_cost_model(model, numerics="bitwise", progress=messages.append)
     assert len(messages) == 1 and "no 'exact' path" in messages[0] and "--paths exact" in messages[0]
@@ -278,7 +250,6 @@ def test_timed_steps_run_with_the_model_mode_held_as_generate_holds_it(tmp_path,
     switched in and out around every timed step."""
     from treespec.core.decoder import Decoder
     from treespec.training import calibrate
-    from treespec.training.costs import step_costs
 
     model, heads, _ = heads_with_acceptance(tmp_path, monkeypatch)
     table = [[0.6, 0.2], [0.4, 0.1]]
@@ -290,29 +261,6 @@ def test_timed_steps_run_with_the_model_mode_held_as_generate_holds_it(tmp_path,
         return step(self)
 
     monkeypatch.setattr(Decoder, "step", watched)
-    curve = {"verify_ms": {"blocks": {"300": {"1": 10.0, "8": 20.0}}}}
-    costs = step_costs(model, heads, table, [2, 4], curve, "blocks", prefix=20, repeats=2)
-    assert set(costs) == {2, 4} and all(seconds > 0 for seconds in costs.values())
-    assert len(modes) == 2 * 3 and set(modes) == {"treespec"}
-    modes.clear()
     costs = calibrate.forward_costs(model, [2, 4], heads, prefix=20, repeats=2, table=table)
     assert set(costs) == {2, 4} and len(modes) == 2 * 3 and set(modes) == {"treespec"}
     assert model.config._attn_implementation != "treespec"  # stock again after the timings
-
-
-def test_a_noisy_curve_never_prices_fewer_nodes_above_more(tmp_path, monkeypatch):
-    from treespec.training.costs import interpolate_monotone, step_costs
-
-    noisy = {"128": {"1": 41.5, "2": 30.1, "4": 36.9, "8": 50.6, "24": 170.0, "32": 161.5}}
-    curve = {"verify_ms": {"blocks": noisy}}
-    assert interpolate_monotone(curve, "blocks", 300, 1) == 30.1  # 1 node measured above 2
-    assert interpolate_monotone(curve, "blocks", 300, 3) == pytest.approx(33.5)  # between 2 and 4
-    assert interpolate_monotone(curve, "blocks", 300, 8) == 50.6
-    assert interpolate_monotone(curve, "blocks", 300, 24) == 161.5  # 24 measured above 32
-    assert interpolate_monotone(curve, "blocks", 300, 64) == 161.5
-    # the tree pricing reads it: 2 nodes are not priced at the 1,000 ms that noise put there
-    model, heads, _ = heads_with_acceptance(tmp_path, monkeypatch)
-    table = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.1, 0.05]]
-    steep = {"verify_ms": {"blocks": {"300": {"1": 1000.0, "2": 1000.0, "8": 100.0}}}}
-    costs = step_costs(model, heads, table, [2, 8], steep, "blocks", prefix=20, repeats=1)
-    assert costs[2] < 0.5 and costs[8] < 0.5

@@ -6,16 +6,14 @@
 for the eager path (transformers' modules as they are), oneDNN prepacked linears, exact block weights
 (`core.packed`; "blocks" is the decoder's default "auto", which falls back to oneDNN for weights without
 blocks), the same compiled with torch.compile ("compiled", `core.compiled`) and the row-invariant kernels
-of bitwise numerics ("exact": exact attention and linears), plus each row relative to a one-token step
-(n = 1) of the same path and prefix. It is written as JSON (`save_cost_curve`; default
-`$TREESPEC_CACHE/costs/<model>-<dtype>-r<KERNELS_REVISION>.json`) for people and later tools
-(`load_cost_curve`, `interpolate`). The tree choice (`price_trees`, `machine_tree`) reads it: a step of
-a tree costs its drafting (timed) plus the verification of its node count (from the curve); without a
-curve it times whole steps through `Decoder.step`.
+of bitwise numerics ("exact": exact attention and linears). It is written as JSON (`save_cost_curve`;
+default `$TREESPEC_CACHE/costs/<model>-<dtype>-r<KERNELS_REVISION>.json`) for people and later tools
+(`load_cost_curve`, `interpolate`). The heads' static tree (`machine_tree`, `--tree machine`) is chosen by
+timing whole steps through `Decoder.step` instead (`training.calibrate`) and kept beside the curves.
 
 Dynamic trees (`verify_cost_model`) need the curve of the path they run: on first use, when the cache
 folder has none, `ensure_cost_curve` measures a quick one (`QUICK_NODES` x `QUICK_PREFIXES`, the shape
-`interpolate_rows` needs) and keeps it in `default_cost_file`; `scripts/cost_curve.py` measures a fuller
+`interpolate` needs) and keeps it in `default_cost_file`; `scripts/cost_curve.py` measures a fuller
 one. A file that exists but cannot be read is refused, never overwritten.
 """
 
@@ -164,28 +162,12 @@ def cost_curve(
     }
 
 
-def relative(curve: dict, path: str, prefix: int) -> dict[int, float]:
-    """n -> verify_ms(n) / verify_ms(1) for one path and prefix."""
-    row = {int(n): ms for n, ms in curve["verify_ms"][path][str(prefix)].items()}
-    return {n: ms / row[1] for n, ms in sorted(row.items())} if 1 in row else {}
-
-
-def interpolate(curve: dict, path: str, prefix: int, n: int) -> float:
-    """verify ms at n nodes (linear between measured counts; below the first, the first; beyond the last,
-    on the last segment's slope) for the measured prefix nearest to `prefix`."""
-    return interpolate_rows(curve_rows(curve, path), prefix, n)
-
-
-def curve_rows(curve: dict, path: str) -> dict[int, list[tuple[int, float]]]:
-    """One path of a cost curve parsed once: measured prefix -> [(nodes, verify ms)] sorted by nodes."""
-    return {
-        int(p): sorted((int(k), v) for k, v in row.items()) for p, row in curve["verify_ms"][path].items()
-    }
-
-
-def interpolate_rows(rows: dict[int, list[tuple[int, float]]], prefix: int, n: int) -> float:
-    """`interpolate` over a path parsed by `curve_rows` (parsed once, asked for every node count)."""
-    row = nearest_row(rows, prefix)
+def interpolate(rows: dict[str, dict[str, float]], prefix: int, n: int) -> float:
+    """verify ms at n nodes from one path of a cost curve (`curve["verify_ms"][path]`: prefix -> nodes ->
+    ms): the row of the measured prefix nearest to `prefix` (a tie goes to the shorter), linear between
+    measured counts; below the first, the first; beyond the last, on the last segment's slope."""
+    nearest = min(rows, key=lambda p: (abs(int(p) - prefix), int(p)))
+    row = sorted((int(k), v) for k, v in rows[nearest].items())
     if n <= row[0][0]:
         return row[0][1]
     for (n0, v0), (n1, v1) in zip(row, row[1:], strict=False):
@@ -197,33 +179,16 @@ def interpolate_rows(rows: dict[int, list[tuple[int, float]]], prefix: int, n: i
     return v1 + max(0.0, v1 - v0) * (n - n1) / (n1 - n0)
 
 
-def nearest_row(rows: dict[int, list[tuple[int, float]]], prefix: int) -> list[tuple[int, float]]:
-    """The measured row of the prefix nearest to `prefix` (a tie goes to the shorter prefix)."""
-    return rows[min(rows, key=lambda p: (abs(p - prefix), p))]
-
-
-def interpolate_monotone(curve: dict, path: str, prefix: int, n: int) -> float:
-    """`interpolate`, never above the price of more nodes at the same prefix: a measured curve can price n
-    nodes above n + 1 by noise, and verifying fewer nodes never costs more (the minimum of the
-    interpolated value and every measured count above n)."""
-    rows = curve_rows(curve, path)
-    return min([interpolate_rows(rows, prefix, n)] + [v for k, v in nearest_row(rows, prefix) if k > n])
-
-
-def verify_path_choices(compile: bool, numerics: str = "fast", native: bool = False) -> list[str]:
-    """The cost-curve paths that price the step `Decoder(compile=compile, numerics=numerics)` runs, best
-    first. native: the decoder verifies through the native step (`core.native`)."""
+def verify_paths(model, compile: bool = False, numerics: str = "fast") -> list[str]:
+    """The cost-curve paths that price the step `Decoder(model, compile=compile, numerics=numerics)` runs,
+    best first (uncompiled: the native step (`core.native`) where it runs this model, else the others)."""
     if numerics in ("bitwise", "int8"):
         return ["exact" if numerics == "bitwise" else "int8"]
     if compile:
         return ["compiled"]
-    return (["native"] if native else []) + ["blocks", "onednn", "eager"]
-
-
-def runs_native(model, compile: bool = False) -> bool:
-    """Whether `Decoder(model, compile=compile)` verifies through the native step."""
     param = next(model.parameters())
-    return native_unsupported(model, auto_kernel(param.device, param.dtype), "auto", compile, False) is None
+    native = native_unsupported(model, auto_kernel(param.device, param.dtype), "auto", False, False) is None
+    return (["native"] if native else []) + ["blocks", "onednn", "eager"]
 
 
 def measure_command(model, path: str) -> str:
@@ -246,7 +211,7 @@ def ensure_cost_curve(
     numerics: str = "fast",
 ) -> tuple[dict, str, Path]:
     """This machine's cost curve with a path that prices the step `Decoder(compile=compile,
-    numerics=numerics)` runs (`verify_path_choices`): returns (curve, path, file).
+    numerics=numerics)` runs (`verify_paths`): returns (curve, path, file).
 
     Without `curve_file` it is `default_cost_file(model)` (under `$TREESPEC_CACHE`); when that file is
     missing, or lacks every path that would do, a quick curve of the path is measured now (`quick_curve`;
@@ -255,7 +220,7 @@ def ensure_cost_curve(
     measured, where it goes and how to measure a fuller one. A `curve_file` given by the caller must exist
     and have the path; a file that exists but is not a cost curve is refused (`load_cost_curve`), never
     overwritten."""
-    wanted = verify_path_choices(compile, numerics, runs_native(model, compile))
+    wanted = verify_paths(model, compile, numerics)
     file = Path(curve_file) if curve_file else default_cost_file(model)
     remeasure = f"{measure_command(model, wanted[0])} --out {file}"
     curve = load_cost_curve(file, remeasure) if file.is_file() else None
@@ -351,8 +316,8 @@ def verify_cost_model(
     The curve is `curve_file`, else this machine's (`default_cost_file`), measured quickly on first use
     (`ensure_cost_curve`, which says so through `progress`)."""
     curve, path, _ = ensure_cost_curve(model, compile, curve_file, progress, numerics)
-    rows = curve_rows(curve, path)
-    return lambda nodes, prefix: interpolate_rows(rows, prefix, nodes) / 1e3
+    rows = curve["verify_ms"][path]
+    return lambda nodes, prefix: interpolate(rows, prefix, nodes) / 1e3
 
 
 def save_cost_curve(path: str | os.PathLike, curve: dict) -> None:
@@ -412,58 +377,11 @@ def read_acceptance(heads_folder: str | os.PathLike) -> list[list[float]] | None
     return json.loads(table_file.read_text())["acceptance"]
 
 
-def price_trees(
-    model,
-    heads,
-    table: Sequence[Sequence[float]],
-    budgets: Sequence[int],
-    repeats: int,
-    curve: dict | None = None,
-    path: str = "blocks",
-) -> tuple[int, dict[int, dict[str, float]]]:
-    """For each node budget the best tree for `table` and what one speculative step of it costs on this
-    machine (prefix 300): drafting timed here plus the verification read from `curve` for `path` when
-    given (`step_costs`), else whole steps timed through `Decoder.step` (`calibrate.forward_costs`).
-    Returns (the budget with the most expected tokens per second, the numbers behind it)."""
-    if curve is not None:
-        costs = step_costs(model, heads, table, budgets, curve, path, repeats=repeats)
-    else:
-        costs = calibrate.forward_costs(model, budgets, heads, prefix=300, repeats=repeats, table=table)
-    return calibrate.choose_budget(table, costs)
-
-
-def step_costs(
-    model, heads, table, budgets: Sequence[int], curve: dict, path: str, prefix: int = 300, repeats: int = 3
-) -> dict[int, float]:
-    """Seconds of one step per budget: the tree's drafting and commit, timed here through `Decoder.step`
-    on the uncompiled path (the drafter runs the same on every path), plus the verification of its node
-    count read from the cost curve of `path` (`interpolate_monotone`: no compile per budget)."""
-    if path not in curve["verify_ms"]:
-        raise ValueError(
-            f"the cost curve has no {path!r} path; measure it: scripts/cost_curve.py --paths {path}"
-        )
-    costs = {}
-    for n in budgets:
-        tree = Tree.from_acceptance(table, n)
-        decoder = calibrate.timing_decoder(model, heads, tree, prefix, steps=repeats + 1)
-        with decoder.running():  # the model's mode held, as `generate` holds it for a whole call
-            decoder.step()  # warm-up
-            stats = decoder.stats[0]
-            before = (stats.time_draft, stats.time_commit, stats.steps)
-            for _ in range(repeats):
-                decoder.step()
-        steps = stats.steps - before[2]
-        around = (stats.time_draft - before[0] + stats.time_commit - before[1]) / steps
-        costs[n] = around + interpolate_monotone(curve, path, prefix, tree.num_nodes) / 1e3
-    return costs
-
-
-def machine_tree_file(model, heads_folder: str | os.PathLike, path: str | None = None) -> Path:
+def machine_tree_file(model, heads_folder: str | os.PathLike) -> Path:
     """Where `machine_tree` keeps its choice: next to the cost curves, per model, dtype, heads folder (and
-    the content of its acceptance.json: retrained heads are priced again) and verification path
-    ("native", "blocks" or "compiled"; default: the uncompiled path the decoder runs)."""
-    if path is None:
-        path = verify_path_choices(False, "fast", runs_native(model))[0]
+    the content of its acceptance.json: retrained heads are priced again) and the uncompiled verification
+    path the decoder runs ("native" or "blocks")."""
+    path = verify_paths(model)[0]
     curve_file = default_cost_file(model)
     table_file = Path(heads_folder) / "acceptance.json"
     content = hashlib.sha256(table_file.read_bytes()).hexdigest()[:8] if table_file.is_file() else "none"
@@ -477,36 +395,26 @@ def machine_tree(
     budgets: Sequence[int] = (4, 8, 16, 32),
     repeats: int = 3,
     progress=None,
-    compile: bool = False,
 ) -> tuple[Tree, str]:
-    """The heads' best tree on this machine for the verification path generate will run (`compile`: the
-    compiled step, else the uncompiled one), chosen once by `price_trees` over `budgets` and kept in
-    `machine_tree_file`. It reads this machine's cost curve (`default_cost_file`, `scripts/cost_curve.py`)
-    when that has the path, else times whole uncompiled steps (a compiled step would compile once per
-    budget). Heads without acceptance.json keep their own tree. Returns (tree, description)."""
+    """The heads' best tree on this machine, chosen once over `budgets` and kept in `machine_tree_file`:
+    one speculative step of each budget's tree timed through the uncompiled `Decoder.step`
+    (`calibrate.forward_costs`; a compiled step would compile once per budget), the budget with the most
+    expected tokens per second (`calibrate.choose_budget`). Heads without acceptance.json keep their own
+    tree. Returns (tree, description)."""
     table = read_acceptance(heads_folder)
     if table is None:
         return heads.tree, "the heads' tree.json (no acceptance.json to price trees with)"
-    curve_file = default_cost_file(model)
-    curve = load_cost_curve(curve_file) if curve_file.is_file() else None
-    # the path the decoder runs, or the next best that the curve has (`verify_path_choices`)
-    wanted = verify_path_choices(compile, "fast", runs_native(model, compile))
-    path = next((p for p in wanted if curve is not None and p in curve["verify_ms"]), wanted[0])
-    saved = machine_tree_file(model, heads_folder, path)
+    saved = machine_tree_file(model, heads_folder)
     if saved.is_file():
         tree = Tree.load(saved, max_depth=heads.num_heads)
         return tree, f"priced on this machine ({tree.num_nodes} nodes; {saved}, delete it to re-measure)"
-    if curve is not None and path not in curve["verify_ms"]:
-        curve = None
-    how = f"the {path} cost curve in {curve_file}" if curve else "timed uncompiled steps"
-    if compile and curve is None:
-        how += (
-            f" (for the compiled step's costs: scripts/cost_curve.py --paths compiled, then delete {saved})"
-        )
     if progress:
-        progress(f"pricing trees of {', '.join(map(str, budgets))} nodes on this machine (once; {how}) ...")
-    best, _ = price_trees(model, heads, table, budgets, repeats, curve=curve, path=path)
+        progress(
+            f"pricing trees of {', '.join(map(str, budgets))} nodes on this machine (once; timed steps) ..."
+        )
+    costs = calibrate.forward_costs(model, budgets, heads, prefix=300, repeats=repeats, table=table)
+    best, _ = calibrate.choose_budget(table, costs)
     tree = Tree.from_acceptance(table, best)
     saved.parent.mkdir(parents=True, exist_ok=True)
     tree.save(saved)
-    return tree, f"priced on this machine ({best} nodes with {how}; kept in {saved})"
+    return tree, f"priced on this machine ({best} nodes with timed steps; kept in {saved})"
