@@ -64,6 +64,11 @@ def llamacpp_python(explicit: str | os.PathLike | None = None) -> Path:
     return path
 
 
+def worker_flags(**options) -> list[str]:
+    """A worker's command-line flags from keyword arguments: max_len=4096 -> ["--max-len", "4096"]."""
+    return [arg for name, value in options.items() for arg in (f"--{name.replace('_', '-')}", str(value))]
+
+
 class WorkerPeer:
     """A worker script in another environment's interpreter, spoken to in JSON lines over its stdin and
     stdout; its stderr goes to a log file that an error quotes. Subclasses build the command."""
@@ -155,27 +160,10 @@ class VllmPeer(WorkerPeer):
         """kv_cache_gb: vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE; the worker's default is 2 GB);
         draft: a drafter folder `treespec export` wrote, served with vLLM's `draft_method`, drafting
         `draft_tokens` tokens per step."""
-        command = [
-            str(vllm_python(python)),
-            str(WORKER),
-            "--model",
-            str(model_folder),
-            "--dtype",
-            dtype,
-            "--ngram",
-            str(ngram),
-            "--max-len",
-            str(max_len),
-        ]
+        flags = worker_flags(model=model_folder, dtype=dtype, ngram=ngram, max_len=max_len)
         if draft:
-            command += [
-                "--draft",
-                str(draft),
-                "--draft-method",
-                draft_method,
-                "--draft-tokens",
-                str(draft_tokens),
-            ]
+            flags += worker_flags(draft=draft, draft_method=draft_method, draft_tokens=draft_tokens)
+        command = [str(vllm_python(python)), str(WORKER), *flags]
         # vLLM serves with one thread unless OMP_NUM_THREADS says otherwise: give it the threads torch has
         env = {
             **os.environ,
@@ -251,20 +239,10 @@ class LlamaCppPeer(WorkerPeer):
         if not Path(gguf).is_file():
             raise PeerUnavailable(f"no GGUF file at {gguf}")
         threads = threads or torch.get_num_threads()
-        command = [
-            str(interpreter),
-            str(LLAMACPP_WORKER),
-            "--model",
-            str(gguf),
-            "--threads",
-            str(threads),
-            "--n-ctx",
-            str(n_ctx),
-            "--lookup",
-            str(lookup),
-            "--lookup-ngram",
-            str(lookup_ngram),
-        ]
+        flags = worker_flags(
+            model=gguf, threads=threads, n_ctx=n_ctx, lookup=lookup, lookup_ngram=lookup_ngram
+        )
+        command = [str(interpreter), str(LLAMACPP_WORKER), *flags]
         self.stop_token_ids = [int(t) for t in stop_token_ids] if stop_token_ids else None
         self.info = self._start(command, dict(os.environ), log, "treespec-llamacpp-")
         if not self.info.get("ready"):
