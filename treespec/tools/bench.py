@@ -927,6 +927,14 @@ def cpu_description() -> str:
     return f"{name or 'unknown'} ({bf16}, {os.cpu_count()} cores)"
 
 
+def write_result(result: dict, out: str | None, name: str) -> None:
+    """Write a run's JSON to `out` (default bench_results/<name>-<timestamp>.json) and say where."""
+    path = Path(out) if out else DEFAULT_OUT_DIR / f"{name}-{datetime.now():%Y%m%d-%H%M%S}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, result)
+    print(f"\nwrote {path}")
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
     """Run the benchmark, print the tables, write the JSON; returns what was written.
 
@@ -992,8 +1000,5 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
     print(format_tables(summary, methods))
 
     result = {"config": config, "wall_seconds": wall, "prompts": records, "summary": summary}
-    out = Path(args.out) if args.out else DEFAULT_OUT_DIR / f"bench-{datetime.now():%Y%m%d-%H%M%S}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out, result, indent=1)
-    print(f"\nwrote {out}")
+    write_result(result, args.out, "bench")
     return result

@@ -42,11 +42,8 @@ import treespec
 from .. import recipes
 from ..core.generate import encode_prompt
 from ..core.tokens import eos_token_ids
-from ..io import atomic_write_json
 from . import bench
 from . import drafter_options as options
-from .models import default_model_folder
-from .peers import VllmPeer
 
 # the batch benchmark's method names -> (recipe, plain_above); any other recipe name runs with "auto"
 RECIPE_METHODS = {
@@ -261,18 +258,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
     eos = eos_token_ids(model, tokenizer)
     prompts = [encode_prompt(q["turns"][0], tokenizer) for q in questions]
     runners, setup = make_runners(args, model, tokenizer, eos)
-    peer = None
-    if "vllm" in args.methods:
-        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        out_dir = Path(args.out).parent if args.out else bench.DEFAULT_OUT_DIR
-        out_dir.mkdir(parents=True, exist_ok=True)
-        print(f"starting vllm (log: {out_dir / 'vllm-worker.log'})", file=sys.stderr)
-        peer = VllmPeer(
-            args.model or default_model_folder(),
-            dtype,
-            python=args.vllm_python,
-            log=out_dir / "vllm-worker.log",
-        )
+    peer = bench.start_peers(args, model).get("vllm")  # the one peer method here
+    if peer is not None:
         runners["vllm"] = lambda group, m: peer.run_batch(group, m, 0.0, None, eos)
     try:
         t0 = time.perf_counter()
@@ -314,8 +301,5 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
         "crossover": cross,
         "records": records,
     }
-    out = Path(args.out) if args.out else bench.DEFAULT_OUT_DIR / f"batch-{datetime.now():%Y%m%d-%H%M%S}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out, result, indent=1)
-    print(f"\nwrote {out}")
+    bench.write_result(result, args.out, "batch")
     return result
