@@ -103,17 +103,17 @@ def test_resume_continues_from_the_checkpoint(tiny_setup, monkeypatch):
     root, model = tiny_setup
     straight = train_heads(_config(root, "straight"), model=model)
 
-    real_save = train_module.save_checkpoint
+    real_save = train_module.checkpoint.save
 
-    def save_then_die(folder, heads, optimizer, step, cfg, log):
-        real_save(folder, heads, optimizer, step, cfg, log)
+    def save_then_die(folder, tensors, optimizer, step, cfg, log, **kwargs):
+        real_save(folder, tensors, optimizer, step, cfg, log, **kwargs)
         if step == 8:
             raise _Killed  # the process dies right after its step-8 checkpoint
 
-    monkeypatch.setattr(train_module, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(train_module.checkpoint, "save", save_then_die)
     with pytest.raises(_Killed):
         train_heads(_config(root, "resumed"), model=model)
-    monkeypatch.setattr(train_module, "save_checkpoint", real_save)
+    monkeypatch.setattr(train_module.checkpoint, "save", real_save)
     resumed = train_heads(_config(root, "resumed"), model=model, resume=True)
     a = treespec.MedusaHeads.from_pretrained(root / "straight" / "heads")
     b = treespec.MedusaHeads.from_pretrained(root / "resumed" / "heads")

@@ -170,13 +170,6 @@ def stop_token_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def generate_batch(
-    model, prompts: list[list[int]], config: GenerationConfig, eos_ids: list[int]
-) -> list[list[int]]:
-    """Responses to several prompts in one left-padded `model.generate` call (`reference.hf_generate`)."""
-    return hf_generate(model, prompts, eos_ids=eos_ids, generation_config=config)
-
-
 def generation_config(settings: dict, pad_id: int | None = None) -> GenerationConfig:
     """HF generation settings of a dataset: greedy at temperature 0, else plain sampling (no top-k/p).
     pad_id: the tokenizer's pad token (default: the first eos)."""
@@ -219,7 +212,7 @@ def generate_answers(
         return responses
     responses: list[list[int]] = [[] for _ in prompts]
     for rows in length_batches([len(p) for p in prompts], max_rows=batch_size):
-        batch = generate_batch(model, [prompts[r] for r in rows], config, eos_ids)
+        batch = hf_generate(model, [prompts[r] for r in rows], eos_ids=eos_ids, generation_config=config)
         for row, response in zip(rows, batch, strict=True):
             responses[row] = response
         if progress is not None:

@@ -205,22 +205,6 @@ def evaluate(
     }
 
 
-# -- checkpoints -------------------------------------------------------------------------------------
-
-
-def save_checkpoint(
-    folder: Path, heads: MedusaHeads, optimizer, step: int, cfg: TrainConfig, log: list
-) -> None:
-    """Write <folder>/checkpoint atomically: the heads' tensors, optimizer, step, settings and log."""
-    checkpoint.save(folder / CHECKPOINT_DIR, heads.state_dict(), optimizer, step, cfg, log)
-
-
-def load_checkpoint(folder: Path, heads: MedusaHeads, optimizer, cfg: TrainConfig) -> tuple[int, list]:
-    """Restore heads and optimizer from <folder>/checkpoint; returns (step, log). Refuses (before
-    changing anything) a corrupt checkpoint or one made with other settings."""
-    return checkpoint.load(folder / CHECKPOINT_DIR, heads.state_dict(), optimizer, cfg, RESUMABLE_CHANGES)
-
-
 # -- the training loop -------------------------------------------------------------------------------
 
 
@@ -294,6 +278,7 @@ def train_heads(cfg: TrainConfig, model, resume: bool = False, accelerator=None)
         raise ValueError("an exit head (exit_layer > 0) is a single head: use num_heads=1, not sequential")
     accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
     out = Path(cfg.out)
+    ckpt = out / CHECKPOINT_DIR  # heads' tensors, optimizer, step, settings, log (`training.checkpoint`)
     model.requires_grad_(False)
     x, y, x_eval, y_eval = _examples(cfg, model, out / "cache", accelerator)
     weight_dtype = torch.bfloat16 if cfg.bf16 else torch.float32
@@ -302,16 +287,15 @@ def train_heads(cfg: TrainConfig, model, resume: bool = False, accelerator=None)
     heads = _new_heads(cfg, model, lm_weight.shape[0])
     lm_weight = heads.output_weight(lm_weight)  # [V', H] gathered once
     optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    step, log = resume_from(
-        out / CHECKPOINT_DIR, resume, lambda: load_checkpoint(out, heads, optimizer, cfg), accelerator
-    )
+    restore = lambda: checkpoint.load(ckpt, heads.state_dict(), optimizer, cfg, RESUMABLE_CHANGES)
+    step, log = resume_from(ckpt, resume, restore, accelerator)
     ddp_heads, optimizer = accelerator.prepare(heads, optimizer)
 
     def evaluate_heads() -> dict:
         return evaluate(heads, lm_weight, x_eval.float(), y_eval, embed_weight)
 
     def save(at: int, at_log: list) -> None:
-        save_checkpoint(out, accelerator.unwrap_model(ddp_heads), optimizer, at, cfg, at_log)
+        checkpoint.save(ckpt, accelerator.unwrap_model(ddp_heads).state_dict(), optimizer, at, cfg, at_log)
 
     forward = _heads_forward(cfg, ddp_heads, heads, x, y, lm_weight, embed_weight, accelerator)
     loop = TrainLoop(
