@@ -38,7 +38,7 @@ class ChainDrafter(BaseDrafter):
     """Proposes the root followed by fixed tokens: a chain of `n` nodes every step."""
 
     def __init__(self, n: int, token: int):
-        self.tree = Tree.from_choices([[0] * d for d in range(1, n)])
+        self.tree = Tree.chain(n - 1)
         self.token = token
 
     def propose(self, hidden, roots, max_depth=None):

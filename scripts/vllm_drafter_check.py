@@ -35,10 +35,6 @@ from treespec.tools.models import default_data_file, default_model_folder
 from treespec.tools.peers import VllmPeer
 
 
-def chain(depth: int) -> treespec.Tree:
-    return treespec.Tree.from_choices([[0] * d for d in range(1, depth + 1)])
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="vllm_drafter_check.py", description=__doc__.splitlines()[0])
     p.add_argument("--eagle", required=True, help="EAGLE-style drafter folder (train_eagle.py)")
@@ -59,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     drafted = accepted = 0
     treespec_outputs = []
     for prompt in ids:
-        drafter = treespec.EagleDrafter(draft, chain(args.draft_tokens), model)
+        drafter = treespec.EagleDrafter(draft, treespec.Tree.chain(args.draft_tokens), model)
         result = treespec.generate(model, prompt, drafter, tokenizer, max_new_tokens=args.max_new_tokens)
         treespec_outputs.append(list(result.token_ids))
         drafted += result.stats.steps * args.draft_tokens

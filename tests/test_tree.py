@@ -25,7 +25,7 @@ MEDUSA_CHOICES = [[0], [0, 0], [1], [0, 1], [2], [0, 0, 0]]
 
 def chain(n: int) -> Tree:
     """A single path of n nodes: [0], [0, 0], ..."""
-    return Tree.from_choices([[0] * d for d in range(1, n)])
+    return Tree.chain(n - 1)
 
 
 @st.composite
@@ -86,6 +86,10 @@ def test_token_index_gathers_candidates():
     assert tokens.tolist() == [100, 10, 11, 12, 20, 21, 30]
     with pytest.raises(ValueError, match="topk=2"):
         t.token_index(2)
+
+
+def test_chain():
+    assert Tree.chain(3).choices == ((0,), (0, 0), (0, 0, 0)) and Tree.chain(0).num_nodes == 1
 
 
 def test_root_only_tree():

@@ -111,6 +111,11 @@ class Tree:
         return tree
 
     @classmethod
+    def chain(cls, depth: int) -> Tree:
+        """The root followed by a chain of `depth` rank-0 nodes (depth + 1 nodes)."""
+        return cls.from_choices([(0,) * d for d in range(1, depth + 1)])
+
+    @classmethod
     def from_acceptance(cls, acceptance: Sequence[Sequence[float]], num_nodes: int) -> Tree:
         """The ``num_nodes``-node tree (root included) with the largest expected accepted length.
 

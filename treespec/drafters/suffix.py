@@ -415,13 +415,12 @@ class SuffixDrafter(BaseDrafter):
             self._row_paths(row, root, depth) for row, root in zip(self.rows, root_list, strict=True)
         ]
         choices = self._union(row_paths)
-        tree = self._tree_for(choices)
-        keep = set(choices)
+        tree = self._tree_for(choices)  # its paths are exactly `choices`
         tokens = [[root] * tree.num_nodes for root in root_list]  # [B, N]
         probs = [[1.0] + [0.0] * (tree.num_nodes - 1) for _ in root_list]  # [B, N]
         for r, paths in enumerate(row_paths):
             for i, path in enumerate(tree.choices, start=1):
-                if path in paths and path in keep:
+                if path in paths:
                     tokens[r][i], probs[r][i] = paths[path]
         self.counts["steps"] += 1
         self.counts["nodes"] += len(choices) + 1

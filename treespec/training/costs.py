@@ -87,11 +87,6 @@ class _Shape(BaseDrafter):
         raise RuntimeError("a cost-curve shape drafts nothing: use Decoder.score")
 
 
-def _chain(n: int) -> Tree:
-    """An n-node chain: its cost is the cost of any n-node tree (attention differs only in the mask)."""
-    return Tree.from_choices([[0] * d for d in range(1, n)])
-
-
 @torch.inference_mode()
 def verify_ms(
     model,
@@ -110,7 +105,7 @@ def verify_ms(
     vocab = model.config.vocab_size
     decoder = Decoder(
         model,
-        _Shape(_chain(n)),
+        _Shape(Tree.chain(n - 1)),  # its cost is any n-node tree's (attention differs only in the mask)
         acceptance="greedy",
         linears=linears,
         compile=compile,
