@@ -86,11 +86,6 @@ def csrc_dir() -> Path:
     )
 
 
-def ext_cache_dir() -> Path:
-    """`$TREESPEC_CACHE/ext` (default `~/.cache/treespec/ext`)."""
-    return cache_root() / "ext"
-
-
 def _cpu_identity() -> str:
     """What -march=native compiles for: the machine and its CPU feature flags."""
     flags = ""
@@ -151,41 +146,28 @@ def _build_name(sources: list[Path], cflags: list[str], cuda_flags: list[str]) -
 def _register_fakes() -> None:
     """Fake (meta) kernels, so torch.compile / FakeTensor tracing sees shapes without running."""
 
-    @torch.library.register_fake("treespec::tree_attention")
-    def _tree_attention_fake(q, k, v, bits, scale):
+    def attention(q, *rest):  # q [B, H, n, D] (rows: [A, H, n, D]) -> [B, n, H, D]
         B, H, n, D = q.shape
         return q.new_empty((B, n, H, D))
 
-    @torch.library.register_fake("treespec::tree_attention_out")
-    def _tree_attention_out_fake(q, k, v, bits, scale, out):
-        return None
-
-    @torch.library.register_fake("treespec::tree_attention_rows")
-    def _tree_attention_rows_fake(q, k, v, bits, scale, rows, prefix_lens):
-        A, H, n, D = q.shape
-        return q.new_empty((A, n, H, D))
-
-    @torch.library.register_fake("treespec::commit_kv")
-    def _commit_kv_fake(keys, values, src, dst):
-        return None
-
-    @torch.library.register_fake("treespec::block_linear")
-    def _block_linear_fake(x, q, d, m):
-        return x.new_empty((*x.shape[:-1], q.shape[0]))
-
-    @torch.library.register_fake("treespec::tree_attention_exact")
-    def _tree_attention_exact_fake(q, k, v, bits, scale):
-        B, H, n, D = q.shape
-        return q.new_empty((B, n, H, D))
-
-    @torch.library.register_fake("treespec::tree_attention_exact_rows")
-    def _tree_attention_exact_rows_fake(q, k, v, bits, scale, rows, prefix_lens):
-        A, H, n, D = q.shape
-        return q.new_empty((A, n, H, D))
-
-    @torch.library.register_fake("treespec::exact_linear")
-    def _exact_linear_fake(x, w):
+    def linear(x, w, *rest):  # x [..., K] and w [N, K] (or its blocks) -> [..., N]
         return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+    def in_place(*args):  # writes into its arguments
+        return None
+
+    fakes = {
+        "tree_attention": attention,
+        "tree_attention_rows": attention,
+        "tree_attention_exact": attention,
+        "tree_attention_exact_rows": attention,
+        "tree_attention_out": in_place,
+        "commit_kv": in_place,
+        "block_linear": linear,
+        "exact_linear": linear,
+    }
+    for name, fake in fakes.items():
+        torch.library.register_fake(f"treespec::{name}", fake)
 
 
 def _build_and_load() -> None:
@@ -197,7 +179,7 @@ def _build_and_load() -> None:
     sources = [src / s for s in names]
     cflags, cuda_flags = _flags(cuda)
     name = _build_name(sources + [src / h for h in _HEADERS], cflags, cuda_flags)
-    build_dir = ext_cache_dir() / name
+    build_dir = cache_root() / "ext" / name
     library = build_dir / f"{name}.so"
     start = time.perf_counter()
     if library.is_file():
