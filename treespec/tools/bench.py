@@ -767,6 +767,19 @@ def _grid(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
+OVERALL_COLUMNS = (  # the overall table of speculative methods: header, summary key, format, scale
+    ("accept len", "accept_length", ".2f", 1.0),
+    ("predicted", "predicted_accept_length", ".2f", 1.0),
+    ("nodes/step", "nodes_per_step", ".1f", 1.0),
+    ("accept rate", "acceptance_rate", ".2f", 1.0),
+    ("draft ms/step", "draft_ms", ".1f", 1.0),
+    ("verify ms/step", "verify_ms", ".1f", 1.0),
+    ("spec. memory MiB", "speculative_memory", ".2f", 2**-20),
+    ("x hf", "speedup", ".2f", 1.0),
+    ("x baseline", "speedup_vs_baseline", ".2f", 1.0),
+)
+
+
 def format_tables(summary: list[dict], methods: list[str], reference: str = REFERENCE) -> str:
     """Throughput table (tokens/s and speedup over hf) and a fidelity table (acceptance, exact match)."""
     has_ref = reference in methods
@@ -813,32 +826,15 @@ def format_tables(summary: list[dict], methods: list[str], reference: str = REFE
             + "plain(X): prompts with X's tokens == treespec's plain loop's (same numerics and kernel)"
         )
         parts += ["", note, _grid(headers, rows)]
-    overall = summary[-1]["methods"]
     if accept:
         rows = []
         for m in [m for m in methods if is_speculative(m) or base_method(m) in ("plain", "hf_assisted")]:
-            e = overall[m]
-
-            def fmt(key, spec, scale=1.0, e=e):
-                return "-" if e.get(key) is None else format(e[key] * scale, spec)
-
-            rows.append(
-                [
-                    m,
-                    fmt("accept_length", ".2f"),
-                    fmt("predicted_accept_length", ".2f"),
-                    fmt("nodes_per_step", ".1f"),
-                    fmt("acceptance_rate", ".2f"),
-                    fmt("draft_ms", ".1f"),
-                    fmt("verify_ms", ".1f"),
-                    fmt("speculative_memory", ".2f", 2**-20),
-                    fmt("speedup", ".2f"),
-                    fmt("speedup_vs_baseline", ".2f"),
-                ]
-            )
-        headers = ["method (overall)", "accept len", "predicted", "nodes/step", "accept rate"]
-        headers += ["draft ms/step", "verify ms/step"]
-        headers += ["spec. memory MiB", "x hf", "x baseline"]
+            e = summary[-1]["methods"][m]
+            cells = [
+                "-" if e.get(k) is None else format(e[k] * scale, f) for _, k, f, scale in OVERALL_COLUMNS
+            ]
+            rows.append([m, *cells])
+        headers = ["method (overall)", *(header for header, *_ in OVERALL_COLUMNS)]
         note = (
             "predicted: the drafter's mean predicted accepted length (dynamic trees); "
             "accept rate: accepted drafted tokens / drafted depth (tree depth or gamma) per step; "
