@@ -356,9 +356,7 @@ def load_heads_and_tree(args, model) -> tuple[MedusaHeads, Tree, str, str]:
     folder = options.heads_folder(args.heads, args.model)
     heads, heads_desc = options.load_heads(folder, model, args.num_heads)
     choice = options.parse_tree(args.tree) if args.tree else args.tree_size
-    tree, source = options.pick_tree(
-        choice, heads, args.tree or "--tree", folder, model, compile=args.compile
-    )
+    tree, source = options.pick_tree(choice, heads, args.tree or "--tree", folder, model)
     if tree is None:
         tree, source = default_tree(32, heads.num_heads), f"default_tree(32, {heads.num_heads})"
     elif tree is heads.tree:

@@ -117,20 +117,19 @@ def pick_tree(
     source: str = "--tree",
     folder=None,
     model=None,
-    compile: bool = False,
 ) -> tuple[Tree | None, str]:
     """(tree, description) for `heads`: an explicit tree (from `parse_tree`) wins; a size becomes
     `default_tree(size, heads.num_heads)`; "machine" prices the trees of the heads `folder` on `model`
-    here, for the compiled step or the uncompiled one (`compile`; measured once, then kept); None gives
-    `heads.tree` (the heads folder's tree.json), which is None for heads without one (generate then uses
-    its 32-node default tree)."""
+    here (`training.costs.machine_tree`: measured once, then kept); None gives `heads.tree` (the heads
+    folder's tree.json), which is None for heads without one (generate then uses its 32-node default
+    tree)."""
     if choice == MACHINE:
         from ..training.costs import machine_tree
 
         if folder is None or model is None:
             raise ValueError("--tree machine needs a heads folder (trained heads with acceptance.json)")
         progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-        return machine_tree(model, heads, folder, progress=progress, compile=compile)
+        return machine_tree(model, heads, folder, progress=progress)
     if isinstance(choice, int):
         tree = default_tree(choice, heads.num_heads)
         return tree, f"default_tree({choice}, {heads.num_heads})"
