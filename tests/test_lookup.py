@@ -1,4 +1,4 @@
-"""Prompt lookup: the n-gram index against a brute-force search, the chain it drafts, greedy exactness."""
+"""Prompt lookup: the chain it copies against a brute-force search, the chain it drafts, greedy exactness."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from conftest import ARCHS, hf_greedy, random_heads, tiny_model
 
 import treespec
 from treespec.core.acceptance import accept_greedy
-from treespec.drafters.lookup import NgramIndex, PromptLookup
+from treespec.drafters.lookup import PromptLookup
 
 
 def _oracle(tokens: list[int], max_ngram: int, length: int) -> list[int]:
@@ -23,19 +23,21 @@ def _oracle(tokens: list[int], max_ngram: int, length: int) -> list[int]:
     return []
 
 
-def test_ngram_index_matches_a_brute_force_search():
+def test_the_lookup_chain_matches_a_brute_force_search():
     rng = random.Random(0)
     for _ in range(200):
         vocab = rng.choice([2, 3, 5, 20])
-        max_ngram = rng.choice([1, 2, 3, 4])
-        index = NgramIndex(max_ngram)
-        seen: list[int] = []
-        for _ in range(rng.randint(1, 6)):  # appended in chunks, as decoding steps do
+        max_ngram, length = rng.choice([1, 2, 3, 4]), rng.randint(1, 6)
+        lookup = PromptLookup(length, max_ngram)
+        seen = [rng.randrange(vocab) for _ in range(rng.randint(1, 8))]
+        lookup.start(treespec.SequenceStart(seen, 64, None, "sdpa"))
+        for _ in range(rng.randint(1, 6)):  # then committed in chunks, as decoding steps do
+            proposal = lookup.propose(torch.zeros(1, 4), torch.tensor([seen[-1]]))
+            drafted = proposal.tokens[0, 1:][proposal.probs[0, 1:] > 0].tolist()
+            assert drafted == _oracle(seen, max_ngram, length), (seen, max_ngram)
             chunk = [rng.randrange(vocab) for _ in range(rng.randint(1, 8))]
-            index.extend(chunk)
+            lookup.observe([chunk])
             seen += chunk
-            length = rng.randint(1, 6)
-            assert index.propose(length) == _oracle(seen, max_ngram, length), (seen, max_ngram)
 
 
 def test_the_lookup_chain_copies_what_followed_and_records_its_hits():
@@ -54,7 +56,7 @@ def test_the_lookup_chain_copies_what_followed_and_records_its_hits():
         3.0, 3.0, 3.0,
     ]  # fmt: skip
     lookup.keep_rows([1])
-    assert len(lookup.indexes) == 1 and lookup.indexes[0].tokens == [1, 2, 3, 4]
+    assert len(lookup.indexes) == 1 and list(lookup.indexes[0].tokens) == [1, 2, 3, 4]
     with pytest.raises(ValueError, match="length"):
         PromptLookup(length=0)
 

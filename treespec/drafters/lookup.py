@@ -1,9 +1,9 @@
 """Prompt lookup: copy what followed the last earlier occurrence of the text's own suffix.
 
 Answers often repeat spans of the prompt or of themselves (names, code, quoted text, and the loops small
-models fall into). `NgramIndex` remembers, for every n-gram (n <= max_ngram) of the text so far, where
-it last started with at least one token after it; `propose(length)` looks up the text's own suffix
-(longest n first) and returns the tokens that followed it.
+models fall into). A `suffix.SuffixIndex` of the text so far remembers, for every n-gram (n <=
+max_ngram), the latest position that followed it; the text's own suffix is looked up there (longest n
+first) and the tokens that followed its latest earlier occurrence are the copy.
 
 `PromptLookup` drafts that copy as a chain of `length` nodes under the root, each node's probability its
 record of being accepted when its parent was (per matched suffix length and depth); a row without a
@@ -17,38 +17,7 @@ import torch
 
 from ..core.drafting import BaseDrafter, Proposal, SequenceStart, batch_rows
 from ..core.tree import Tree
-
-
-class NgramIndex:
-    """Latest start position of every n-gram (1 <= n <= max_ngram) that has a token after it."""
-
-    def __init__(self, max_ngram: int = 3):
-        if max_ngram < 1:
-            raise ValueError(f"max_ngram must be >= 1, got {max_ngram}")
-        self.max_ngram = max_ngram
-        self.tokens: list[int] = []
-        self._starts: dict[tuple[int, ...], int] = {}
-
-    def extend(self, tokens: list[int]) -> None:
-        """Append tokens; every n-gram that now has a follower points at its latest start."""
-        for token in tokens:
-            i = len(self.tokens)  # position of the new token: n-grams ending at i - 1 gain a follower
-            for n in range(1, min(self.max_ngram, i) + 1):
-                self._starts[tuple(self.tokens[i - n : i])] = i - n
-            self.tokens.append(int(token))
-
-    def propose(self, length: int) -> list[int]:
-        """Up to `length` tokens that followed the latest earlier occurrence of the longest matching
-        suffix of the text (none: [])."""
-        return self.match(length)[0]
-
-    def match(self, length: int) -> tuple[list[int], int]:
-        """(the tokens `propose` gives, the length of the suffix they matched; 0: no match)."""
-        for n in range(min(self.max_ngram, len(self.tokens)), 0, -1):
-            start = self._starts.get(tuple(self.tokens[-n:]))
-            if start is not None:
-                return self.tokens[start + n : start + n + length], n
-        return [], 0
+from .suffix import SuffixIndex
 
 
 class PromptLookup(BaseDrafter):
@@ -60,8 +29,8 @@ class PromptLookup(BaseDrafter):
         if length < 1:
             raise ValueError(f"the lookup chain needs length >= 1, got {length}")
         self.length, self.max_ngram = length, max_ngram
-        self.tree = Tree.from_choices([(0,) * d for d in range(1, length + 1)])
-        self.indexes = [NgramIndex(max_ngram)]  # per row of the batch: the text so far
+        self.tree = Tree.chain(length)
+        self.indexes = [SuffixIndex(max_ngram)]  # per row of the batch: the text so far
         # per matched suffix length n and chain depth d: how often node d was accepted when its parent was
         # (prior: 1 of 2), pooled over the rows of a batch
         self.hits = torch.ones(max_ngram + 1, length, dtype=torch.float64)
@@ -72,7 +41,7 @@ class PromptLookup(BaseDrafter):
     def start(self, sequence: SequenceStart) -> None:
         """Row `sequence.row` starts: index its prompt and first token."""
         if sequence.row == 0:
-            self.indexes = [NgramIndex(self.max_ngram) for _ in range(sequence.rows)]
+            self.indexes = [SuffixIndex(self.max_ngram) for _ in range(sequence.rows)]
             self.last_chains = [None] * sequence.rows
         self.indexes[sequence.row].extend(sequence.tokens)
 
@@ -103,7 +72,9 @@ class PromptLookup(BaseDrafter):
         roots = roots.tolist()
         tokens, probs = [], torch.zeros(len(roots), self.tree.num_nodes)  # [B, N]
         for row, root in enumerate(roots):
-            chain, matched = self.indexes[row].match(self.length)
+            index = self.indexes[row]  # the latest occurrence of the longest suffix (<= max_ngram tokens)
+            matched, found = index.match(list(index.tokens[-self.max_ngram :]), self.max_ngram, max_scan=1)
+            chain = index.continuation(found[0], self.length) if found else []
             self.last_chains[row] = (chain, matched) if chain else None
             tokens.append([root, *chain] + [chain[-1] if chain else root] * (self.length - len(chain)))
             history = self.hits[matched] / self.tries[matched]  # [length]
