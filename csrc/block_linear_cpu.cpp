@@ -12,7 +12,9 @@
 // accumulators and their lanes in one fixed order: the row-invariant summation order. A tile of R rows x C
 // weight rows rebuilds each weight block once (in registers) for all R rows, and keeps 2RC (AVX-512)
 // independent FMA chains in flight, so one row (a plain step) is not bound by the FMA latency and many
-// rows (a verified tree) pay for the arithmetic, not for rebuilding the weights.
+// rows (a verified tree) pay for the arithmetic, not for rebuilding the weights. AVX2's registers hold tiles
+// of only 2 rows, so there three or more rows decode the weights once into a buffer instead (decoded_tile:
+// the same operations per output in the same order).
 
 #include <immintrin.h>
 
@@ -21,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "block_linear.h"
 #include "exact.h"
@@ -180,9 +183,139 @@ constexpr int kRows = 6;
 constexpr int kRows = 2;
 #endif
 
+#if defined(TREESPEC_BLOCK_AVX2)
+// Three or more rows on AVX2 (a verified tree): tile() rebuilds every weight block in registers for only
+// kRows = 2 rows (its accumulators fill the registers), so decoding, not arithmetic, bounds it. Instead:
+// decode up to kDecodedFloats weights (whole weight rows) once into a float32 buffer (block_weights' vectors
+// stored: the same values), then run every tile of R rows of x against them, C weight rows at a time.
+// Accumulator v of an output is an independent FMA chain over the blocks, so a tile runs it as its own pass
+// over the blocks (v = 0 .. PV - 1) with R * C accumulators + C weight vectors + one x vector in the 16 ymm
+// registers, keeps the PV results of each output and adds them with bsum: each output gets exactly tile()'s
+// operations in tile()'s order, bit for bit. The decoded weights and the tile's rows of x are laid out
+// v-major (vector v of every block, then vector v + 1: element 32b + kLanes * v + l of a row at
+// v * K / PV + kLanes * b + l), so each pass reads its R + C streams contiguously.
+constexpr int kDecodedRows = 4;               // R: rows of x per tile
+constexpr int kDecodedColumns = 3;            // C: weight rows per tile
+constexpr int64_t kDecodedMinRows = 3;        // fewer rows: tile() is as fast (and one row is memory-bound)
+constexpr int64_t kDecodedFloats = 1 << 16;   // decoded weights held at once (256 KiB: L2), at least C rows
+constexpr int64_t kDecodedMaxK = 1 << 16;     // longer weight rows: tile() (smaller buffers)
+
+// Weight row q (its d, m) decoded v-major into w[0, K).
+template <bool Q4, bool Half>
+inline void decode_row(int64_t K, const uint8_t* q, const void* d, const void* m, float* w) {
+  const int64_t blocks = K / 32, stride = K / PV;
+  for (int64_t b = 0; b < blocks; ++b) {
+    if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + (Q4 ? 16 : 32) * b) + kPrefetchBytes, _MM_HINT_T0);
+    bvec v[PV];
+    block_weights<Q4, Half>(q, d, m, b, v);
+    for (int i = 0; i < PV; ++i) _mm256_store_ps(w + i * stride + kLanes * b, v[i]);
+  }
+}
+
+// The M rows of x, each v-major, into xt.
+inline void rows_v_major(const float* x, int64_t M, int64_t K, float* xt) {
+  const int64_t blocks = K / 32, stride = K / PV;
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int i = 0; i < PV; ++i)
+        _mm256_store_ps(xt + r * K + i * stride + kLanes * b, bload(x + r * K + 32 * b + kLanes * i));
+}
+
+// An aligned load the compiler keeps as its own instruction: one load per vector, not a load folded into
+// every FMA that uses it (which would double the loads of the tile's loop).
+inline bvec load_once(const float* p) {
+  bvec v;
+  __asm__("vmovaps %1, %0" : "=x"(v) : "m"(*reinterpret_cast<const __m256*>(p)));
+  return v;
+}
+
+// R v-major rows xt against C decoded weight rows w: out[r * ldo + c] for r < R, c < C.
+template <int R, int C>
+inline void decoded_tile(const float* xt, int64_t K, const float* w, float* out, int64_t ldo) {
+  const int64_t blocks = K / 32, stride = K / PV;
+  bvec part[PV][R][C];
+  for (int v = 0; v < PV; ++v) {
+    bvec acc[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = bzero();
+    const float* xv = xt + v * stride;
+    const float* wv = w + v * stride;
+    for (int64_t b = 0; b < blocks; ++b) {
+      bvec wc[C];
+      for (int c = 0; c < C; ++c) wc[c] = load_once(wv + c * K + kLanes * b);
+      for (int r = 0; r < R; ++r) {
+        const bvec xr = load_once(xv + r * K + kLanes * b);
+        for (int c = 0; c < C; ++c) acc[r][c] = bfma(xr, wc[c], acc[r][c]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) part[v][r][c] = acc[r][c];
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      const bvec a[PV] = {part[0][r][c], part[1][r][c], part[2][r][c], part[3][r][c]};
+      out[r * ldo + c] = bsum(a);
+    }
+}
+
+// R v-major rows xt against the g decoded weight rows w: out[r * ldo + j] for r < R, j < g.
+template <int R>
+inline void decoded_rows(const float* xt, int64_t K, const float* w, int64_t g, float* out, int64_t ldo) {
+  constexpr int C = kDecodedColumns;
+  static_assert(C == 3, "the leftover weight rows below are 1 or 2");
+  int64_t j = 0;
+  for (; j + C <= g; j += C) decoded_tile<R, C>(xt, K, w + j * K, out + j, ldo);
+  if (g - j == 2) decoded_tile<R, 2>(xt, K, w + j * K, out + j, ldo);
+  if (g - j == 1) decoded_tile<R, 1>(xt, K, w + j * K, out + j, ldo);
+}
+
+// This thread's buffer `which` of at least `floats` floats, 32-byte aligned (grown as needed, kept).
+inline float* thread_buffer(int which, int64_t floats) {
+  thread_local std::vector<float> buffers[2];
+  std::vector<float>& buffer = buffers[which];
+  if (static_cast<int64_t>(buffer.size()) < floats + 8) buffer.resize(floats + 8);
+  const uintptr_t p = reinterpret_cast<uintptr_t>(buffer.data());
+  return reinterpret_cast<float*>((p + 31) & ~static_cast<uintptr_t>(31));
+}
+
+template <bool Q4, bool Half>
+void decoded_block_columns(const float* x, int64_t M, int64_t K, const uint8_t* q, const void* d, const void* m,
+                           float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  constexpr int C = kDecodedColumns, R = kDecodedRows;
+  static_assert(R == 4, "the leftover rows below are 1 to 3");
+  const int64_t blocks = K / 32, row_bytes = Q4 ? K / 2 : K;
+  const int64_t G = std::max<int64_t>(C, kDecodedFloats / K / C * C);  // weight rows decoded at once
+  float* w = thread_buffer(0, std::min(G, n1 - n0) * K);
+  float* xt = thread_buffer(1, R * K);
+  for (int64_t n = n0; n < n1; n += G) {
+    const int64_t g = std::min(G, n1 - n);
+    for (int64_t j = n; j < n + g; ++j)
+      decode_row<Q4, Half>(K, q + j * row_bytes, offset<Half>(d, j * blocks), Q4 ? offset<Half>(m, j * blocks) : nullptr,
+                           w + (j - n) * K);
+    for (int64_t r = 0; r < M; r += R) {
+      const int64_t rows = std::min<int64_t>(R, M - r);
+      rows_v_major(x + r * K, rows, K, xt);
+      float* o = out + r * ldo + n;
+      switch (rows) {
+        case 1: decoded_rows<1>(xt, K, w, g, o, ldo); break;
+        case 2: decoded_rows<2>(xt, K, w, g, o, ldo); break;
+        case 3: decoded_rows<3>(xt, K, w, g, o, ldo); break;
+        default: decoded_rows<R>(xt, K, w, g, o, ldo); break;
+      }
+    }
+  }
+}
+#endif
+
 template <bool Q4, bool Half>
 void block_columns(const float* x, int64_t M, int64_t K, const uint8_t* q, const void* d, const void* m,
                    float* out, int64_t ldo, int64_t n0, int64_t n1) {
+#if defined(TREESPEC_BLOCK_AVX2)
+  if (M >= kDecodedMinRows && K <= kDecodedMaxK) {
+    decoded_block_columns<Q4, Half>(x, M, K, q, d, m, out, ldo, n0, n1);
+    return;
+  }
+#endif
   int64_t r = 0;
   for (; r + kRows <= M; r += kRows) row_block<kRows, Q4, Half>(x + r * K, K, q, d, m, out + r * ldo, ldo, n0, n1);
   const float* xr = x + r * K;
