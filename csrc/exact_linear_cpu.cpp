@@ -3,7 +3,7 @@
 // Every (row, output) dot product runs the same steps whatever M is: C vector accumulators over K in
 // chunks of C * VL (chunk part c into accumulator c), the leftover whole vectors into accumulators 0, 1,
 // ..., then ((acc0 + acc1) + (acc2 + acc3)), its lanes in the fixed pairwise order, and the scalar tail in
-// order. Rows are tiled only to share the weight loads; a tile's rows never mix.
+// order (one FMA each). Rows are tiled only to share the weight loads; a tile's rows never mix.
 
 #include <ATen/Parallel.h>
 
@@ -59,7 +59,9 @@ inline void row_tile(const float* x, int64_t K, const W* w, float* out, int64_t 
   }
   for (int r = 0; r < R; ++r) {
     float sum = lane_sum((acc[r][0] + acc[r][1]) + (acc[r][2] + acc[r][3]));
-    for (int64_t j = k; j < K; ++j) sum += x[r * K + j] * to_float<W>(w[j]);
+    // the tail as explicit FMAs: left to the compiler, contraction of `sum += x * w` differed between
+    // tiles of 1 and of 2 rows (AVX2, bf16 weights), and a row's bits with them
+    for (int64_t j = k; j < K; ++j) sum = __builtin_fmaf(x[r * K + j], to_float<W>(w[j]), sum);
     out[r * N] = sum;
   }
 }
