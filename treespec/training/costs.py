@@ -43,7 +43,8 @@ from . import calibrate
 # bumped whenever a kernel or the choice between kernels changes what a verification costs (2: one bf16
 # row through `exact_linear` on CPUs without AMX), so cached curves of older kernels are measured again
 # 3: the native step (`core.native`) verifies Llama-family models
-KERNELS_REVISION = 3
+# 4: AVX2 block linears decode the weights once for 3+ rows (a tree's verification costs about half)
+KERNELS_REVISION = 4
 NODES = (1, 4, 8, 16, 32, 64)
 PREFIXES = (128, 512, 1024)
 # name -> Decoder(linears=..., compile=...)
