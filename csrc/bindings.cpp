@@ -92,14 +92,9 @@ void commit_kv_cpu_op(at::TensorList keys, at::TensorList values, const at::Tens
   std::vector<void*> pointers;
   CommitParams p = commit_args(keys, values, src, dst, pointers);
   const at::Tensor s = src.contiguous(), d = dst.contiguous();
-  const int64_t max_len = keys[0].size(2);
-  const int64_t* sp = s.data_ptr<int64_t>();
-  const int64_t* dp = d.data_ptr<int64_t>();
-  for (int64_t i = 0; i < s.numel(); ++i)
-    TORCH_CHECK(sp[i] >= 0 && sp[i] < max_len && dp[i] >= 0 && dp[i] < max_len, "treespec::commit_kv: move ",
-                sp[i], " -> ", dp[i], " is outside the cache of ", max_len, " slots");
-  p.src = sp;
-  p.dst = dp;
+  check_moves(s, d, keys[0].size(2));
+  p.src = s.data_ptr<int64_t>();
+  p.dst = d.data_ptr<int64_t>();
   commit_kv_cpu(p);
 }
 

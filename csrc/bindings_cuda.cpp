@@ -67,7 +67,12 @@ void commit_kv_cuda_op(at::TensorList keys, at::TensorList values, const at::Ten
   const c10::cuda::CUDAGuard guard(keys[0].device());
   std::vector<void*> pointers;
   CommitParams p = commit_args(keys, values, src, dst, pointers);
-  const at::Tensor s = src.contiguous(), d = dst.contiguous();
+  // The CPU op's bounds check, on the host: free for CPU index tensors (what TreeKVCache passes, uploaded
+  // here), one synchronizing copy for index tensors already on the device.
+  const at::Tensor src_host = src.to(at::kCPU).contiguous(), dst_host = dst.to(at::kCPU).contiguous();
+  check_moves(src_host, dst_host, keys[0].size(2));
+  const at::Tensor s = src.is_cpu() ? src_host.to(keys[0].device()) : src.contiguous();
+  const at::Tensor d = dst.is_cpu() ? dst_host.to(keys[0].device()) : dst.contiguous();
   p.src = s.data_ptr<int64_t>();
   p.dst = d.data_ptr<int64_t>();
   const int err = commit_kv_cuda(p, c10::cuda::getCurrentCUDAStream().stream());

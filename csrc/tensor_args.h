@@ -121,8 +121,9 @@ inline CommitParams commit_args(at::TensorList keys, at::TensorList values, cons
       pointers.push_back(t.data_ptr());
     }
   }
-  TORCH_CHECK(src.device() == first.device() && dst.device() == first.device(),
-              "treespec::commit_kv: src/dst must be on the device of the cache");
+  TORCH_CHECK(src.device() == dst.device() && (src.is_cpu() || src.device() == first.device()),
+              "treespec::commit_kv: src and dst must both be on the CPU or both on the device of the cache (",
+              first.device(), "); got ", src.device(), " and ", dst.device());
   p.tensors = pointers.data();
   p.num_tensors = static_cast<int>(pointers.size());
   p.moves = static_cast<int>(src.numel());
@@ -134,6 +135,16 @@ inline CommitParams commit_args(at::TensorList keys, at::TensorList values, cons
   p.stride_l = first.stride(2);
   p.element_size = static_cast<int>(first.element_size());
   return p;
+}
+
+// Every move src[i] -> dst[i] of a commit must stay inside the cache's max_len slots (CPU int64 tensors,
+// contiguous).
+inline void check_moves(const at::Tensor& src, const at::Tensor& dst, int64_t max_len) {
+  const int64_t* sp = src.data_ptr<int64_t>();
+  const int64_t* dp = dst.data_ptr<int64_t>();
+  for (int64_t i = 0; i < src.numel(); ++i)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < max_len && dp[i] >= 0 && dp[i] < max_len, "treespec::commit_kv: move ",
+                sp[i], " -> ", dp[i], " is outside the cache of ", max_len, " slots");
 }
 
 // tree_attention_rows (rows of a batch with their own committed lengths): checks rows and prefix_lens

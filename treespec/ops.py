@@ -340,11 +340,13 @@ def commit_kv(
     src: torch.Tensor | list[int],
     dst: torch.Tensor | list[int],
 ) -> None:
-    """Fused commit: in every keys/values tensor [B, Hkv, max_len, D], slot src[i] -> dst[i] in order."""
+    """Fused commit: in every keys/values tensor [B, Hkv, max_len, D], slot src[i] -> dst[i] in order.
+    src / dst: int64 on the CPU (lists become CPU tensors) or on the cache's device; a move outside the
+    cache raises RuntimeError on every device (CUDA reads device indices back to check them: one sync)."""
     device = keys[0].device
     _require(device)
     if not isinstance(src, torch.Tensor):
-        src = torch.tensor(src, dtype=torch.long, device=device)
+        src = torch.tensor(src, dtype=torch.long)
     if not isinstance(dst, torch.Tensor):
-        dst = torch.tensor(dst, dtype=torch.long, device=device)
+        dst = torch.tensor(dst, dtype=torch.long)
     torch.ops.treespec.commit_kv(list(keys), list(values), src, dst)

@@ -346,8 +346,8 @@ class TreeKVCache(KVCacheBase):
     def _copy_slots(self, row: int, src: list[int], dst: list[int]) -> None:
         """Slot src[i] -> dst[i] of one row in every layer. In-order moves equal gather-then-scatter
         here: dst increases and src[i] >= dst[i] (a path only moves nodes towards the prefix)."""
-        s = torch.tensor(src, dtype=torch.long, device=self.device)
-        d = torch.tensor(dst, dtype=torch.long, device=self.device)
+        s = torch.tensor(src, dtype=torch.long)  # host indices: the fused op checks them there, then uploads
+        d = torch.tensor(dst, dtype=torch.long)
         keys = [layer.keys[row : row + 1] for layer in self.layers]  # [1, Hkv, max_len, D] views
         values = [layer.values[row : row + 1] for layer in self.layers]
         if self._use_fused(self.device):
