@@ -203,3 +203,90 @@ def test_every_recipe_and_benchmark_method_has_a_name_on_the_page():
 
     methods = {*RECIPES, *bench.PEER_METHODS, *bench_batch.METHODS}
     assert not methods - set(page.METHOD_NAMES)
+
+
+def _device_timing_run() -> dict:
+    """A scripts/device_timing.py result with the fields the page reads: one kernel shape at two node
+    counts, one model on two kernels, one projected method."""
+
+    def kernel(n, treespec, sdpa_float):
+        return {"shape": "7b", "dtype": "bfloat16", "prefix": 8192, "n": n, "treespec": treespec} | {
+            "sdpa_float": sdpa_float,
+            "sdpa_bool": 2 * sdpa_float,
+            "kv_gbps": 374.25 if n == 1 else 4.04,
+        }
+
+    model = {
+        "name": "llama-8b",
+        "label": "Llama-3.1-8B shape",
+        "parameters": 8_030_261_248,
+        "auto_kernel": "sdpa",
+        "hf_generate": {"ms_per_token": 22.5, "how": "ms per token = (ms of 64 - ms of 1) / 63."},
+        "verify_ms": {
+            "sdpa": {"128": {"1": 8.0, "16": 8.8, "64": 12.0}},
+            "compiled": {"128": {"1": 8.4, "16": 9.6, "64": 16.8}},
+        },
+        "errors": {},
+    }
+    projection = {
+        "label": "Projected from CPU acceptance, not a measured GPU run: a test.",
+        "rows": [
+            {
+                "model": "Llama-3.1-8B shape",
+                "method": "dynamic",
+                "accept_length": 2.34,
+                "nodes_per_step": 14.77,
+                "verify_ms": 8.7,
+                "projected_tokens_per_second": 269.0,
+                "vs_one_token_steps": 2.152,
+                "vs_hf_generate": 6.05,
+            }
+        ],
+    }
+    return {
+        "format": "treespec.device_timing",
+        "version": 1,
+        "device": "NVIDIA H200",
+        "torch": "2.11.0+cu130",
+        "kernel_rows": [kernel(1, 0.05, 0.02), kernel(16, 0.1, 0.15)],
+        "copy_megabytes": 256,
+        "copy_gbps": 2080.2,
+        "models": [model],
+        "projection": projection,
+        "smoke": False,
+    }
+
+
+def test_device_runs_get_a_gpu_section(folder, tmp_path):
+    assert "## GPU runs" not in page.render(folder, tmp_path / "BENCHMARKS.md")  # none yet: no section
+    (folder / "2026-12-07-device-timing.json").write_text(json.dumps(_device_timing_run()))
+    old = {"build": {"ok": True}, "failures": [], "copy_gbps": 1999.6, "device": "NVIDIA H200", "torch": "2"}
+    old["rows"] = [_device_timing_run()["kernel_rows"][0] | {"shape": "smollm2", "prefix": 128}]
+    (folder / "log" / "2026-12-04-c-device-check.json").write_text(json.dumps(old))
+    assert page.run_kind(_device_timing_run()) == "device_timing" and page.run_kind(old) == "device_check"
+
+    text = page.render(folder, tmp_path / "BENCHMARKS.md")
+    gpu, older = text.split("## GPU runs")[1].split("## Older runs and other files")
+    lines = gpu.splitlines()
+    assert "| shape | dtype | prefix | n = 1 | n = 16 |" in lines
+    assert "| 7b | bfloat16 | 8192 | 0.40x, 374 GB/s | 1.50x, 4.0 GB/s |" in lines  # SDPA ms / treespec ms
+    assert "A 256 MB device copy: 2080 GB/s (bytes copied per second)." in lines
+    assert (
+        "| model shape | parameters | kernel | prefix | one-token step ms | verify 16 / 1 | verify 64 / 1 "
+        "| HF `generate` ms / token |" in lines
+    )
+    assert "| Llama-3.1-8B shape | 8.03 B | sdpa (auto) | 128 | 8.00 | 1.10x | 1.50x | 22.50 |" in lines
+    assert "| Llama-3.1-8B shape | 8.03 B | compiled | 128 | 8.40 | 1.14x | 2.00x | 22.50 |" in lines
+    assert "**Projection.** Projected from CPU acceptance, not a measured GPU run: a test." in lines
+    assert (
+        "| Llama-3.1-8B shape | treespec, dynamic trees (heads + prompt lookup) (`dynamic`) | 2.34 | 14.8 "
+        "| 8.70 | 269 | 2.15x | 6.05x |" in lines
+    )
+    assert (
+        "JSON: [benchmarks/2026-12-07-device-timing.json](benchmarks/2026-12-07-device-timing.json)." in lines
+    )
+    # the older device_check format from the log folder: its kernel table alone
+    assert "| smollm2 | bfloat16 | 128 | 0.40x, 374 GB/s |" in lines
+    logged = "benchmarks/log/2026-12-04-c-device-check.json"
+    assert f"JSON: [{logged}]({logged})." in lines
+    assert "GPU timings: kernels, models of real shapes" in older  # also listed with the other files

@@ -17,8 +17,12 @@ Which runs are current: ``benchmarks/current.json`` lists them, in the order the
 Without that file, the newest run of each kind (by the ``started`` time the benchmark recorded, else
 the file name) is current. Two kinds are shown as tables: ``bench`` (``scripts/bench.py``: one sequence
 at a time, a summary per Spec-Bench category and overall) and ``batch`` (``scripts/bench_batch.py``:
-tokens/s per method and batch size). Every other JSON file is listed under "Older runs and other
-files", and the dated notes in ``benchmarks/log/*.md`` are listed by their first heading.
+tokens/s per method and batch size). GPU runs of the device machine get a section of their own: the
+newest ``device_timing`` file (``scripts/device_timing.py``: kernels against SDPA, random-weight models of
+real shapes, a projection from CPU acceptance) and the newest ``device_check`` file (the kernel timings
+``scripts/device_check.sh`` wrote before it), found in ``benchmarks/`` or ``benchmarks/log/``. Every
+other JSON file is listed under "Older runs and other files", and the dated notes in
+``benchmarks/log/*.md`` are listed by their first heading.
 """
 
 from __future__ import annotations
@@ -32,12 +36,15 @@ from pathlib import Path
 CURRENT_FILE = "current.json"
 LOG_FOLDER = "log"
 SHOWN_KINDS = ("bench", "batch")
+DEVICE_KINDS = ("device_timing", "device_check")  # each one's newest run is shown in the GPU section
 KIND_NAMES = {
     "bench": "one sequence at a time (`scripts/bench.py`)",
     "batch": "batches (`scripts/bench_batch.py`)",
     "kernel": "tree-attention kernel (`scripts/bench_kernel.py`)",
     "cost_curve": "verification cost curve (`scripts/cost_curve.py`)",
     "vllm_check": "vLLM serving an exported drafter (`scripts/vllm_drafter_check.py`)",
+    "device_timing": "GPU timings: kernels, models of real shapes (`scripts/device_timing.py`)",
+    "device_check": "GPU kernel timings (`scripts/device_check.sh`, before device_timing.py)",
     "other": "other",
 }
 METHOD_NAMES = {  # bench.py / bench_batch.py method -> what it is
@@ -90,7 +97,8 @@ WORKLOAD_NAMES = {  # bench.py --workload -> how the page names its prompts
 
 
 def run_kind(data: object) -> str:
-    """'bench', 'batch', 'kernel', 'cost_curve' or 'other', from the fields a benchmark wrote."""
+    """'bench', 'batch', 'kernel', 'cost_curve', 'vllm_check', 'device_timing', 'device_check' or 'other',
+    from the fields a benchmark wrote."""
     if not isinstance(data, dict):
         return "other"
     if isinstance(data.get("config"), dict) and isinstance(data.get("summary"), list):
@@ -104,6 +112,10 @@ def run_kind(data: object) -> str:
         return "cost_curve"
     if "vllm_speculative_equals_vllm_plain" in data:
         return "vllm_check"
+    if data.get("format") == "treespec.device_timing":
+        return "device_timing"
+    if {"build", "failures", "copy_gbps", "rows"} <= set(data):  # device_check.sh's device_check.json
+        return "device_check"
     return "other"
 
 
@@ -161,9 +173,14 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "" if value is None else f"{format(value, spec)}{suffix}"
 
 
+def overall_summary(data: dict) -> dict:
+    """A bench.py run's summary over all prompts: {"category": "overall", "prompts", "methods": {...}}."""
+    return next((row for row in data["summary"] if row.get("category") == "overall"), data["summary"][-1])
+
+
 def bench_table(data: dict) -> list[str]:
     """Markdown table of a bench.py run's overall results: one row per method."""
-    overall = next((row for row in data["summary"] if row.get("category") == "overall"), data["summary"][-1])
+    overall = overall_summary(data)
     methods = [m for m in data["config"].get("methods", overall["methods"]) if m in overall["methods"]]
     prompts = overall.get("prompts", len(data["prompts"]))
     reference = overall["methods"].get(REFERENCE)
@@ -246,6 +263,151 @@ def _same_cell(same: dict[int, tuple[int, int]]) -> str:
     return ", ".join(f"{equal}/{total} at B = {size}" for size, (equal, total) in same.items())
 
 
+def kernel_ratio_table(rows: list[dict]) -> list[str]:
+    """Markdown table of GPU kernel rows (device_timing's "kernel_rows", device_check's "rows"): one line
+    per shape, dtype and prefix; per node count n, SDPA-with-a-float-mask ms / treespec ms and the K/V
+    bytes treespec read per second."""
+    groups: dict[tuple, dict[int, dict]] = {}
+    for row in rows:
+        groups.setdefault((row["shape"], row["dtype"], row["prefix"]), {})[row["n"]] = row
+    nodes = sorted({row["n"] for row in rows})
+    lines = [
+        "| shape | dtype | prefix | " + " | ".join(f"n = {n}" for n in nodes) + " |",
+        "|---|---|---|" + "---|" * len(nodes),
+    ]
+    for (shape, dtype, prefix), by_n in groups.items():
+        cells = [
+            f"{r['sdpa_float'] / r['treespec']:.2f}x, {_rate(r['kv_gbps'])} GB/s"
+            if (r := by_n.get(n))
+            else ""
+            for n in nodes
+        ]
+        lines.append(f"| {shape} | {dtype} | {prefix} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Each cell: SDPA with a dense float mask ms / treespec's kernel ms (> 1: treespec is faster), then "
+        "the K/V bytes treespec's kernel read per second (n = 1: one-token decoding, no mask). SDPA with a "
+        "bool mask and flash-attn without a mask are in the JSON.",
+    ]
+    return lines
+
+
+def _rate(gbps: float) -> str:
+    return f"{gbps:.0f}" if gbps >= 10 else f"{gbps:.1f}"
+
+
+def _count(parameters: int) -> str:
+    return f"{parameters / 1e9:.2f} B" if parameters >= 1e9 else f"{parameters / 1e6:.0f} M"
+
+
+def model_step_table(models: list[dict]) -> list[str]:
+    """Markdown table of device_timing's random-weight models: per model, kernel and prefix, the one-token
+    step, verify(n) / verify(1) and HF `generate`'s ms per token."""
+    rows_of = [row for m in models for rows in m["verify_ms"].values() for row in rows.values()]
+    nodes = sorted({int(n) for row in rows_of for n in row} - {1})
+    lines = [
+        "| model shape | parameters | kernel | prefix | one-token step ms | "
+        + " | ".join(f"verify {n} / 1" for n in nodes)
+        + " | HF `generate` ms / token |",
+        "|---|---|---|---|---|" + "---|" * len(nodes) + "---|",
+    ]
+    for m in models:
+        hf = m.get("hf_generate", {}).get("ms_per_token")
+        for kernel, rows in m["verify_ms"].items():
+            name = f"{kernel} (auto)" if kernel == m.get("auto_kernel") else kernel
+            for prefix, row in rows.items():
+                one = row.get("1")
+                ratios = [_fmt(row[str(n)] / one, ".2f", "x") if one and str(n) in row else "" for n in nodes]
+                cells = [m["label"], _count(m["parameters"]), name, prefix, _fmt(one, ".2f")]
+                lines.append("| " + " | ".join([*cells, *ratios, _fmt(hf, ".2f")]) + " |")
+    for m in models:
+        for kernel, error in m.get("errors", {}).items():
+            lines.append(f"- {m['label']}, kernel {kernel}: failed ({error})")
+    lines += [
+        "",
+        "Random weights (speed does not depend on them). Step and verification: `Decoder.score` over n "
+        "nodes (`treespec.training.costs.verify_ms`, median); kernel `compiled` is treespec's own attention "
+        "kernel, `sdpa` torch's. HF: greedy `generate`, "
+        + (models[0].get("hf_generate", {}).get("how", "") if models else ""),
+    ]
+    return lines
+
+
+def projection_table(projection: dict) -> list[str]:
+    """Markdown table of device_timing's projection: tokens/s each drafter would reach at its CPU
+    acceptance with the measured verification costs (labelled as a projection)."""
+    lines = [
+        f"**Projection.** {projection['label']}",
+        "",
+        "| model shape | method | accepted / step | nodes / step | verify ms | projected tokens/s "
+        "| x one-token steps | x HF `generate` |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in projection["rows"]:
+        cells = [
+            r["model"],
+            _method(r["method"]),
+            f"{r['accept_length']:.2f}",
+            f"{r['nodes_per_step']:.1f}",
+            f"{r['verify_ms']:.2f}",
+            f"{r['projected_tokens_per_second']:.0f}",
+            f"{r['vs_one_token_steps']:.2f}x",
+            _fmt(r.get("vs_hf_generate"), ".2f", "x"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def device_tables(data: dict) -> list[str]:
+    """The tables of one GPU run: a device_timing file's kernels, models and projection, or a
+    device_check file's kernels."""
+    rows = data.get("kernel_rows", data.get("rows", []))
+    lines = []
+    if rows:
+        timer = data.get("timer", "median of CUDA-event timings")
+        lines += [f"Attention kernels ({timer}):", "", *kernel_ratio_table(rows), ""]
+    if data.get("copy_gbps"):
+        size = data.get("copy_megabytes", 256)
+        lines += [f"A {size} MB device copy: {_rate(data['copy_gbps'])} GB/s (bytes copied per second).", ""]
+    if data.get("models"):
+        lines += ["Random-weight models of real shapes:", "", *model_step_table(data["models"]), ""]
+    lines += [f"- model {name}: failed ({error})" for name, error in data.get("model_errors", {}).items()]
+    if data.get("projection", {}).get("rows"):
+        lines += [*projection_table(data["projection"]), ""]
+    return lines
+
+
+def device_section(folder: Path, link: str) -> list[str]:
+    """The page's GPU section: the newest run of each device kind in ``folder`` or its log folder (none:
+    no section)."""
+    runs = {name: run for name, run in load_runs(folder).items() if run["kind"] in DEVICE_KINDS}
+    if (folder / LOG_FOLDER).is_dir():
+        logged = load_runs(folder / LOG_FOLDER).items()
+        runs |= {f"{LOG_FOLDER}/{name}": run for name, run in logged if run["kind"] in DEVICE_KINDS}
+    newest = {}
+    for name in sorted(runs, key=lambda name: Path(name).name):
+        newest[runs[name]["kind"]] = name
+    if not newest:
+        return []
+    lines = [
+        "## GPU runs",
+        "",
+        "Measured on a GPU machine lent for a few minutes (`scripts/device_check.sh`, which runs "
+        "`scripts/device_timing.py`); the newest run of each format.",
+        "",
+    ]
+    for kind in DEVICE_KINDS:
+        if kind not in newest:
+            continue
+        name, data = newest[kind], runs[newest[kind]]["data"]
+        title = KIND_NAMES[kind][0].upper() + KIND_NAMES[kind][1:]
+        smoke = " (a smoke test of the script: tiny shapes, not a measurement)" if data.get("smoke") else ""
+        lines += [f"### {title}: {data.get('device')}, torch {data.get('torch')}{smoke}", ""]
+        lines += device_tables(data)
+        lines += [f"JSON: [{link}/{name}]({link}/{name}).", ""]
+    return lines
+
+
 def _settings(entry: dict, data: dict, kind: str) -> str:
     """One line: machine, device, dtype, threads, sizes, tree, versions, date."""
     get = data["config"].get
@@ -312,6 +474,9 @@ def _describe(kind: str, data: object) -> str:
         )
     if kind == "cost_curve":
         return f"{data.get('dtype')}, paths: " + ", ".join(data.get("verify_ms", {}))
+    if kind in DEVICE_KINDS:
+        models = ", ".join(m["label"] for m in data.get("models", []))
+        return f"{data.get('device')}" + (f"; models: {models}" if models else "")
     return ", ".join(list(data)[:6]) if isinstance(data, dict) else type(data).__name__
 
 
@@ -367,6 +532,7 @@ def render(folder: str | Path, page: str | Path) -> str:
     for entry in current:
         run = runs[entry["file"]]
         lines += run_section(entry, run["data"], run["kind"], link)
+    lines += device_section(folder, link)
     lines += ["## Older runs and other files", ""]
     lines += older_runs(runs, current, link)
     folders = sorted(p.name for p in folder.iterdir() if p.is_dir() and p.name != LOG_FOLDER)

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from ..core.attention import auto_kernel
-from ..core.decoder import Decoder
+from ..core.decoder import Decoder, synchronized_clock
 from ..core.drafting import BaseDrafter
 from ..core.native import unsupported_reason as native_unsupported
 from ..core.packed import BLOCK_ROWS_MAX
@@ -99,9 +99,11 @@ def verify_ms(
     compile: bool = False,
     numerics: str = "fast",
     step: str = "auto",
+    kernel: str = "auto",
 ) -> float:
     """Median ms of one verification of n nodes after `prefix` random committed tokens (the first call,
-    which compiles when `compile`, is not counted)."""
+    which compiles when `compile`, is not counted; on CUDA each timing waits for the device).
+    kernel: the decoder's attention kernel (`Decoder(kernel=...)`)."""
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     decoder = Decoder(
@@ -112,15 +114,17 @@ def verify_ms(
         compile=compile,
         numerics=numerics,
         step=step,
+        kernel=kernel,
     )
+    clock = synchronized_clock(decoder.device)  # the decoder's own clock waits only when it prices steps
     prompt = torch.randint(0, vocab, (prefix,), generator=gen).tolist()
     decoder.prefill(prompt, max_new_tokens=n + 1)
     tokens = torch.randint(0, vocab, (1, n), generator=gen).to(decoder.device)  # [1, n]
     times = []
     for _ in range(repeats + 1):
-        t0 = decoder.clock()
+        t0 = clock()
         decoder.score(tokens)
-        times.append(decoder.clock() - t0)
+        times.append(clock() - t0)
     return 1e3 * statistics.median(times[1:])  # the first call warms up
 
 
