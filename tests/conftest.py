@@ -1,9 +1,13 @@
-"""Shared fixtures: tiny random decoder models built from configs (no downloads), and the real SmolLM2."""
+"""Shared fixtures: tiny random decoder models built from configs (no downloads), and the real SmolLM2;
+random attention inputs and the checks of the compiled ops against their torch references (test_ops.py on
+the CPU, test_cuda.py on the test device)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import os
 import random
 from collections import Counter
 from pathlib import Path
@@ -20,6 +24,10 @@ from transformers import (
 )
 
 import treespec
+from treespec import ops
+from treespec.core.attention import tree_attention_reference
+from treespec.core.cache import TreeKVCache
+from treespec.core.tree import pack_bits
 
 SPEC_BENCH = Path(__file__).resolve().parents[1] / "data" / "spec_bench_question.jsonl"
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
@@ -119,11 +127,18 @@ def tiny_distill_setup(root: Path, **overrides):
 
 
 def random_heads(
-    model, num_heads: int = 4, seed: int = 0, std: float = 0.3, sequential: bool = False, draft_vocab=None
+    model,
+    num_heads: int = 4,
+    seed: int = 0,
+    std: float = 0.3,
+    sequential: bool = False,
+    draft_vocab=None,
+    num_layers: int = 1,
 ) -> treespec.MedusaHeads:
-    """Untrained heads with random weights: correctness must not depend on head quality."""
+    """Untrained heads with random weights (on the model's device): correctness must not depend on head
+    quality."""
     heads = treespec.MedusaHeads.for_model(
-        model, num_heads=num_heads, sequential=sequential, draft_vocab=draft_vocab
+        model, num_heads=num_heads, num_layers=num_layers, sequential=sequential, draft_vocab=draft_vocab
     )
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -158,6 +173,12 @@ def hf_greedy(model, input_ids: list[int], max_new_tokens: int, eos_token_id=Non
     return out[0, len(input_ids) :].tolist()
 
 
+def first_token_probs(model, prompt: list[int]) -> torch.Tensor:
+    """The base model's distribution of the 1st sampled token (temperature 1) after the prompt: [V]."""
+    with torch.inference_mode():
+        return model(torch.tensor([prompt], device=model.device)).logits[0, -1].softmax(-1)
+
+
 def second_token_marginals(model, prompts: list[list[int]]) -> list[torch.Tensor]:
     """The base model's exact distribution of the 2nd sampled token (temperature 1) after each prompt:
     sum over the 1st token x of p(x) p(. | x), one [V] tensor per prompt (small vocabularies only)."""
@@ -165,9 +186,9 @@ def second_token_marginals(model, prompts: list[list[int]]) -> list[torch.Tensor
     exact = []
     with torch.inference_mode():
         for prompt in prompts:
-            p1 = model(torch.tensor([prompt])).logits[0, -1].softmax(-1)  # [V]
-            nxt = torch.tensor([prompt + [x] for x in range(vocab)])  # [V, T + 1]
-            exact.append(p1 @ model(nxt).logits[:, -1].softmax(-1))  # [V]
+            nxt = torch.tensor([prompt + [x] for x in range(vocab)], device=model.device)  # [V, T + 1]
+            next_probs = model(nxt).logits[:, -1].softmax(-1)  # [V, V]
+            exact.append(first_token_probs(model, prompt) @ next_probs)  # [V]
     return exact
 
 
@@ -175,19 +196,28 @@ def second_token_counts(model, prompts, drafter_for_seed, seeds: int, copies: in
     """Sampled 2nd tokens (temperature 1): for each seed, one batch of `copies` rows of every prompt
     (interleaved) decoded with `drafter_for_seed(seed)` (None: plain); returns one Counter {token: n} per
     prompt, `seeds` x `copies` samples each."""
-    counts = [Counter() for _ in prompts]
+    return sampled_token_counts(model, prompts, drafter_for_seed, seeds, copies, options)[1]
+
+
+def sampled_token_counts(
+    model, prompts, drafter_for_seed, seeds: int, copies: int, options=None, positions=(1,)
+) -> dict[int, list]:
+    """As `second_token_counts`, for the tokens at each of `positions` (0: the 1st new token):
+    {position: one Counter {token: n} per prompt}."""
+    counts = {position: [Counter() for _ in prompts] for position in positions}
     for seed in range(seeds):
         results = treespec.generate(
             model,
             [prompts[i % len(prompts)] for i in range(len(prompts) * copies)],
             drafter_for_seed(seed),
-            max_new_tokens=2,
+            max_new_tokens=max(positions) + 1,
             sampling=treespec.SamplingConfig(temperature=1.0, seed=seed),
             eos_token_id=[],
             options=options,
         )
         for i, result in enumerate(results):
-            counts[i % len(prompts)][result.token_ids[1]] += 1
+            for position in positions:
+                counts[position][i % len(prompts)][result.token_ids[position]] += 1
     return counts
 
 
@@ -241,3 +271,102 @@ def steady_clock(monkeypatch):
         return ticks[0]
 
     monkeypatch.setattr(planner.time, "perf_counter", clock)
+
+
+# ---- compiled ops against their references (test_ops.py on the CPU, test_cuda.py on the test device) ----
+
+ATTENTION_TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def random_tree_mask(n: int, gen: torch.Generator) -> torch.Tensor:
+    """A random tree: node i's parent is a random earlier node; mask[i, j] = j is i or an ancestor."""
+    mask = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        mask[i] |= mask[int(torch.randint(0, i, (), generator=gen))]
+    return mask
+
+
+def attention_inputs(batch, kv_heads, group, head_dim, prefix, n, dtype, gen, device="cpu", spare=37):
+    """q as transformers passes it ([B, n, H, D] storage, transposed) and K/V as views of cache buffers."""
+    H, L = kv_heads * group, prefix + n
+    q = torch.randn(batch, n, H, head_dim, generator=gen).to(dtype).transpose(1, 2).to(device)
+    k_buf = torch.randn(batch, kv_heads, L + spare, head_dim, generator=gen).to(dtype).to(device)
+    v_buf = torch.randn(batch, kv_heads, L + spare, head_dim, generator=gen).to(dtype).to(device)
+    return q, k_buf[:, :, :L], v_buf[:, :, :L]  # [B, Hkv, L, D] views of [B, Hkv, max_len, D]
+
+
+@contextlib.contextmanager
+def cpu_engine(engine: str):
+    """'amx' or 'fma': which CPU engine runs bf16 (read per call from TREESPEC_CPU_AMX)."""
+    old = os.environ.get("TREESPEC_CPU_AMX")
+    os.environ["TREESPEC_CPU_AMX"] = "1" if engine == "amx" else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["TREESPEC_CPU_AMX"]
+        else:
+            os.environ["TREESPEC_CPU_AMX"] = old
+
+
+def check_tree_attention(q, k, v, mask, scale, engine="amx"):
+    """Both entry points of `ops.tree_attention` (allocating, and into a NaN-poisoned buffer) against
+    `tree_attention_reference` (float32 math) on q's device. mask: [n, n] bool or None (causal)."""
+    bits = None if mask is None else pack_bits(mask).to(q.device)  # [n, ceil(n / 64)] int64
+    expected = tree_attention_reference(q, k, v, None if mask is None else mask.to(q.device), scale)
+    expected = expected.transpose(1, 2).float()  # [B, n, H, D]
+    B, H, n, D = q.shape
+    poisoned = torch.full((B, n, H, D), float("nan"), dtype=q.dtype, device=q.device)
+    with cpu_engine(engine):
+        got = ops.tree_attention(q, k, v, bits, scale)
+        ops.tree_attention(q, k, v, bits, scale, out=poisoned)
+    for out in (got, poisoned):
+        assert out.shape == (B, n, H, D) and out.is_contiguous() and out.dtype == q.dtype
+        assert torch.isfinite(out).all(), "an output element was not written (or overflowed)"
+        tol = ATTENTION_TOL[q.dtype]
+        torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+
+
+def bad_tree_attention_calls(device: str = "cpu") -> list[tuple[str, str, object]]:
+    """Calls of `ops.tree_attention` with bad inputs on `device`, each of which must raise RuntimeError:
+    (what is wrong, a regular expression its message must match, a function making the call)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = attention_inputs(1, 2, 2, 64, 10, 4, torch.float32, gen, device=device)  # n = 4, H = 4
+    bits_of_3_nodes = torch.zeros(3, 1, dtype=torch.long, device=device)  # q has 4 nodes
+    out_of_wrong_head_dim = torch.empty(1, 4, 4, 63, device=device)  # [B, n, H, D - 1]
+    float64_message = "float32 or bfloat16" if device == "cpu" else "unsupported dtype"
+    calls = [
+        (
+            "bits of the wrong shape",
+            "bits must be int64",
+            lambda: ops.tree_attention(q, k, v, bits_of_3_nodes),
+        ),
+        (
+            "query heads not a multiple of KV heads",
+            "not a multiple",
+            lambda: ops.tree_attention(q[:, :3], k, v),
+        ),
+        ("float64 inputs", float64_message, lambda: ops.tree_attention(q.double(), k.double(), v.double())),
+        (
+            "out of the wrong shape",
+            "out must be",
+            lambda: ops.tree_attention(q, k, v, out=out_of_wrong_head_dim),
+        ),
+    ]
+    if device != "cpu":
+        bits_on_cpu = pack_bits(torch.ones(4, 4, dtype=torch.bool).tril())  # [4, 1] int64
+        calls.append(("bits on the CPU", "bits on cpu", lambda: ops.tree_attention(q, k, v, bits_on_cpu)))
+    return calls
+
+
+def filled_cache_pair(num_layers, batch, kv_heads, head_dim, max_len, dtype, gen, device="cpu"):
+    """Two `TreeKVCache`s holding the same random keys and values: one commits with the fused op, one with
+    the torch reference."""
+    fused = TreeKVCache(num_layers, batch, kv_heads, head_dim, max_len, dtype, device, fused_commit=True)
+    ref = TreeKVCache(num_layers, batch, kv_heads, head_dim, max_len, dtype, device, fused_commit=False)
+    for a, b in zip(fused.layers, ref.layers, strict=True):
+        for name in ("keys", "values"):
+            data = torch.randn(getattr(a, name).shape, generator=gen).to(dtype).to(device)
+            getattr(a, name).copy_(data)
+            getattr(b, name).copy_(data)
+    return fused, ref

@@ -6,7 +6,7 @@
   engines (AMX and FMA) where the machine has AMX; outputs poisoned with NaN before each call;
 - the fused KV commit == `TreeKVCache.commit`'s torch reference, bit for bit;
 - greedy `treespec.generate` with `DecodeOptions(kernel="compiled")` == "reference" on a tiny random Llama;
-- the fake kernels (torch.compile) and the CUDA file compiling with nvcc; CUDA tests when a GPU is there.
+- the fake kernels (torch.compile) and the CUDA file compiling with nvcc (the CUDA op itself: test_cuda.py).
 
 The first run builds the extension (about 30 s here; cached in $TREESPEC_CACHE/ext afterwards).
 """
@@ -14,7 +14,6 @@ The first run builds the extension (about 30 s here; cached in $TREESPEC_CACHE/e
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import subprocess
 import warnings
@@ -22,72 +21,30 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_heads, tiny_model
+from conftest import (
+    attention_inputs,
+    bad_tree_attention_calls,
+    check_tree_attention,
+    filled_cache_pair,
+    random_heads,
+    random_tree_mask,
+    tiny_model,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import treespec
 from treespec import ops
-from treespec.core.attention import tree_attention_compiled, tree_attention_reference, tree_attention_sdpa
-from treespec.core.cache import TreeKVCache
+from treespec.core.attention import tree_attention_compiled, tree_attention_sdpa
 from treespec.core.tree import pack_bits
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
-TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
     if not ops.load():
         pytest.skip(f"the compiled extension is not available: {ops.build_info()['error']}")
-
-
-def _random_tree_mask(n: int, gen: torch.Generator) -> torch.Tensor:
-    """A random tree: node i's parent is a random earlier node; mask[i, j] = j is i or an ancestor."""
-    mask = torch.eye(n, dtype=torch.bool)
-    for i in range(1, n):
-        mask[i] |= mask[int(torch.randint(0, i, (), generator=gen))]
-    return mask
-
-
-def _inputs(batch, kv_heads, group, head_dim, prefix, n, dtype, gen, device="cpu", spare=37):
-    """q as transformers passes it ([B, n, H, D] storage, transposed) and K/V as views of cache buffers."""
-    H, L = kv_heads * group, prefix + n
-    q = torch.randn(batch, n, H, head_dim, generator=gen).to(dtype).transpose(1, 2).to(device)
-    k_buf = torch.randn(batch, kv_heads, L + spare, head_dim, generator=gen).to(dtype).to(device)
-    v_buf = torch.randn(batch, kv_heads, L + spare, head_dim, generator=gen).to(dtype).to(device)
-    return q, k_buf[:, :, :L], v_buf[:, :, :L]  # [B, Hkv, L, D] views of [B, Hkv, max_len, D]
-
-
-@contextlib.contextmanager
-def _cpu_engine(engine: str):
-    """'amx' or 'fma': which CPU engine runs bf16 (read per call from TREESPEC_CPU_AMX)."""
-    old = os.environ.get("TREESPEC_CPU_AMX")
-    os.environ["TREESPEC_CPU_AMX"] = "1" if engine == "amx" else "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["TREESPEC_CPU_AMX"]
-        else:
-            os.environ["TREESPEC_CPU_AMX"] = old
-
-
-def _check(q, k, v, mask, scale, engine="amx"):
-    """Both entry points (allocating, and into a NaN-poisoned buffer) against the reference."""
-    bits = None if mask is None else pack_bits(mask).to(q.device)
-    expected = tree_attention_reference(q, k, v, None if mask is None else mask.to(q.device), scale)
-    expected = expected.transpose(1, 2).float()  # [B, n, H, D]
-    B, H, n, D = q.shape
-    poisoned = torch.full((B, n, H, D), float("nan"), dtype=q.dtype, device=q.device)
-    with _cpu_engine(engine):
-        got = ops.tree_attention(q, k, v, bits, scale)
-        ops.tree_attention(q, k, v, bits, scale, out=poisoned)
-    for out in (got, poisoned):
-        assert out.shape == (B, n, H, D) and out.is_contiguous() and out.dtype == q.dtype
-        assert torch.isfinite(out).all(), "an output element was not written (or overflowed)"
-        tol = TOL[q.dtype]
-        torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
 
 
 prefixes = st.one_of(st.integers(0, 130), st.integers(0, 130), st.integers(0, 130), st.integers(131, 2000))
@@ -110,9 +67,9 @@ def test_tree_attention_matches_reference(
     batch, kv_heads, group, head_dim, prefix, n, dtype, causal, engine, seed
 ):
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = _inputs(batch, kv_heads, group, head_dim, prefix, n, dtype, gen)
-    mask = None if causal else _random_tree_mask(n, gen)
-    _check(q, k, v, mask, head_dim**-0.5, engine)
+    q, k, v = attention_inputs(batch, kv_heads, group, head_dim, prefix, n, dtype, gen)
+    mask = None if causal else random_tree_mask(n, gen)
+    check_tree_attention(q, k, v, mask, head_dim**-0.5, engine)
 
 
 @pytest.mark.parametrize("engine", ["amx", "fma"])
@@ -134,42 +91,36 @@ def test_tree_attention_matches_reference(
 def test_tree_attention_edge_shapes(case, engine, dtype):
     batch, kv_heads, group, head_dim, prefix, n, tree = case
     gen = torch.Generator().manual_seed(hash(case) % 2**31)
-    q, k, v = _inputs(batch, kv_heads, group, head_dim, prefix, n, dtype, gen)
-    mask = _random_tree_mask(n, gen) if tree else None
-    _check(q, k, v, mask, 0.3, engine)
+    q, k, v = attention_inputs(batch, kv_heads, group, head_dim, prefix, n, dtype, gen)
+    mask = random_tree_mask(n, gen) if tree else None
+    check_tree_attention(q, k, v, mask, 0.3, engine)
 
 
 def test_tree_attention_uses_all_threads_and_one():
     gen = torch.Generator().manual_seed(3)
-    q, k, v = _inputs(1, 3, 3, 64, 1500, 16, torch.float32, gen)
-    mask = _random_tree_mask(16, gen)
+    q, k, v = attention_inputs(1, 3, 3, 64, 1500, 16, torch.float32, gen)
+    mask = random_tree_mask(16, gen)
     threads = torch.get_num_threads()
     try:
         for t in sorted({1, threads, 4}):
             torch.set_num_threads(t)
-            _check(q, k, v, mask, 0.125)
+            check_tree_attention(q, k, v, mask, 0.125)
     finally:
         torch.set_num_threads(threads)
 
 
 def test_tree_attention_rejects_bad_inputs():
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = _inputs(1, 2, 2, 64, 10, 4, torch.float32, gen)
-    with pytest.raises(RuntimeError, match="bits must be int64"):
-        ops.tree_attention(q, k, v, torch.zeros(3, 1, dtype=torch.long))
-    with pytest.raises(RuntimeError, match="not a multiple"):
-        ops.tree_attention(q[:, :3], k, v)
-    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        ops.tree_attention(q.double(), k.double(), v.double())
-    with pytest.raises(RuntimeError, match="out must be"):
-        ops.tree_attention(q, k, v, out=torch.empty(1, 4, 4, 63))
+    """In this process, on the CPU; test_cuda.py runs the same calls in a subprocess on the test device."""
+    for _what, message, call in bad_tree_attention_calls("cpu"):
+        with pytest.raises(RuntimeError, match=message):
+            call()
 
 
 def test_fake_kernels_trace():
     """The ops carry fake kernels: FakeTensor / torch.compile tracing sees shapes without running them."""
     gen = torch.Generator().manual_seed(1)
-    q, k, v = _inputs(1, 2, 3, 64, 20, 5, torch.float32, gen)
-    bits = pack_bits(_random_tree_mask(5, gen))
+    q, k, v = attention_inputs(1, 2, 3, 64, 20, 5, torch.float32, gen)
+    bits = pack_bits(random_tree_mask(5, gen))
     torch.library.opcheck(
         torch.ops.treespec.tree_attention.default,
         (q, k, v, bits, 0.125),
@@ -207,8 +158,8 @@ def test_failed_build_falls_back_with_one_warning(monkeypatch):
 
     monkeypatch.setattr(ops, "_build_and_load", broken_build)
     gen = torch.Generator().manual_seed(2)
-    q, k, v = _inputs(1, 2, 3, 64, 30, 8, torch.float32, gen)
-    mask = _random_tree_mask(8, gen)
+    q, k, v = attention_inputs(1, 2, 3, 64, 30, 8, torch.float32, gen)
+    mask = random_tree_mask(8, gen)
     model = tiny_model("llama", dtype=torch.float32)
     with _fresh_loader_state(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -235,17 +186,6 @@ def test_no_ext_env_disables_silently(monkeypatch):
 # ---- fused commit ----------------------------------------------------------------------------------
 
 
-def _filled_caches(num_layers, kv_heads, head_dim, max_len, dtype, gen):
-    fused = TreeKVCache(num_layers, 2, kv_heads, head_dim, max_len, dtype, fused_commit=True)
-    ref = TreeKVCache(num_layers, 2, kv_heads, head_dim, max_len, dtype, fused_commit=False)
-    for a, b in zip(fused.layers, ref.layers, strict=True):
-        for name in ("keys", "values"):
-            data = torch.randn(getattr(a, name).shape, generator=gen).to(dtype)
-            getattr(a, name).copy_(data)
-            getattr(b, name).copy_(data)
-    return fused, ref
-
-
 @settings(max_examples=30, deadline=None)
 @given(
     num_layers=st.integers(1, 5),
@@ -257,7 +197,7 @@ def _filled_caches(num_layers, kv_heads, head_dim, max_len, dtype, gen):
 def test_fused_commit_equals_reference(num_layers, tree_size, steps, dtype, data):
     tree = treespec.default_tree(tree_size, 4)
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
-    fused, ref = _filled_caches(num_layers, 3, 16, 512, dtype, gen)
+    fused, ref = filled_cache_pair(num_layers, 2, 3, 16, 512, dtype, gen)
     starts = [data.draw(st.integers(0, 100)) for _ in range(2)]  # each row its own committed length
     fused.lengths, ref.lengths = list(starts), list(starts)
     for _ in range(steps):
@@ -353,50 +293,3 @@ def test_cuda_source_compiles_with_nvcc(tmp_path):
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-
-
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-
-
-@cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(
-    "case",
-    [
-        (1, 3, 3, 64, 0, 1, False),
-        (1, 3, 3, 64, 5000, 1, False),  # split-K decode
-        (2, 8, 4, 128, 1500, 64, True),
-        (3, 2, 1, 64, 130, 33, True),
-        (1, 2, 3, 128, 77, 130, True),
-        (1, 2, 4, 256, 300, 100, False),
-        (1, 1, 32, 64, 40, 7, True),
-    ],
-)
-def test_cuda_tree_attention_matches_reference(case, dtype):
-    if not ops.available("cuda"):
-        pytest.skip(f"the extension was built without CUDA: {ops.build_info()}")
-    batch, kv_heads, group, head_dim, prefix, n, tree = case
-    gen = torch.Generator().manual_seed(hash(case) % 2**31)
-    q, k, v = _inputs(batch, kv_heads, group, head_dim, prefix, n, dtype, gen, device="cuda")
-    _check(q, k, v, _random_tree_mask(n, gen) if tree else None, head_dim**-0.5)
-
-
-@cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_fused_commit_equals_reference(dtype):
-    if not ops.available("cuda"):
-        pytest.skip("the extension was built without CUDA")
-    tree = treespec.default_tree(32, 4)
-    fused = TreeKVCache(3, 1, 2, 64, 300, dtype, device="cuda", fused_commit=True)
-    ref = TreeKVCache(3, 1, 2, 64, 300, dtype, device="cuda", fused_commit=False)
-    for a, b in zip(fused.layers, ref.layers, strict=True):
-        for name in ("keys", "values"):
-            data = torch.randn(getattr(a, name).shape, device="cuda").to(dtype)
-            getattr(a, name).copy_(data)
-            getattr(b, name).copy_(data)
-    for cache in (fused, ref):
-        cache.lengths = [50]
-        cache.begin([0], tree.num_nodes)
-        cache.commit(tree.path_to(tree.num_nodes - 1))
-    for a, b in zip(fused.layers, ref.layers, strict=True):
-        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
