@@ -327,9 +327,10 @@ def check_tree_attention(q, k, v, mask, scale, engine="amx"):
         torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
 
 
-def bad_tree_attention_calls(device: str = "cpu") -> list[tuple[str, str, object]]:
-    """Calls of `ops.tree_attention` with bad inputs on `device`, each of which must raise RuntimeError:
-    (what is wrong, a regular expression its message must match, a function making the call)."""
+def bad_op_calls(device: str = "cpu") -> list[tuple[str, str, object]]:
+    """Calls of `ops.tree_attention` and `ops.commit_kv` with bad inputs on `device`, each of which must
+    raise RuntimeError: (what is wrong, a regular expression its message must match, a function making
+    the call)."""
     gen = torch.Generator().manual_seed(0)
     q, k, v = attention_inputs(1, 2, 2, 64, 10, 4, torch.float32, gen, device=device)  # n = 4, H = 4
     bits_of_3_nodes = torch.zeros(3, 1, dtype=torch.long, device=device)  # q has 4 nodes
@@ -356,6 +357,16 @@ def bad_tree_attention_calls(device: str = "cpu") -> list[tuple[str, str, object
     if device != "cpu":
         bits_on_cpu = pack_bits(torch.ones(4, 4, dtype=torch.bool).tril())  # [4, 1] int64
         calls.append(("bits on the CPU", "bits on cpu", lambda: ops.tree_attention(q, k, v, bits_on_cpu)))
+    cache_keys, cache_values = [k.clone()], [v.clone()]  # [1, 2, 14, 64]: 14 slots
+    for where in {"cpu", device}:  # index tensors on the host and on the cache's device
+        inside, outside = (torch.tensor(x, device=where) for x in ([1, 2], [3, 14]))
+        calls.append(
+            (
+                f"a commit move outside the cache (indices on {where})",
+                "outside the cache of 14 slots",
+                lambda i=inside, o=outside: ops.commit_kv(cache_keys, cache_values, o, i),
+            )
+        )
     return calls
 
 

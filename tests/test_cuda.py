@@ -36,7 +36,7 @@ import torch
 from conftest import (
     ATTENTION_TOL,
     attention_inputs,
-    bad_tree_attention_calls,
+    bad_op_calls,
     check_tree_attention,
     filled_cache_pair,
     first_token_probs,
@@ -195,7 +195,7 @@ def run_bad_calls(devices: list[str]) -> int:
             print(f"{device}: FAIL: the compiled ops are not available: {ops.build_info()}", flush=True)
             failures += 1
             continue
-        for what, message, call in bad_tree_attention_calls(device):
+        for what, message, call in bad_op_calls(device):
             print(f"{device}: {what}: ", end="", flush=True)
             try:
                 call()
@@ -222,7 +222,7 @@ def test_bad_inputs_raise_runtime_errors_in_a_subprocess(device):
     if proc.returncode < 0:
         pytest.fail(f"`{' '.join(command)}` crashed with {signal.Signals(-proc.returncode).name}:\n{output}")
     assert proc.returncode == 0, output
-    expected_calls = sum(len(bad_tree_attention_calls(d)) for d in devices)
+    expected_calls = sum(len(bad_op_calls(d)) for d in devices)
     assert proc.stdout.count(": raised: ") == expected_calls, output
 
 

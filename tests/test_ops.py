@@ -6,7 +6,8 @@
   engines (AMX and FMA) where the machine has AMX; outputs poisoned with NaN before each call;
 - the fused KV commit == `TreeKVCache.commit`'s torch reference, bit for bit;
 - greedy `treespec.generate` with `DecodeOptions(kernel="compiled")` == "reference" on a tiny random Llama;
-- the fake kernels (torch.compile) and the CUDA file compiling with nvcc (the CUDA op itself: test_cuda.py).
+- the fake kernels (torch.compile), the CUDA file compiling with nvcc and its torch binding parsing
+  against torch's headers (the CUDA op itself: test_cuda.py).
 
 The first run builds the extension (about 30 s here; cached in $TREESPEC_CACHE/ext afterwards).
 """
@@ -23,7 +24,7 @@ import pytest
 import torch
 from conftest import (
     attention_inputs,
-    bad_tree_attention_calls,
+    bad_op_calls,
     check_tree_attention,
     filled_cache_pair,
     random_heads,
@@ -32,6 +33,7 @@ from conftest import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.utils import cpp_extension
 
 import treespec
 from treespec import ops
@@ -109,9 +111,9 @@ def test_tree_attention_uses_all_threads_and_one():
         torch.set_num_threads(threads)
 
 
-def test_tree_attention_rejects_bad_inputs():
+def test_ops_reject_bad_inputs():
     """In this process, on the CPU; test_cuda.py runs the same calls in a subprocess on the test device."""
-    for _what, message, call in bad_tree_attention_calls("cpu"):
+    for _what, message, call in bad_op_calls("cpu"):
         with pytest.raises(RuntimeError, match=message):
             call()
 
@@ -291,5 +293,26 @@ def test_cuda_source_compiles_with_nvcc(tmp_path):
         "-o",
         str(tmp_path / "tree_attention_cuda.o"),
     ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def test_cuda_binding_compiles_against_torchs_headers(tmp_path):
+    """bindings_cuda.cpp (the torch side of the CUDA op) parses with the host compiler: torch's headers, the
+    CUDA toolkit's, and a stand-in for the one generated header a CPU build of torch does not ship."""
+    nvcc, compiler = _nvcc(), shutil.which("c++") or shutil.which("g++")
+    if nvcc is None or compiler is None:
+        pytest.skip("nvcc (for the CUDA headers) or a C++ compiler is not on this machine")
+    homes = [cpp_extension.CUDA_HOME, Path(nvcc).resolve().parent.parent, "/usr/local/cuda"]
+    found = [Path(h) / "include" for h in homes if h]
+    found = [folder for folder in found if (folder / "cuda_runtime_api.h").is_file()]
+    if not found:
+        pytest.skip(f"no CUDA include folder (cuda_runtime_api.h) under {homes}")
+    stand_in = tmp_path / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
+    stand_in.parent.mkdir(parents=True)
+    stand_in.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+    includes = [CSRC, *cpp_extension.include_paths(), found[0], tmp_path]  # torch's own header first
+    cmd = [compiler, "-std=c++17", "-fsyntax-only", "-w", "-DTREESPEC_WITH_CUDA"]
+    cmd += [f"-I{path}" for path in includes] + [str(CSRC / "bindings_cuda.cpp")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
