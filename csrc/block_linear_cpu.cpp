@@ -14,7 +14,9 @@
 // independent FMA chains in flight, so one row (a plain step) is not bound by the FMA latency and many
 // rows (a verified tree) pay for the arithmetic, not for rebuilding the weights. AVX2's registers hold tiles
 // of only 2 rows, so there three or more rows decode the weights once into a buffer instead (decoded_tile:
-// the same operations per output in the same order).
+// the same operations per output in the same order); their one- and two-row tiles are bound by the shuffle
+// units, so a Q4_1 block is widened from memory in two halves (block_weights) and a tile builds one weight
+// row's block at a time.
 
 #include <immintrin.h>
 
@@ -84,15 +86,17 @@ template <bool Q4, bool Half>
 inline void block_weights(const uint8_t* q, const void* d, const void* m, int64_t b, bvec w[PV]) {
   const __m256 vd = _mm256_set1_ps(scale_at<Half>(d, b));
   if (Q4) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * b));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(bytes, mask);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    // bytes 0-7 and 8-15 widened to 32 bits straight from memory (one shuffle each); their low nibbles are
+    // k = 0-7 and 8-15 of the block, their high nibbles k = 16-23 and 24-31
+    const uint8_t* qb = q + 16 * b;
+    const __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb)));
+    const __m256i second = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8)));
+    const __m256i mask = _mm256_set1_epi32(0x0F);
     const __m256 vm = _mm256_set1_ps(scale_at<Half>(m, b));
-    w[0] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), vm);
-    w[1] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), vm);
-    w[2] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), vm);
-    w[3] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), vm);
+    w[0] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_and_si256(first, mask)), vm);
+    w[1] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_and_si256(second, mask)), vm);
+    w[2] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4)), vm);
+    w[3] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4)), vm);
   } else {
     const int8_t* s = reinterpret_cast<const int8_t*>(q) + 32 * b;
     for (int i = 0; i < 4; ++i) {
@@ -137,6 +141,20 @@ inline void tile(const float* x, int64_t K, const uint8_t* q, const void* d, con
     // prefetch keeps more of DRAM's latency hidden than the hardware prefetchers do on these short runs)
     if ((b & 3) == 0)
       for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(q + c * row_bytes + (Q4 ? 16 : 32) * b) + kPrefetchBytes, _MM_HINT_T0);
+#if defined(TREESPEC_BLOCK_AVX2)
+    // One weight row's block at a time, used up before the next is built: with 16 registers, the 2 x 4
+    // accumulators of a 1 x 2 tile beside both rows' decoded blocks spilled three accumulators to the stack
+    // (a store and a reload on their FMA chains every block). x is read again per weight row (from L1).
+    for (int c = 0; c < C; ++c) {
+      bvec w[PV];
+      block_weights<Q4, Half>(q + c * row_bytes, offset<Half>(d, c * blocks), Q4 ? offset<Half>(m, c * blocks) : nullptr,
+                              b, w);
+      for (int r = 0; r < R; ++r) {
+        const float* xb = x + r * K + 32 * b;
+        for (int v = 0; v < PV; ++v) acc[r][c][v] = bfma(bload(xb + kLanes * v), w[v], acc[r][c][v]);
+      }
+    }
+#else
     bvec w[C][PV];
     for (int c = 0; c < C; ++c)
       block_weights<Q4, Half>(q + c * row_bytes, offset<Half>(d, c * blocks), Q4 ? offset<Half>(m, c * blocks) : nullptr,
@@ -148,6 +166,7 @@ inline void tile(const float* x, int64_t K, const uint8_t* q, const void* d, con
         for (int c = 0; c < C; ++c) acc[r][c][v] = bfma(xv, w[c][v], acc[r][c][v]);
       }
     }
+#endif
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) out[r * ldo + c] = bsum(acc[r][c]);

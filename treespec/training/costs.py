@@ -44,7 +44,8 @@ from . import calibrate
 # row through `exact_linear` on CPUs without AMX), so cached curves of older kernels are measured again
 # 3: the native step (`core.native`) verifies Llama-family models
 # 4: AVX2 block linears decode the weights once for 3+ rows (a tree's verification costs about half)
-KERNELS_REVISION = 4
+# 5: AVX2 Q4_1 blocks widened from memory, one weight row at a time (a one-token step costs about 2/3)
+KERNELS_REVISION = 5
 NODES = (1, 4, 8, 16, 32, 64)
 PREFIXES = (128, 512, 1024)
 # name -> Decoder(linears=..., compile=...)
