@@ -58,6 +58,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from treespec import ops  # noqa: E402
 from treespec.core.attention import auto_kernel  # noqa: E402
 from treespec.core.tree import pack_bits  # noqa: E402
+from treespec.io import atomic_write_json  # noqa: E402
 from treespec.tools.benchmarks_page import device_tables, overall_summary  # noqa: E402
 from treespec.training.costs import interpolate, verify_ms  # noqa: E402
 
@@ -108,6 +109,20 @@ PROJECTION_LABEL = (
     "for the larger shapes. x one-token steps: against treespec's measured one-token step; x HF: against "
     "HF `generate`'s measured ms per token."
 )
+
+
+OPTION_DEFAULTS = {  # option: (default on a GPU, default with --smoke)
+    "dtypes": ("bfloat16,float16", "bfloat16"),
+    "prefixes": ("128,1024,8192,32768", "64"),
+    "nodes": ("1,16,32,64", "1,8"),
+    "repeats": (30, 3),
+    "model_prefixes": ("128,1024", "32"),
+    "model_nodes": ("1,16,32,64", "1,4,8"),
+    "verify_repeats": (7, 2),
+    "hf_prompt": (128, 16),
+    "hf_new_tokens": (64, 8),
+    "hf_repeats": (3, 2),
+}
 
 
 def progress(message: str) -> None:
@@ -413,32 +428,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hf-repeats", type=int, default=None, help="HF generate timings per length (default 3)")
     p.add_argument("--acceptance", default=str(REPO_ROOT / DEFAULT_ACCEPTANCE), help="bench.py JSON")
     args = p.parse_args(argv)
-    full, smoke = (
-        (
-            "bfloat16,float16",
-            "128,1024,8192,32768",
-            "1,16,32,64",
-            30,
-            "128,1024",
-            "1,16,32,64",
-            7,
-            128,
-            64,
-            3,
-        ),
-        ("bfloat16", "64", "1,8", 3, "32", "1,4,8", 2, 16, 8, 2),
-    )
-    defaults = dict(
-        zip(
-            "dtypes prefixes nodes repeats model_prefixes model_nodes verify_repeats hf_prompt hf_new_tokens "
-            "hf_repeats".split(),
-            smoke if args.smoke else full,
-            strict=True,
-        )
-    )
-    for key, value in defaults.items():
+    for key, (full, smoke) in OPTION_DEFAULTS.items():
         if getattr(args, key) is None:
-            setattr(args, key, value)
+            setattr(args, key, smoke if args.smoke else full)
     args.shapes, args.dtypes, args.models = names(args.shapes), names(args.dtypes), names(args.models)
     args.prefixes, args.nodes = ints(args.prefixes), ints(args.nodes)
     args.model_prefixes, args.model_nodes = ints(args.model_prefixes), ints(args.model_nodes)
@@ -491,7 +483,7 @@ def main(argv=None) -> dict:
     print("\n".join(device_tables(result)))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        atomic_write_json(args.out, result)  # a run cut by its `timeout` leaves no half-written file
         progress(f"wrote {args.out} ({result['wall_seconds']:.0f} s)")
     return result
 

@@ -358,7 +358,7 @@ def bad_op_calls(device: str = "cpu") -> list[tuple[str, str, object]]:
         bits_on_cpu = pack_bits(torch.ones(4, 4, dtype=torch.bool).tril())  # [4, 1] int64
         calls.append(("bits on the CPU", "bits on cpu", lambda: ops.tree_attention(q, k, v, bits_on_cpu)))
     cache_keys, cache_values = [k.clone()], [v.clone()]  # [1, 2, 14, 64]: 14 slots
-    for where in {"cpu", device}:  # index tensors on the host and on the cache's device
+    for where in dict.fromkeys(("cpu", device)):  # index tensors on the host and on the cache's device
         inside, outside = (torch.tensor(x, device=where) for x in ([1, 2], [3, 14]))
         calls.append(
             (

@@ -377,10 +377,10 @@ def device_tables(data: dict) -> list[str]:
     return lines
 
 
-def device_section(folder: Path, link: str) -> list[str]:
-    """The page's GPU section: the newest run of each device kind in ``folder`` or its log folder (none:
-    no section)."""
-    runs = {name: run for name, run in load_runs(folder).items() if run["kind"] in DEVICE_KINDS}
+def device_section(folder: Path, runs: dict[str, dict], link: str) -> list[str]:
+    """The page's GPU section: the newest run of each device kind among ``runs`` (``load_runs(folder)``) or
+    in ``folder``'s log folder (none: no section)."""
+    runs = {name: run for name, run in runs.items() if run["kind"] in DEVICE_KINDS}
     if (folder / LOG_FOLDER).is_dir():
         logged = load_runs(folder / LOG_FOLDER).items()
         runs |= {f"{LOG_FOLDER}/{name}": run for name, run in logged if run["kind"] in DEVICE_KINDS}
@@ -532,7 +532,7 @@ def render(folder: str | Path, page: str | Path) -> str:
     for entry in current:
         run = runs[entry["file"]]
         lines += run_section(entry, run["data"], run["kind"], link)
-    lines += device_section(folder, link)
+    lines += device_section(folder, runs, link)
     lines += ["## Older runs and other files", ""]
     lines += older_runs(runs, current, link)
     folders = sorted(p.name for p in folder.iterdir() if p.is_dir() and p.name != LOG_FOLDER)
