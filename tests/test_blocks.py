@@ -9,7 +9,7 @@ from conftest import hf_greedy, random_heads, tiny_model
 
 import treespec
 from treespec import ops
-from treespec.core.blocks import BlockMatrix, recover_blocks
+from treespec.core.blocks import BlockMatrix, exact_bf16, recover_blocks
 from treespec.core.packed import linear_kinds, packed_linears
 
 needs_ops = pytest.mark.skipif(not ops.available("cpu"), reason="treespec's compiled ops did not build here")
@@ -141,3 +141,19 @@ def test_weights_rounded_to_q8_0_are_found_as_exact_blocks(seed):
     assert torch.equal(blocks.dequantize(), rounded)
     with pytest.raises(ValueError, match="multiple of 32"):
         round_to_q8_0(torch.ones(2, 33))
+
+
+def test_float32_weights_of_bf16_values_get_their_bf16_copy_and_others_none():
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(40, 96, generator=gen).bfloat16().float()  # a bf16 checkpoint loaded in float32
+    weight[0, :4] = torch.tensor([-0.0, float("inf"), float("-inf"), 0.0])
+    weight[1, 0] = torch.tensor(0x7FC10000, dtype=torch.int32).view(torch.float32)  # a NaN with low bits 0
+    copy = exact_bf16(weight)
+    assert copy is not None and copy.dtype == torch.bfloat16 and copy.shape == weight.shape
+    widened = copy.view(torch.int16).to(torch.int32) << 16  # what the kernels do to each weight
+    assert torch.equal(widened, weight.view(torch.int32))  # every bit, -0.0 and the NaN's payload too
+    off = weight.clone()
+    off.view(torch.int32)[7, 11] += 1  # one weight one float32 ulp away from a bf16 value
+    assert exact_bf16(off) is None
+    assert exact_bf16(torch.randn(8, 32, generator=gen)) is None  # float32 values
+    assert exact_bf16(weight.bfloat16()) is None  # bf16 weights need no copy

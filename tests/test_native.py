@@ -236,3 +236,42 @@ def test_a_weight_changed_between_decodes_is_read_anew():
         model, prompt, None, max_new_tokens=12, eos_token_id=[], options=options
     ).token_ids
     assert second == hf_greedy(model, prompt, 12) and second != first
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_float32_weights_of_bf16_values_are_read_as_bf16_with_the_same_bits(arch, monkeypatch):
+    """A bf16 checkpoint loaded in float32: the native step reads its linears (lm_head included) from
+    bf16 copies, half the bytes, and every hidden state, K/V and logit keeps the bits of reading the
+    float32 weights; greedy decoding still equals HF's."""
+    from treespec.core import native as native_module
+
+    model = _model(arch, torch.float32, False, seed=4)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(module.weight.bfloat16().float())
+    generator = random.Random(arch)
+    prompts = [[generator.randrange(96) for _ in range(generator.randint(2, 20))] for _ in range(3)]
+    mask = _random_tree(11, generator)
+    tokens = torch.randint(0, 96, (3, 11))
+    results = []
+    for compact in (True, False):
+        if not compact:  # the reference: the float32 weights themselves
+            monkeypatch.setattr(native_module, "exact_bf16", lambda weight: None)
+        with torch.inference_mode(), decoding_mode(model, "auto"):
+            native = NativeStep(model)
+            runtime = native_module.TargetRuntime.of(model)
+            runtime.native.clear()  # built anew for each way of reading the weights
+            native.refresh()
+            hidden, _, cache = _verify(model, native, prompts, [0, 1, 2], mask, tokens, ())
+            results.append((hidden, native.logits(hidden), cache.layers[0].keys.clone()))
+            bytes_copied = runtime.native["float"][2]
+        assert (bytes_copied >= model.lm_head.weight.numel() * 2) == compact  # the copies are counted
+    for ours, theirs in zip(*results, strict=True):
+        assert torch.equal(ours, theirs)
+    monkeypatch.undo()
+    runtime.native.clear()
+    prompt = prompts[0]
+    options = treespec.DecodeOptions(step="native")
+    out = treespec.generate(model, prompt, None, max_new_tokens=10, eos_token_id=[], options=options)
+    assert out.token_ids == hf_greedy(model, prompt, 10)

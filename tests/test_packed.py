@@ -119,3 +119,33 @@ def test_one_bf16_row_takes_exact_linear_without_amx_and_more_rows_take_onednn(m
             got.float(), F.linear(x.float(), w.float(), bias.float()), rtol=2e-2, atol=5e-2
         )
     assert calls == ([] if amx else [(1, 576)])  # only the one-row call took the exact product
+
+
+def test_one_row_of_a_float32_weight_of_bf16_values_reads_its_bf16_copy():
+    """A bf16 checkpoint loaded in float32: one row multiplies through `exact_linear` over the weight's
+    bf16 copy (the bits of the float32 exact product, from half the bytes); more rows stay on oneDNN; a
+    weight of other float32 values gets no copy."""
+    if not treespec.ops.available("cpu"):
+        pytest.skip("treespec's compiled ops did not build here")
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(200, 576, generator=gen).bfloat16().float()  # [out, in]
+    bias = torch.randn(200, generator=gen)
+    matrix = PackedMatrix(w, "auto")
+    with torch.inference_mode():
+        for shape in [(1, 576), (1, 1, 576), (3, 576)]:
+            x = torch.randn(shape, generator=gen)
+            got = matrix(x, bias)
+            if shape[-2] == 1:
+                assert torch.equal(got, torch.ops.treespec.exact_linear(x, w) + bias), shape
+            else:
+                onednn = torch.ops.mkldnn._linear_pointwise(x, matrix.pack(), bias, "none", [], "")
+                assert torch.equal(got, onednn)
+            torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-4, atol=1e-4)  # K = 576 sums
+        assert matrix.bf16_copy() is not None
+        assert matrix.memory_bytes() >= w.numel() * 2  # the copy counts
+        exact = PackedMatrix(w, "exact")  # bitwise numerics: every row count through the copy, same bits
+        x = torch.randn(5, 576, generator=gen)
+        assert torch.equal(exact(x), torch.ops.treespec.exact_linear(x, w))
+        other = PackedMatrix(torch.randn(200, 576, generator=gen), "auto")
+        other(torch.randn(1, 576, generator=gen))
+        assert other.bf16_copy() is None

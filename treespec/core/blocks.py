@@ -11,6 +11,11 @@ then computes x @ w^T through treespec's `block_linear` op (csrc/block_linear_cp
 each weight exactly in registers. The weights used are the model's own, bit for bit; only the summation
 order differs from a float32 GEMM (like any other GEMM). It reads 0.625 (Q4_1) or 1.125 (Q8_0) bytes
 per weight instead of 4: on a CPU whose one-token step is bound by memory reads this is most of a step.
+
+The same holds for a float32 weight whose every value is a bfloat16 value (a bf16 checkpoint loaded in
+float32, the default dtype on CPUs without bf16 instructions): `exact_bf16(weight)` returns its bfloat16
+copy, which treespec's dense kernels read at 2 bytes per weight with the same bits out (they widen each
+bf16 weight to the float32 value it stands for, exactly).
 """
 
 from __future__ import annotations
@@ -119,6 +124,19 @@ def round_to_q8_0(weight: torch.Tensor) -> torch.Tensor:
     safe = torch.where(d == 0, torch.ones_like(d), d)
     q = torch.round(blocks / safe[..., None]).clamp_(-127, 127)  # [N, B, 32]
     return (d[..., None] * q + 0.0).reshape(N, K)  # + 0.0: no -0.0, which the block form cannot hold
+
+
+@torch.no_grad()
+def exact_bf16(weight: torch.Tensor) -> torch.Tensor | None:
+    """The bfloat16 copy [N, K] of a float32 weight whose every value is a bfloat16 value (the low 16 bits
+    of each float32 bit pattern are zero: the copy holds the high 16, so widening it back gives the same
+    bits, -0.0 and NaN included), else None."""
+    if weight.dtype != torch.float32 or weight.numel() == 0:
+        return None
+    bits = weight.detach().contiguous().view(torch.int32)
+    if bool((bits & 0xFFFF).any()):
+        return None
+    return (bits >> 16).to(torch.int16).view(torch.bfloat16)
 
 
 def _checked(blocks: BlockWeights, weight: torch.Tensor) -> BlockWeights | None:

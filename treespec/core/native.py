@@ -7,7 +7,9 @@ in the `TreeKVCache` at each row's committed end, attention reads each row's pre
 under the plan's ancestor bits, and the final hidden states come back (logits stay with the caller's
 lm_head). It reads the HF module's own weights: dense float32 / bfloat16 tensors, or the exact Q4_1 / Q8_0
 blocks that `core.packed` recovered from them, never a copy made per step; norm weights are widened to
-float32 once. The rotary tables come from the model's own rotary module, once per cache size. Nothing of
+float32 once. A float32 weight whose values are all bfloat16 values (a bf16 checkpoint loaded in float32)
+is read from a bfloat16 copy made once (`core.blocks.exact_bf16`): half the bytes, the same bits out.
+The rotary tables come from the model's own rotary module, once per cache size. Nothing of
 HF's Python forward runs per step: no module dispatch, no small aten ops.
 
 It covers Llama, Qwen2 and Mistral decoders (RMSNorm, rotary, grouped-query attention with optional
@@ -21,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
+from .blocks import exact_bf16
 from .packed import weight_key
 from .runtime import TargetRuntime
 
@@ -134,7 +137,8 @@ def unsupported_reason(model, kernel: str, linears: str, compile: bool, own_scor
 
 def _linear_slots(module: torch.nn.Linear, blocks, int8: bool) -> tuple[int, list[torch.Tensor]]:
     """(weight kind, [w or q, d, m, bias]) of one linear: its exact blocks when `blocks` has them; in int8
-    numerics a dense weight as Q8_0 blocks (`q8_blocks`)."""
+    numerics a dense weight as Q8_0 blocks (`q8_blocks`); a float32 weight of bfloat16 values as its
+    bfloat16 copy (the kernel widens each weight back to the same float32 value)."""
     empty = torch.empty(0)
     bias = empty if module.bias is None else module.bias.detach().float().contiguous()
     if blocks is not None:  # scales as float16 (exact: they are float16 values): half the bytes per step
@@ -144,6 +148,9 @@ def _linear_slots(module: torch.nn.Linear, blocks, int8: bool) -> tuple[int, lis
     if int8:
         q, d = q8_blocks(w)
         return KINDS["q8_0"], [q, d, empty, bias]
+    compact = exact_bf16(w)
+    if compact is not None:
+        return KINDS["bfloat16"], [compact, empty, empty, bias]
     return KINDS[str(w.dtype).removeprefix("torch.")], [w.contiguous(), empty, empty, bias]
 
 

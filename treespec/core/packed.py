@@ -14,6 +14,10 @@ Two fast forms, chosen per weight (`mode="auto"`):
   beats oneDNN's bf16 GEMM at one row there (a SmolLM2 step: 24 against 31-38 ms on AVX-512 BF16 without
   AMX, benchmarks/log/2026-12-03-d-drafters-data-bf16-step.md); oneDNN keeps every larger row count, and
   AMX CPUs keep oneDNN.
+- **one row of a float32 weight whose values are all bfloat16 values** (a bf16 checkpoint loaded in float32,
+  like the shipped heads): `exact_linear` over its bfloat16 copy (`core.blocks.exact_bf16`, made on the
+  first such call), the same values at 2 bytes per weight instead of 4 (a 576 x 576 weight at one row: 28
+  against oneDNN's 76 us on a 2-core AVX2 EPYC); more rows keep oneDNN.
 
 `mode="onednn"` skips the block search, `mode="torch"` (or `enabled=False`) leaves the model as it is.
 Results equal `F.linear` to float rounding (summation order), not bitwise.
@@ -40,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
-from .blocks import BlockMatrix, recover_blocks
+from .blocks import BlockMatrix, exact_bf16, recover_blocks
 from .runtime import TargetRuntime
 
 MODES = ("auto", "onednn", "torch", "exact")
@@ -102,6 +106,9 @@ class PackedMatrix:
         self.packed = None  # block weights: built on the first call with more than BLOCK_ROWS_MAX rows
         self.packable = mode != "torch" and _supported(weight)
         self.exact_one_row = mode == "auto" and one_row_exact(weight)
+        # float32 weights of bfloat16 values: their bfloat16 copy, found on the first one-row call (None: not
+        # looked for yet, False: not such a weight or not wanted)
+        self.half: torch.Tensor | bool | None = None if mode in ("auto", "exact") else False
         if self.blocks is None and self.packable and not self.exact:  # exact: packed on a shared forward
             self.pack()
 
@@ -118,6 +125,7 @@ class PackedMatrix:
             [] if self.blocks is None else [self.blocks.blocks.q, self.blocks.blocks.d, self.blocks.blocks.m]
         )
         held += [] if self.packed is None else [self.packed]
+        held += [self.half] if isinstance(self.half, torch.Tensor) else []
         return sum(t.numel() * t.element_size() for t in held)
 
     @property
@@ -128,6 +136,14 @@ class PackedMatrix:
         if self.exact:
             return "exact"
         return "onednn" if self.packed is not None else "torch"
+
+    def bf16_copy(self) -> torch.Tensor | None:
+        """The bfloat16 copy of a float32 weight of bfloat16 values (made once), else None."""
+        if self.half is None:
+            usable = self.blocks is None and self.weight.device.type == "cpu" and ops.available("cpu")
+            copy = exact_bf16(self.weight) if usable else None
+            self.half = False if copy is None else copy
+        return self.half if isinstance(self.half, torch.Tensor) else None
 
     def __call__(
         self, x: torch.Tensor, bias: torch.Tensor | None = None, shared: bool = False
@@ -142,8 +158,8 @@ class PackedMatrix:
         """The fastest form at x's row count ("auto"; x: float CPU, no autograd)."""
         if self.blocks is not None and x.numel() <= BLOCK_ROWS_MAX * x.shape[-1]:
             return self.blocks(x, bias)
-        if self.exact_one_row and x.numel() == x.shape[-1]:  # one row: a plain decoding step
-            return self._exact(x, bias)
+        if x.numel() == x.shape[-1] and (self.exact_one_row or self.bf16_copy() is not None):
+            return self._exact(x, bias)  # one row: a plain decoding step
         # many rows (prefill, a batch of trees): a GEMM over the float32 weight is faster than the blocks;
         # inductor lowers the oneDNN op only for weights it froze itself: compiled graphs get F.linear
         if self.packable and not torch.compiler.is_compiling():
@@ -154,7 +170,8 @@ class PackedMatrix:
         """The row-invariant product: fp32 sums in one order per row, rounded once to x's dtype."""
         if self.blocks is not None:
             return self.blocks(x, bias)
-        out = torch.ops.treespec.exact_linear(x.float(), self.weight)  # [..., out] float32
+        half = self.bf16_copy()  # the same values, so the same bits out, from half the bytes
+        out = torch.ops.treespec.exact_linear(x.float(), self.weight if half is None else half)  # [..., out]
         if bias is not None:
             out = out + bias.float()
         return out.to(x.dtype)
@@ -235,7 +252,9 @@ def packed_linears(model, enabled: bool = True, mode: str = "auto") -> Iterator[
         if packing.users == 0:
             for linear in packing.linears:
                 linear.refresh()
-                linear.module.forward = linear  # instance attribute: nn.Module.__call__ uses it
+                # an instance attribute (nn.Module.__call__ uses it), set in the instance's dict directly:
+                # nn.Module.__setattr__'s checks cost more than the rest of entering the block
+                linear.module.__dict__["forward"] = linear
         packing.users += 1
     try:
         yield
@@ -244,7 +263,7 @@ def packed_linears(model, enabled: bool = True, mode: str = "auto") -> Iterator[
             packing.users -= 1
             if packing.users == 0:
                 for linear in packing.linears:
-                    del linear.module.forward  # back to nn.Linear.forward
+                    del linear.module.__dict__["forward"]  # back to nn.Linear.forward
 
 
 @contextlib.contextmanager
