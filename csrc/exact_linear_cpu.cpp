@@ -32,12 +32,7 @@ inline vf load_w<float>(const float* p) {
 }
 template <>
 inline vf load_w<uint16_t>(const uint16_t* p) {
-  vu16 h;
-  std::memcpy(&h, p, sizeof(h));
-  const vu32 u = __builtin_convertvector(h, vu32) << 16;
-  vf f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
+  return widen_bf16(p);
 }
 
 // R rows of x against weight row w: out[r * N] for r < R.

@@ -20,6 +20,7 @@ bf16 weight to the float32 value it stands for, exactly).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -133,10 +134,11 @@ def exact_bf16(weight: torch.Tensor) -> torch.Tensor | None:
     bits, -0.0 and NaN included), else None."""
     if weight.dtype != torch.float32 or weight.numel() == 0:
         return None
-    bits = weight.detach().contiguous().view(torch.int32)
-    if bool((bits & 0xFFFF).any()):
+    halves = weight.detach().contiguous().view(torch.int16).view(-1, 2)  # [numel, 2]: 16-bit halves
+    low, high = (0, 1) if sys.byteorder == "little" else (1, 0)
+    if bool(halves[:, low].any()):  # strided views: no temporary the size of the weight
         return None
-    return (bits >> 16).to(torch.int16).view(torch.bfloat16)
+    return halves[:, high].contiguous().view(torch.bfloat16).view(weight.shape)
 
 
 def _checked(blocks: BlockWeights, weight: torch.Tensor) -> BlockWeights | None:

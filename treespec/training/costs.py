@@ -45,7 +45,8 @@ from . import calibrate
 # 3: the native step (`core.native`) verifies Llama-family models
 # 4: AVX2 block linears decode the weights once for 3+ rows (a tree's verification costs about half)
 # 5: AVX2 Q4_1 blocks widened from memory, one weight row at a time (a one-token step costs about 2/3)
-KERNELS_REVISION = 5
+# 6: float32 weights of bf16 values read from bf16 copies; bf16 weights widened by one load + shift
+KERNELS_REVISION = 6
 NODES = (1, 4, 8, 16, 32, 64)
 PREFIXES = (128, 512, 1024)
 # name -> Decoder(linears=..., compile=...)
