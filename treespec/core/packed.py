@@ -145,6 +145,11 @@ class PackedMatrix:
             self.half = False if copy is None else copy
         return self.half if isinstance(self.half, torch.Tensor) else None
 
+    def _bf16_copy(self) -> torch.Tensor | None:
+        """`bf16_copy()` in eager calls; None in a graph torch.compile traces (looking for the copy there
+        would change state the graph is guarded on, and compile it again on the next call)."""
+        return None if torch.compiler.is_compiling() else self.bf16_copy()
+
     def __call__(
         self, x: torch.Tensor, bias: torch.Tensor | None = None, shared: bool = False
     ) -> torch.Tensor:
@@ -158,7 +163,7 @@ class PackedMatrix:
         """The fastest form at x's row count ("auto"; x: float CPU, no autograd)."""
         if self.blocks is not None and x.numel() <= BLOCK_ROWS_MAX * x.shape[-1]:
             return self.blocks(x, bias)
-        if x.numel() == x.shape[-1] and (self.exact_one_row or self.bf16_copy() is not None):
+        if x.numel() == x.shape[-1] and (self.exact_one_row or self._bf16_copy() is not None):
             return self._exact(x, bias)  # one row: a plain decoding step
         # many rows (prefill, a batch of trees): a GEMM over the float32 weight is faster than the blocks;
         # inductor lowers the oneDNN op only for weights it froze itself: compiled graphs get F.linear
@@ -170,7 +175,7 @@ class PackedMatrix:
         """The row-invariant product: fp32 sums in one order per row, rounded once to x's dtype."""
         if self.blocks is not None:
             return self.blocks(x, bias)
-        half = self.bf16_copy()  # the same values, so the same bits out, from half the bytes
+        half = self._bf16_copy()  # the same values, so the same bits out, from half the bytes
         out = torch.ops.treespec.exact_linear(x.float(), self.weight if half is None else half)  # [..., out]
         if bias is not None:
             out = out + bias.float()
