@@ -108,7 +108,7 @@ class PackedMatrix:
         self.exact_one_row = mode == "auto" and one_row_exact(weight)
         # float32 weights of bfloat16 values: their bfloat16 copy, found on the first one-row call (None: not
         # looked for yet, False: not such a weight or not wanted)
-        self.half: torch.Tensor | bool | None = None if mode in ("auto", "exact") else False
+        self.bf16_weight: torch.Tensor | bool | None = None if mode in ("auto", "exact") else False
         if self.blocks is None and self.packable and not self.exact:  # exact: packed on a shared forward
             self.pack()
 
@@ -125,7 +125,7 @@ class PackedMatrix:
             [] if self.blocks is None else [self.blocks.blocks.q, self.blocks.blocks.d, self.blocks.blocks.m]
         )
         held += [] if self.packed is None else [self.packed]
-        held += [self.half] if isinstance(self.half, torch.Tensor) else []
+        held += [self.bf16_weight] if isinstance(self.bf16_weight, torch.Tensor) else []
         return sum(t.numel() * t.element_size() for t in held)
 
     @property
@@ -139,11 +139,11 @@ class PackedMatrix:
 
     def bf16_copy(self) -> torch.Tensor | None:
         """The bfloat16 copy of a float32 weight of bfloat16 values (made once), else None."""
-        if self.half is None:
+        if self.bf16_weight is None:
             usable = self.blocks is None and self.weight.device.type == "cpu" and ops.available("cpu")
             copy = exact_bf16(self.weight) if usable else None
-            self.half = False if copy is None else copy
-        return self.half if isinstance(self.half, torch.Tensor) else None
+            self.bf16_weight = False if copy is None else copy
+        return self.bf16_weight if isinstance(self.bf16_weight, torch.Tensor) else None
 
     def _bf16_copy(self) -> torch.Tensor | None:
         """`bf16_copy()` in eager calls; None in a graph torch.compile traces (looking for the copy there
