@@ -60,45 +60,12 @@ from treespec.core.attention import auto_kernel  # noqa: E402
 from treespec.core.tree import pack_bits  # noqa: E402
 from treespec.io import atomic_write_json  # noqa: E402
 from treespec.tools.benchmarks_page import device_tables, overall_summary  # noqa: E402
+from treespec.tools.models import MODEL_SHAPES  # noqa: E402
 from treespec.training.costs import interpolate, verify_ms  # noqa: E402
 
 KERNEL_SHAPES = {"smollm2": (9, 3, 64), "7b": (32, 8, 128)}  # query heads, KV heads, head_dim
-# LlamaConfig fields of the real models (random weights; Llama 3's rope scaling left out: same cost)
-MODEL_SHAPES = {
-    "smollm2": {
-        "label": "SmolLM2-135M",
-        "hidden_size": 576,
-        "intermediate_size": 1536,
-        "num_hidden_layers": 30,
-        "num_attention_heads": 9,
-        "num_key_value_heads": 3,
-        "vocab_size": 49152,
-        "tie_word_embeddings": True,
-        "rope_theta": 100000.0,
-    },
-    "llama-1b": {
-        "label": "Llama-3.2-1B shape",
-        "hidden_size": 2048,
-        "intermediate_size": 8192,
-        "num_hidden_layers": 16,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "vocab_size": 128256,
-        "tie_word_embeddings": True,
-        "rope_theta": 500000.0,
-    },
-    "llama-8b": {
-        "label": "Llama-3.1-8B shape",
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "vocab_size": 128256,
-        "tie_word_embeddings": False,
-        "rope_theta": 500000.0,
-    },
-}
+# the public shapes it builds: the Llama-family ones (LlamaConfig fields, random weights)
+LLAMA_SHAPES = {name: shape for name, shape in MODEL_SHAPES.items() if shape["model_type"] == "llama"}
 SMOKE_HEAD_DIM, SMOKE_LAYERS, SMOKE_VOCAB = 16, 2, 1024  # --smoke: each family's heads, tiny otherwise
 DEFAULT_ACCEPTANCE = "benchmarks/2026-12-04-all-sources-acceptance-at-16-nodes-spec-bench-26-float32.json"
 PROJECTION_LABEL = (
@@ -241,8 +208,9 @@ def copy_gbps(device: torch.device, megabytes: int) -> float:
 
 def model_config(name: str, smoke: bool) -> tuple[str, dict]:
     """(label, LlamaConfig fields) of a model shape; --smoke: the family's head counts, tiny otherwise."""
-    sizes = dict(MODEL_SHAPES[name])
+    sizes = dict(LLAMA_SHAPES[name])
     label = sizes.pop("label")
+    del sizes["model_type"]
     if smoke:
         hidden = sizes["num_attention_heads"] * SMOKE_HEAD_DIM
         sizes |= {"hidden_size": hidden, "intermediate_size": 2 * hidden}
@@ -418,7 +386,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefixes", default=None, help="kernel prefixes (default 128,1024,8192,32768)")
     p.add_argument("--nodes", default=None, help="kernel node counts (default 1,16,32,64)")
     p.add_argument("--repeats", type=int, default=None, help="timed calls per kernel (default 30)")
-    p.add_argument("--models", default="smollm2,llama-1b,llama-8b", help=f"of {','.join(MODEL_SHAPES)}")
+    p.add_argument("--models", default="smollm2,llama-1b,llama-8b", help=f"of {','.join(LLAMA_SHAPES)}")
     p.add_argument("--dtype", default=None, help="model dtype (default bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--model-prefixes", default=None, help="verification prefixes (default 128,1024)")
     p.add_argument("--model-nodes", default=None, help="verification node counts (default 1,16,32,64)")
@@ -434,7 +402,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.shapes, args.dtypes, args.models = names(args.shapes), names(args.dtypes), names(args.models)
     args.prefixes, args.nodes = ints(args.prefixes), ints(args.nodes)
     args.model_prefixes, args.model_nodes = ints(args.model_prefixes), ints(args.model_nodes)
-    unknown = sorted(set(args.models) - set(MODEL_SHAPES)) + sorted(set(args.shapes) - set(KERNEL_SHAPES))
+    unknown = sorted(set(args.models) - set(LLAMA_SHAPES)) + sorted(set(args.shapes) - set(KERNEL_SHAPES))
     if unknown:
         p.error(f"unknown model or kernel shapes {unknown}")
     if not Path(args.acceptance).is_file():

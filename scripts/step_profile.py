@@ -39,32 +39,15 @@ from treespec.core.decoder import Decoder
 from treespec.core.drafting import BaseDrafter, Proposal
 from treespec.core.native import LINEAR_STAGES
 from treespec.core.tree import Tree
-
-# public models' shapes (config.json), for --shape
-SHAPES = {
-    "qwen2.5-0.5b": (
-        "qwen2",
-        dict(
-            hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-            num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
-        ),
-    ),
-    "llama-3.2-1b": (
-        "llama",
-        dict(
-            hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-            num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=5e5,
-        ),
-    ),
-}  # fmt: skip
+from treespec.tools.models import MODEL_SHAPES
 
 
 def shaped_model(shape: str) -> torch.nn.Module:
-    """A float32 model of `shape` (SHAPES) with random weights (normal, std 0.02)."""
+    """A float32 model of `shape` (`MODEL_SHAPES`) with random weights (normal, std 0.02)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kind, sizes = SHAPES[shape]
-    config = AutoConfig.for_model(kind, max_position_embeddings=4096, **sizes)
+    sizes = {k: v for k, v in MODEL_SHAPES[shape].items() if k not in ("label", "model_type")}
+    config = AutoConfig.for_model(MODEL_SHAPES[shape]["model_type"], max_position_embeddings=4096, **sizes)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -163,13 +146,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prefix", type=int, default=128, help="committed tokens before the timed steps")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--numerics", default="fast", help="fast, bitwise or int8 (`Decoder(numerics=)`)")
-    p.add_argument("--shape", choices=sorted(SHAPES), help="a random float32 model of this shape")
+    p.add_argument("--shape", choices=sorted(MODEL_SHAPES), help="a random float32 model of this shape")
     p.add_argument("--weights", default="bf16", help="with --shape: bf16, float32 or both (bf16,float32)")
     p.add_argument("--hf-tokens", type=int, default=0, help="also time HF generate over this many tokens")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.shape:
-        model, label = shaped_model(args.shape), f"{args.shape} shape, random weights"
+        model, label = shaped_model(args.shape), f"{MODEL_SHAPES[args.shape]['label']}, random weights"
     else:
         model, _ = treespec.load_model(args.model, dtype=args.dtype)
         label = args.model or "SmolLM2-135M-Instruct"

