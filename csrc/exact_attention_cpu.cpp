@@ -5,10 +5,12 @@
 // keys of its path in depth order, so the logical key list is exactly the list a one-token step at the
 // same position sees. Every sum below runs over that logical index, so its order does not depend on n,
 // on the other rows of the tree, or on the batch:
-//   s_t = (q . k_t) * scale * log2(e)     (dot over D: one VL-wide vector chain, lanes pairwise, tail)
+//   s_t = (q . k_t) * scale * log2(e)     (dot over D: one VL-wide chain of FMAs, lanes pairwise, tail FMAs)
 //   m = max_t s_t;  p_t = 2^(s_t - m)     (the polynomial exp2 of vec.h, elementwise)
 //   l = sum_t p_t                         (VL partial sums over t in chunks from t = 0, lanes pairwise)
-//   out = (sum_t p_t v_t) / l             (each d summed over t = 0, 1, ... in order)
+//   out = (sum_t p_t v_t) / l             (each d: one FMA per t = 0, 1, ... in order)
+// Every multiply-add is an explicit FMA (`fmadd`), so a row's bits do not hang on the compiler's choice to
+// fuse or not, which differed between the tiles and the one-row code.
 // Work: one task per (batch, kv head, tile of query tokens); a K or V row loaded once serves every query
 // head of the group and every token of the tile, but each row keeps its own accumulators.
 
@@ -31,17 +33,17 @@ inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
 inline float dot(const float* q, const float* k, int D) {
   vf acc = splat(0.0f);
   int d = 0;
-  for (; d + VL <= D; d += VL) acc += loadv(q + d) * loadv(k + d);
+  for (; d + VL <= D; d += VL) acc = fmadd(loadv(q + d), loadv(k + d), acc);
   float s = lane_sum(acc);
-  for (; d < D; ++d) s += q[d] * k[d];
+  for (; d < D; ++d) s = __builtin_fmaf(q[d], k[d], s);
   return s;
 }
 
 inline void axpy(float* o, float p, const float* v, int D) {  // o += p * v
   const vf pv = splat(p);
   int d = 0;
-  for (; d + VL <= D; d += VL) storev(o + d, loadv(o + d) + pv * loadv(v + d));
-  for (; d < D; ++d) o[d] += p * v[d];
+  for (; d + VL <= D; d += VL) storev(o + d, fmadd(pv, loadv(v + d), loadv(o + d)));
+  for (; d < D; ++d) o[d] = __builtin_fmaf(p, v[d], o[d]);
 }
 
 // Row t of a [L, D] K or V head as fp32: in place for fp32, converted into buf for bf16.
@@ -54,6 +56,10 @@ inline const float* key_row(const T* base, int64_t stride, int t, int D, float* 
     return buf;
   }
 }
+
+// The VL floats at p of a K or V row (bf16 widened exactly).
+inline vf row_vector(const float* p) { return loadv(p); }
+inline vf row_vector(const uint16_t* p) { return widen_bf16(p); }
 
 // Whether query token i (of the block) sees block key j.
 inline bool visible(const TreeAttentionParams& p, int i, int j) {
@@ -76,7 +82,7 @@ int prefix_scores(const TreeAttentionParams& p, const T* k, int c, int R, int Tp
 #if TREESPEC_LANE_SUMS
   const int D = p.head_dim;
   if (D % VL != 0) return 0;
-  const LaneSums& plan = lane_sums_plan();
+  [[maybe_unused]] const LaneSums& plan = lane_sums_plan();  // where neither lane_sums16 nor lane_sums8 is built
   w.rows.resize(static_cast<size_t>(VL) * D);
   const int end = c / VL * VL;  // keys [0, end) through the network, for every row
   int r = 0;
@@ -102,8 +108,8 @@ int prefix_scores(const TreeAttentionParams& p, const T* k, int c, int R, int Tp
           const vf a0 = loadv(q0 + d), a1 = loadv(q1 + d);
           for (int x = 0; x < 8; ++x) {
             const vf kv = loadv(kt[x] + d);
-            acc[x] += a0 * kv;
-            acc[8 + x] += a1 * kv;
+            acc[x] = fmadd(a0, kv, acc[x]);
+            acc[8 + x] = fmadd(a1, kv, acc[8 + x]);
           }
         }
 #if TREESPEC_LANE_SUMS16
@@ -117,6 +123,35 @@ int prefix_scores(const TreeAttentionParams& p, const T* k, int c, int R, int Tp
       }
     }
   }
+#if TREESPEC_LANE_SUMS8
+  if constexpr (VL == 8) {  // the same tile in 8 lanes: 2 rows x 4 keys
+    const int* vector_of_lane = lane_sums8_vector();
+    vi lane_of;
+    for (int l = 0; l < VL; ++l) lane_of[vector_of_lane[l]] = l;
+    const vf scales = splat(scale);
+    for (; r + 2 <= R; r += 2) {
+      const float* q0 = &w.q[r * D];
+      const float* q1 = &w.q[(r + 1) * D];
+      for (int t = 0; t < end; t += 4) {
+        const float* kt[4];
+        for (int x = 0; x < 4; ++x) kt[x] = key_row<T>(k, p.k_stride_l, t + x, D, &w.rows[x * D]);
+        vf acc[VL];  // [row of the pair * 4 + key]
+        for (int x = 0; x < 4; ++x) acc[x] = acc[4 + x] = splat(0.0f);
+        for (int d = 0; d < D; d += VL) {
+          const vf a0 = loadv(q0 + d), a1 = loadv(q1 + d);
+          for (int x = 0; x < 4; ++x) {
+            const vf kv = loadv(kt[x] + d);
+            acc[x] = fmadd(a0, kv, acc[x]);
+            acc[4 + x] = fmadd(a1, kv, acc[4 + x]);
+          }
+        }
+        const vf sums = __builtin_shuffle(lane_sums8(acc), lane_of) * scales;  // [2, 4] in key order
+        std::memcpy(&w.s[r * Tp + t], &sums, 4 * sizeof(float));
+        std::memcpy(&w.s[(r + 1) * Tp + t], reinterpret_cast<const float*>(&sums) + 4, 4 * sizeof(float));
+      }
+    }
+  }
+#endif
   for (; r < R; ++r) {  // one row, VL keys at a time
     const float* qr = &w.q[r * D];
     for (int t = 0; t < end; t += VL) {
@@ -125,12 +160,15 @@ int prefix_scores(const TreeAttentionParams& p, const T* k, int c, int R, int Tp
       vf acc[VL];
       for (int x = 0; x < VL; ++x) {
         vf a = splat(0.0f);
-        for (int d = 0; d < D; d += VL) a += loadv(qr + d) * loadv(kt[x] + d);
+        for (int d = 0; d < D; d += VL) a = fmadd(loadv(qr + d), loadv(kt[x] + d), a);
         acc[x] = a;
       }
 #if TREESPEC_LANE_SUMS16
       const vf sums = lane_sums16(acc);
       const int* vector_of_lane = lane_sums16_vector();
+#elif TREESPEC_LANE_SUMS8
+      const vf sums = lane_sums8(acc);
+      const int* vector_of_lane = lane_sums8_vector();
 #else
       const vf sums = lane_sums_run(plan, acc);
       const int* vector_of_lane = plan.vector_of_lane;
@@ -145,41 +183,47 @@ int prefix_scores(const TreeAttentionParams& p, const T* k, int c, int R, int Tp
 #endif
 }
 
-// o[r] = sum over prefix keys t of p[r][t] v_t, rows RT at a time with their NDV output vectors held
-// in registers (the same additions, in the same order, as `axpy` key after key): each V row loaded feeds
-// RT rows (RT x NDV accumulators, NDV values and a broadcast weight in 32 registers).
+// o[r] = sum over prefix keys t of p[r][t] v_t for the NDV output vectors from column `col`, rows RT at a
+// time with those vectors held in registers (the same multiply-adds, in the same order, as `axpy` key after
+// key): each V row loaded feeds RT rows.
 template <typename T, int NDV>
-void prefix_values_tiled(const TreeAttentionParams& p, const T* v, int c, int R, int Tp, Scratch& w) {
-  constexpr int RT = NDV == 1 ? 8 : NDV == 2 ? 8 : NDV == 3 ? 6 : 6, D = NDV * VL;
+void prefix_values_tiled(const TreeAttentionParams& p, const T* v, int c, int R, int Tp, int col, Scratch& w) {
+  // RT x NDV accumulators, NDV values and a broadcast weight: 32 registers (VL 16) or 16 (VL 8)
+  constexpr int RT = VL == 16 ? (NDV <= 2 ? 8 : 6) : (NDV == 1 ? 8 : NDV == 2 ? 6 : NDV == 3 ? 4 : 3);
+  const int D = p.head_dim;
   for (int r0 = 0; r0 < R; r0 += RT) {
     const int rows = std::min(RT, R - r0);
     vf acc[RT][NDV];
     for (int i = 0; i < RT; ++i)
       for (int j = 0; j < NDV; ++j) acc[i][j] = splat(0.0f);
     for (int t = 0; t < c; ++t) {
-      const float* vt = key_row<T>(v, p.v_stride_l, t, D, w.row.data());
+      const T* vt = v + t * p.v_stride_l + col;
       vf vv[NDV];
-      for (int j = 0; j < NDV; ++j) vv[j] = loadv(vt + j * VL);
+      for (int j = 0; j < NDV; ++j) vv[j] = row_vector(vt + j * VL);
       for (int i = 0; i < RT; ++i) {
         if (i >= rows) break;
         const vf pv = splat(w.s[(r0 + i) * Tp + t]);
-        for (int j = 0; j < NDV; ++j) acc[i][j] = acc[i][j] + pv * vv[j];
+        for (int j = 0; j < NDV; ++j) acc[i][j] = fmadd(pv, vv[j], acc[i][j]);
       }
     }
     for (int i = 0; i < rows; ++i)
-      for (int j = 0; j < NDV; ++j) storev(&w.o[(r0 + i) * D + j * VL], acc[i][j]);
+      for (int j = 0; j < NDV; ++j) storev(&w.o[(r0 + i) * D + col + j * VL], acc[i][j]);
   }
 }
 
 template <typename T>
 void prefix_values(const TreeAttentionParams& p, const T* v, int c, int R, int Tp, Scratch& w) {
   const int D = p.head_dim;
-  switch (D % VL == 0 ? D / VL : 0) {
-    case 1: return prefix_values_tiled<T, 1>(p, v, c, R, Tp, w);
-    case 2: return prefix_values_tiled<T, 2>(p, v, c, R, Tp, w);
-    case 3: return prefix_values_tiled<T, 3>(p, v, c, R, Tp, w);
-    case 4: return prefix_values_tiled<T, 4>(p, v, c, R, Tp, w);
-    default: break;
+  if (D % VL == 0) {  // up to 4 vectors of the output row at a time
+    for (int col = 0; col < D; col += 4 * VL) {
+      switch (std::min(4, (D - col) / VL)) {
+        case 1: prefix_values_tiled<T, 1>(p, v, c, R, Tp, col, w); break;
+        case 2: prefix_values_tiled<T, 2>(p, v, c, R, Tp, col, w); break;
+        case 3: prefix_values_tiled<T, 3>(p, v, c, R, Tp, col, w); break;
+        default: prefix_values_tiled<T, 4>(p, v, c, R, Tp, col, w); break;
+      }
+    }
+    return;
   }
   for (int t = 0; t < c; ++t) {
     const float* vt = key_row<T>(v, p.v_stride_l, t, D, w.row.data());

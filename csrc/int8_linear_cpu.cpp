@@ -1,9 +1,9 @@
 // int8 numerics (int8_linear.h): activation quantization, the weight repacking and the integer kernels.
 //
 // Engines: AVX-512 VNNI (`vpdpbusd`: 64 unsigned-by-signed byte products summed into 16 int32 lanes per
-// instruction; one lane per weight row of a 16-row group), AVX2 (`vpmaddubsw` + `vpmaddwd` on each half of a
-// group, 8 lanes; Q8 weights through the sign trick, |q| * sign(x, q), so no 16-bit sum saturates) and the
-// scalar reference. All compute each output with the same float operations in the same order (the integer
+// instruction; one lane per weight row of a 16-row group), AVX2 (`vpmaddubsw` on each half of a group, 8
+// lanes: Q4_1 sums a block's 16-bit pair sums and widens them once with `vpmaddwd`; Q8 weights go through the
+// sign trick, |q| * sign(x, q), so no 16-bit sum saturates, and widen every pair sum) and the scalar reference. All compute each output with the same float operations in the same order (the integer
 // sums are exact), so they agree bit for bit. The VNNI tile is R rows x one panel of 32 weight rows: each
 // weight chunk is loaded (and unpacked) once for its R rows.
 //
@@ -273,12 +273,19 @@ void tile_avx2(const Int8Weights& w, int64_t g, int half, const QuantRows& x, in
     for (int r = 0; r < R; ++r) {
       const int64_t row = r0 + r;
       const int32_t* x4 = reinterpret_cast<const int32_t*>(x.q.data() + row * x.K + 32 * b);
-      __m256i isum = _mm256_setzero_si256();
-      for (int j = 0; j < 8; ++j) {
-        const __m256i xv = _mm256_set1_epi32(x4[j]);
-        const __m256i pairs = Q4 ? _mm256_maddubs_epi16(wq[j], xv)
-                                 : _mm256_maddubs_epi16(_mm256_abs_epi8(wq[j]), _mm256_sign_epi8(xv, wq[j]));
-        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, ones));
+      __m256i isum;
+      if constexpr (Q4) {
+        // |pair| <= 2 * 15 * 127 = 3810, so the 8 pair vectors sum in 16 bits (<= 30480) and widen once
+        __m256i pairs = _mm256_maddubs_epi16(wq[0], _mm256_set1_epi32(x4[0]));
+        for (int j = 1; j < 8; ++j) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(wq[j], _mm256_set1_epi32(x4[j])));
+        isum = _mm256_madd_epi16(pairs, ones);
+      } else {  // |pair| <= 2 * 127 * 127: two of them could overflow 16 bits, so each widens
+        isum = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+          const __m256i xv = _mm256_set1_epi32(x4[j]);
+          const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(wq[j]), _mm256_sign_epi8(xv, wq[j]));
+          isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, ones));
+        }
       }
       const __m256 s = _mm256_mul_ps(_mm256_set1_ps(x.d[row * x.blocks + b]), wd);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, acc[r]);

@@ -38,6 +38,22 @@ inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 inline vf splat(float x) { return vf{} + x; }
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 
+// a * b + c rounded once (per lane), whatever contraction the compiler would choose. The row-invariant
+// kernels spell their multiply-adds this way: left to the compiler, `acc += a * b` was fused in one loop
+// and not in another (gcc's Zen tuning keeps FMAs out of loop-carried chains), so a row's bits could
+// depend on the tile it was computed in.
+inline vf fmadd(vf a, vf b, vf c) {
+#if TREESPEC_VL == 16
+  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__AVX2__) && defined(__FMA__)
+  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  vf r;
+  for (int i = 0; i < VL; ++i) r[i] = __builtin_fmaf(a[i], b[i], c[i]);
+  return r;
+#endif
+}
+
 // The lanes of v added in one fixed pairwise order (half + half, repeatedly).
 inline float lane_sum(vf v) {
   float s[VL];
@@ -123,6 +139,40 @@ inline const int* lane_sums16_vector() {
       for (int k = 0; k < 16; ++k) probe[k] = splat(static_cast<float>(k));
       const vf sums = lane_sums16(probe);
       for (int l = 0; l < 16; ++l) lane[l] = static_cast<int>(sums[l]) / 16;
+    }
+  } map;
+  return map.lane;
+}
+#endif
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && TREESPEC_LANE_SUMS
+#define TREESPEC_LANE_SUMS8 1
+// lane_sum of 8 vectors at once with fixed AVX2 shuffles (128-bit halves, then within 128-bit lanes): the
+// same additions as lane_sum (lanes i and i + 4, then of those i and i + 2, then i and i + 1), so every
+// output equals lane_sum of its vector bit for bit. The network of lane_sums_run with its indices known at
+// compile time. Output lane l holds the sum of vector lane_sums8_vector()[l].
+inline vf lane_sums8(const vf* v) {
+  __m256 x[4], y[2];
+  for (int j = 0; j < 4; ++j) {  // [a.lo + a.hi | b.lo + b.hi]: 4 partial sums of a, then of b
+    const __m256 a = reinterpret_cast<const __m256*>(v)[2 * j], b = reinterpret_cast<const __m256*>(v)[2 * j + 1];
+    x[j] = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  }
+  for (int j = 0; j < 2; ++j)  // within 128-bit lanes: partials (0, 2), (1, 3) of two vectors
+    y[j] = _mm256_add_ps(_mm256_shuffle_ps(x[2 * j], x[2 * j + 1], 0x44), _mm256_shuffle_ps(x[2 * j], x[2 * j + 1], 0xEE));
+  const __m256 out = _mm256_add_ps(_mm256_shuffle_ps(y[0], y[1], 0x88), _mm256_shuffle_ps(y[0], y[1], 0xDD));
+  vf r;
+  std::memcpy(&r, &out, sizeof(r));
+  return r;
+}
+
+inline const int* lane_sums8_vector() {
+  static const struct Map {
+    int lane[8];
+    Map() {
+      vf probe[8];  // vector k holds k in every lane, so its sum is 8 k
+      for (int k = 0; k < 8; ++k) probe[k] = splat(static_cast<float>(k));
+      const vf sums = lane_sums8(probe);
+      for (int l = 0; l < 8; ++l) lane[l] = static_cast<int>(sums[l]) / 8;
     }
   } map;
   return map.lane;

@@ -46,7 +46,9 @@ from . import calibrate
 # 4: AVX2 block linears decode the weights once for 3+ rows (a tree's verification costs about half)
 # 5: AVX2 Q4_1 blocks widened from memory, one weight row at a time (a one-token step costs about 2/3)
 # 6: float32 weights of bf16 values read from bf16 copies; bf16 weights widened by one load + shift
-KERNELS_REVISION = 6
+# 7: row-invariant attention with AVX2 tiles (trees in bitwise / int8 numerics cost less); AVX2 int8 Q4_1
+#    integer sums in 16 bits
+KERNELS_REVISION = 7
 NODES = (1, 4, 8, 16, 32, 64)
 PREFIXES = (128, 512, 1024)
 # name -> Decoder(linears=..., compile=...)
