@@ -3,7 +3,9 @@
 // Every (row, output) dot product runs the same steps whatever M is: C vector accumulators over K in
 // chunks of C * VL (chunk part c into accumulator c), the leftover whole vectors into accumulators 0, 1,
 // ..., then ((acc0 + acc1) + (acc2 + acc3)), its lanes in the fixed pairwise order, and the scalar tail in
-// order (one FMA each). Rows are tiled only to share the weight loads; a tile's rows never mix.
+// order (one FMA each). Rows are tiled only to share the weight loads; a tile's rows never mix. Every
+// multiply-add is an explicit FMA (vec.h's `fmadd`), not left to the compiler's contraction, which can
+// differ between tiles of different row counts.
 
 #include <ATen/Parallel.h>
 
@@ -46,11 +48,11 @@ inline void row_tile(const float* x, int64_t K, const W* w, float* out, int64_t 
     vf wv[C];
     for (int c = 0; c < C; ++c) wv[c] = load_w<W>(w + k + c * VL);
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) acc[r][c] += loadv(x + r * K + k + c * VL) * wv[c];
+      for (int c = 0; c < C; ++c) acc[r][c] = fmadd(loadv(x + r * K + k + c * VL), wv[c], acc[r][c]);
   }
   for (int c = 0; k + VL <= K; k += VL, ++c) {  // at most C - 1 whole vectors left
     const vf wv = load_w<W>(w + k);
-    for (int r = 0; r < R; ++r) acc[r][c] += loadv(x + r * K + k) * wv;
+    for (int r = 0; r < R; ++r) acc[r][c] = fmadd(loadv(x + r * K + k), wv, acc[r][c]);
   }
   for (int r = 0; r < R; ++r) {
     float sum = lane_sum((acc[r][0] + acc[r][1]) + (acc[r][2] + acc[r][3]));

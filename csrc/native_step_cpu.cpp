@@ -54,8 +54,10 @@ inline void rms_norm(const float* h, const float* w, int H, float eps, bool bf16
   for (d = 0; d < H; ++d) out[d] = round_to(w[d] * round_to(h[d] * inv, bf16), bf16);
 }
 
-// The rotary embedding of one head vector x [D] in place: x * cos + rotate_half(x) * sin
-inline void rotate(float* x, const float* cos, const float* sin, int D, bool bf16) {
+// The rotary embedding of one head vector x [D] in place: x * cos + rotate_half(x) * sin. Neither inlined
+// nor cloned: it is called from the q/k/v tasks (steps of few rows) and from the rotary stage (more rows),
+// and one compiled body keeps the compiler's choice to fuse its multiply-add or not the same for both.
+__attribute__((noinline, noclone)) void rotate(float* x, const float* cos, const float* sin, int D, bool bf16) {
   const int half = D / 2;
   float tmp[512];
   for (int d = 0; d < D; ++d) {
