@@ -73,85 +73,44 @@ struct Scratch {
 };
 
 // Scores of prefix keys for all R rows through the lane-sum network (each score the additions of `dot`:
-// one VL-wide chain over d, then the lanes pairwise), which reduces VL vectors at once. With VL = 16 the 16
-// vectors are a tile of 2 rows x 8 keys: each key vector loaded feeds both rows; a row left over takes 16
-// keys at a time alone. Returns the first key it did not score (the caller scores the rest with `dot`;
-// every row the same count, so a row's split into network and `dot` keys depends on c only).
+// one VL-wide chain of FMAs over d, then the lanes pairwise), which reduces VL vectors at once: a tile of
+// 2 rows x VL / 2 keys, each key vector loaded feeding both rows; a row left over takes VL keys at a time
+// alone. Returns the first key it did not score (the caller scores the rest with `dot`; every row the
+// same count, so a row's split into network and `dot` keys depends on c only).
 template <typename T>
 int prefix_scores(const TreeAttentionParams& p, const T* k, int c, int R, int Tp, float scale, Scratch& w) {
 #if TREESPEC_LANE_SUMS
+  constexpr int kKeys = VL / 2;  // keys per tile of 2 rows
   const int D = p.head_dim;
   if (D % VL != 0) return 0;
-  [[maybe_unused]] const LaneSums& plan = lane_sums_plan();  // where neither lane_sums16 nor lane_sums8 is built
   w.rows.resize(static_cast<size_t>(VL) * D);
   const int end = c / VL * VL;  // keys [0, end) through the network, for every row
+  const int* vector_of_lane = lane_sums_vector();
+  vi lane_of;  // lane_of[v]: the output lane that holds vector v's sum (v = row of the pair * kKeys + key)
+  for (int l = 0; l < VL; ++l) lane_of[vector_of_lane[l]] = l;
+  const vf scales = splat(scale);
   int r = 0;
-  if constexpr (VL == 16) {
-    // lane_of[v]: the output lane that holds vector v's sum (v = row of the pair * 8 + key of the 8)
-#if TREESPEC_LANE_SUMS16
-    const int* vector_of_lane = lane_sums16_vector();
-#else
-    const int* vector_of_lane = plan.vector_of_lane;
-#endif
-    vi lane_of;
-    for (int l = 0; l < VL; ++l) lane_of[vector_of_lane[l]] = l;
-    const vf scales = splat(scale);
-    for (; r + 2 <= R; r += 2) {
-      const float* q0 = &w.q[r * D];
-      const float* q1 = &w.q[(r + 1) * D];
-      for (int t = 0; t < end; t += 8) {
-        const float* kt[8];
-        for (int x = 0; x < 8; ++x) kt[x] = key_row<T>(k, p.k_stride_l, t + x, D, &w.rows[x * D]);
-        vf acc[VL];  // [row of the pair * 8 + key]
-        for (int x = 0; x < 8; ++x) acc[x] = acc[8 + x] = splat(0.0f);
-        for (int d = 0; d < D; d += VL) {
-          const vf a0 = loadv(q0 + d), a1 = loadv(q1 + d);
-          for (int x = 0; x < 8; ++x) {
-            const vf kv = loadv(kt[x] + d);
-            acc[x] = fmadd(a0, kv, acc[x]);
-            acc[8 + x] = fmadd(a1, kv, acc[8 + x]);
-          }
+  for (; r + 2 <= R; r += 2) {
+    const float* q0 = &w.q[r * D];
+    const float* q1 = &w.q[(r + 1) * D];
+    for (int t = 0; t < end; t += kKeys) {
+      const float* kt[kKeys];
+      for (int x = 0; x < kKeys; ++x) kt[x] = key_row<T>(k, p.k_stride_l, t + x, D, &w.rows[x * D]);
+      vf acc[VL];  // [row of the pair * kKeys + key]
+      for (int x = 0; x < kKeys; ++x) acc[x] = acc[kKeys + x] = splat(0.0f);
+      for (int d = 0; d < D; d += VL) {
+        const vf a0 = loadv(q0 + d), a1 = loadv(q1 + d);
+        for (int x = 0; x < kKeys; ++x) {
+          const vf kv = loadv(kt[x] + d);
+          acc[x] = fmadd(a0, kv, acc[x]);
+          acc[kKeys + x] = fmadd(a1, kv, acc[kKeys + x]);
         }
-#if TREESPEC_LANE_SUMS16
-        const vf reduced = lane_sums16(acc);
-#else
-        const vf reduced = lane_sums_run(plan, acc);
-#endif
-        const vf sums = __builtin_shuffle(reduced, lane_of) * scales;  // [2, 8] in key order
-        std::memcpy(&w.s[r * Tp + t], &sums, 8 * sizeof(float));
-        std::memcpy(&w.s[(r + 1) * Tp + t], reinterpret_cast<const float*>(&sums) + 8, 8 * sizeof(float));
       }
+      const vf sums = __builtin_shuffle(lane_sums(acc), lane_of) * scales;  // [2, kKeys] in key order
+      std::memcpy(&w.s[r * Tp + t], &sums, kKeys * sizeof(float));
+      std::memcpy(&w.s[(r + 1) * Tp + t], reinterpret_cast<const float*>(&sums) + kKeys, kKeys * sizeof(float));
     }
   }
-#if TREESPEC_LANE_SUMS8
-  if constexpr (VL == 8) {  // the same tile in 8 lanes: 2 rows x 4 keys
-    const int* vector_of_lane = lane_sums8_vector();
-    vi lane_of;
-    for (int l = 0; l < VL; ++l) lane_of[vector_of_lane[l]] = l;
-    const vf scales = splat(scale);
-    for (; r + 2 <= R; r += 2) {
-      const float* q0 = &w.q[r * D];
-      const float* q1 = &w.q[(r + 1) * D];
-      for (int t = 0; t < end; t += 4) {
-        const float* kt[4];
-        for (int x = 0; x < 4; ++x) kt[x] = key_row<T>(k, p.k_stride_l, t + x, D, &w.rows[x * D]);
-        vf acc[VL];  // [row of the pair * 4 + key]
-        for (int x = 0; x < 4; ++x) acc[x] = acc[4 + x] = splat(0.0f);
-        for (int d = 0; d < D; d += VL) {
-          const vf a0 = loadv(q0 + d), a1 = loadv(q1 + d);
-          for (int x = 0; x < 4; ++x) {
-            const vf kv = loadv(kt[x] + d);
-            acc[x] = fmadd(a0, kv, acc[x]);
-            acc[4 + x] = fmadd(a1, kv, acc[4 + x]);
-          }
-        }
-        const vf sums = __builtin_shuffle(lane_sums8(acc), lane_of) * scales;  // [2, 4] in key order
-        std::memcpy(&w.s[r * Tp + t], &sums, 4 * sizeof(float));
-        std::memcpy(&w.s[(r + 1) * Tp + t], reinterpret_cast<const float*>(&sums) + 4, 4 * sizeof(float));
-      }
-    }
-  }
-#endif
   for (; r < R; ++r) {  // one row, VL keys at a time
     const float* qr = &w.q[r * D];
     for (int t = 0; t < end; t += VL) {
@@ -163,16 +122,7 @@ int prefix_scores(const TreeAttentionParams& p, const T* k, int c, int R, int Tp
         for (int d = 0; d < D; d += VL) a = fmadd(loadv(qr + d), loadv(kt[x] + d), a);
         acc[x] = a;
       }
-#if TREESPEC_LANE_SUMS16
-      const vf sums = lane_sums16(acc);
-      const int* vector_of_lane = lane_sums16_vector();
-#elif TREESPEC_LANE_SUMS8
-      const vf sums = lane_sums8(acc);
-      const int* vector_of_lane = lane_sums8_vector();
-#else
-      const vf sums = lane_sums_run(plan, acc);
-      const int* vector_of_lane = plan.vector_of_lane;
-#endif
+      const vf sums = lane_sums(acc);
       float* s = &w.s[r * Tp + t];
       for (int l = 0; l < VL; ++l) s[vector_of_lane[l]] = sums[l] * scale;
     }

@@ -47,6 +47,8 @@ inline vf fmadd(vf a, vf b, vf c) {
   return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
 #elif defined(__AVX2__) && defined(__FMA__)
   return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#elif (defined(__x86_64__) || defined(__i386__)) && !defined(__FMA__)
+  return a * b + c;  // no FMA instruction to fuse into: two roundings, whatever the compiler does
 #else
   vf r;
   for (int i = 0; i < VL; ++i) r[i] = __builtin_fmaf(a[i], b[i], c[i]);
@@ -72,7 +74,6 @@ constexpr int kLaneLevels = TREESPEC_VL == 16 ? 4 : 3;
 // (lane i + lane i + h), taking the groups alternately from two vectors.
 struct LaneSums {
   vi lo[kLaneLevels], hi[kLaneLevels];
-  int vector_of_lane[VL];  // output lane l holds the sum of input vector vector_of_lane[l]
 };
 
 inline vf lane_sums_run(const LaneSums& plan, vf* v) {  // v: VL vectors, overwritten
@@ -95,10 +96,6 @@ inline const LaneSums& lane_sums_plan() {
           p.lo[level][j * h + i] = source;
           p.hi[level][j * h + i] = source + h;
         }
-    vf probe[VL];  // vector k holds k in every lane, so its sum is VL * k
-    for (int k = 0; k < VL; ++k) probe[k] = splat(static_cast<float>(k));
-    const vf sums = lane_sums_run(p, probe);
-    for (int l = 0; l < VL; ++l) p.vector_of_lane[l] = static_cast<int>(sums[l]) / VL;
     return p;
   }();
   return plan;
@@ -110,8 +107,7 @@ inline const LaneSums& lane_sums_plan() {
 // lane_sum of 16 vectors at once with the cheapest shuffles AVX-512 has for each level (256-bit halves,
 // 128-bit lanes, then within 128-bit lanes): the same additions as lane_sum (lanes i and i + 8, then of
 // those i and i + 4, i and i + 2, i and i + 1), each done in whichever lane the shuffles put it, so every
-// output equals lane_sum of its vector bit for bit. Output lane l holds the sum of vector
-// lane_sums16_vector()[l].
+// output equals lane_sum of its vector bit for bit (which vector each output lane holds: lane_sums_vector).
 inline vf lane_sums16(const vf* v) {
   __m512 x[8], y[4], z[2];
   for (int j = 0; j < 8; ++j) {  // [a.lo | b.lo] + [a.hi | b.hi] (256-bit halves): a's 8 sums, then b's
@@ -130,27 +126,13 @@ inline vf lane_sums16(const vf* v) {
   std::memcpy(&r, &out, sizeof(r));
   return r;
 }
-
-inline const int* lane_sums16_vector() {
-  static const struct Map {
-    int lane[16];
-    Map() {
-      vf probe[16];  // vector k holds k in every lane, so its sum is 16 k
-      for (int k = 0; k < 16; ++k) probe[k] = splat(static_cast<float>(k));
-      const vf sums = lane_sums16(probe);
-      for (int l = 0; l < 16; ++l) lane[l] = static_cast<int>(sums[l]) / 16;
-    }
-  } map;
-  return map.lane;
-}
 #endif
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && TREESPEC_LANE_SUMS
 #define TREESPEC_LANE_SUMS8 1
 // lane_sum of 8 vectors at once with fixed AVX2 shuffles (128-bit halves, then within 128-bit lanes): the
 // same additions as lane_sum (lanes i and i + 4, then of those i and i + 2, then i and i + 1), so every
-// output equals lane_sum of its vector bit for bit. The network of lane_sums_run with its indices known at
-// compile time. Output lane l holds the sum of vector lane_sums8_vector()[l].
+// output equals lane_sum of its vector bit for bit (which vector each output lane holds: lane_sums_vector).
 inline vf lane_sums8(const vf* v) {
   __m256 x[4], y[2];
   for (int j = 0; j < 4; ++j) {  // [a.lo + a.hi | b.lo + b.hi]: 4 partial sums of a, then of b
@@ -164,15 +146,29 @@ inline vf lane_sums8(const vf* v) {
   std::memcpy(&r, &out, sizeof(r));
   return r;
 }
+#endif
 
-inline const int* lane_sums8_vector() {
+#if TREESPEC_LANE_SUMS
+// lane_sum of VL vectors at once (v is overwritten) through the network this build has: fixed shuffles on
+// AVX-512 and AVX2, the run-time plan otherwise. Output lane l holds the sum of vector lane_sums_vector()[l].
+inline vf lane_sums(vf* v) {
+#if TREESPEC_LANE_SUMS16
+  return lane_sums16(v);
+#elif TREESPEC_LANE_SUMS8
+  return lane_sums8(v);
+#else
+  return lane_sums_run(lane_sums_plan(), v);
+#endif
+}
+
+inline const int* lane_sums_vector() {
   static const struct Map {
-    int lane[8];
+    int lane[VL];
     Map() {
-      vf probe[8];  // vector k holds k in every lane, so its sum is 8 k
-      for (int k = 0; k < 8; ++k) probe[k] = splat(static_cast<float>(k));
-      const vf sums = lane_sums8(probe);
-      for (int l = 0; l < 8; ++l) lane[l] = static_cast<int>(sums[l]) / 8;
+      vf probe[VL];  // vector k holds k in every lane, so its sum is VL * k
+      for (int k = 0; k < VL; ++k) probe[k] = splat(static_cast<float>(k));
+      const vf sums = lane_sums(probe);
+      for (int l = 0; l < VL; ++l) lane[l] = static_cast<int>(sums[l]) / VL;
     }
   } map;
   return map.lane;
