@@ -225,10 +225,12 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
 
   // attention tasks: (row, kv head) for the fast kernel; (row, kv head, tile of kQueryTile tokens) for the
   // row-invariant one, whose result per token does not depend on how the queries are split. The
-  // row-invariant kernel also serves fast numerics up to 2 tokens: there its dot products fill the vector
-  // lanes where the fast kernel's rows (the G heads of a token) leave most of them empty (AVX2, one task,
-  // 9 / 3 heads of 64 after 512 keys: 41 vs 71 us at one token, 67 vs 79 at two).
-  const bool exact_attention = a.exact || n <= 2;
+  // row-invariant kernel also serves fast numerics when a task has few query rows (n tokens x G heads):
+  // the fast kernel lays the rows along the vector lanes and leaves most of them empty, the row-invariant
+  // one fills them with head dims. Measured on AVX2 (8 lanes, one thread, after 1024 keys): 3 rows 119 vs
+  // 148 us, 6 rows 147 vs 189, 4 rows (D 64) 296 vs 394 and (D 128) 683 vs 921; 7 rows 153 vs 136, 8 rows
+  // 625 vs 443. So up to VL - 2 rows (the same rule for 16 lanes: not measured there).
+  const bool exact_attention = a.exact || n * G <= VL - 2;
   const int query_tiles = exact_attention ? (n + kQueryTile - 1) / kQueryTile : 1;
   std::vector<Stage> stages;
   stages.push_back({StageKind::kEmbed, 0, M});
