@@ -2,9 +2,10 @@
 //
 // Engines: AVX-512 VNNI (`vpdpbusd`: 64 unsigned-by-signed byte products summed into 16 int32 lanes per
 // instruction; one lane per weight row of a 16-row group), AVX2 (`vpmaddubsw` on each half of a group, 8
-// lanes: Q4_1 sums a block's 16-bit pair sums and widens them once with `vpmaddwd`; Q8 weights go through the
-// sign trick, |q| * sign(x, q), so no 16-bit sum saturates, and widen every pair sum) and the scalar reference. All compute each output with the same float operations in the same order (the integer
-// sums are exact), so they agree bit for bit. The VNNI tile is R rows x one panel of 32 weight rows: each
+// lanes: Q4_1 sums a block's 16-bit pair sums and widens them once with `vpmaddwd`; Q8 weights go through
+// the sign trick, |q| * sign(x, q), so no 16-bit sum saturates, and widen every pair sum) and the scalar
+// reference. All compute each output with the same float operations in the same order (the integer sums
+// are exact), so they agree bit for bit. The VNNI tile is R rows x one panel of 32 weight rows: each
 // weight chunk is loaded (and unpacked) once for its R rows.
 //
 // What bounds the VNNI kernel on Zen 4 (measured): `vpdpbusd`, `vmulps` and `vfmadd` share the same two
