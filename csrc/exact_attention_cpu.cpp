@@ -52,14 +52,10 @@ inline const float* key_row(const T* base, int64_t stride, int t, int D, float* 
   if constexpr (std::is_same_v<T, float>) {
     return base + t * stride;
   } else {
-    for (int d = 0; d < D; ++d) buf[d] = to_float<T>(base[t * stride + d]);
+    bf16_row_to_float(base + t * stride, buf, D);
     return buf;
   }
 }
-
-// The VL floats at p of a K or V row (bf16 widened exactly).
-inline vf row_vector(const float* p) { return loadv(p); }
-inline vf row_vector(const uint16_t* p) { return widen_bf16(p); }
 
 // Whether query token i (of the block) sees block key j.
 inline bool visible(const TreeAttentionParams& p, int i, int j) {
@@ -149,7 +145,7 @@ void prefix_values_tiled(const TreeAttentionParams& p, const T* v, int c, int R,
     for (int t = 0; t < c; ++t) {
       const T* vt = v + t * p.v_stride_l + col;
       vf vv[NDV];
-      for (int j = 0; j < NDV; ++j) vv[j] = row_vector(vt + j * VL);
+      for (int j = 0; j < NDV; ++j) vv[j] = load_floats(vt + j * VL);
       for (int i = 0; i < RT; ++i) {
         if (i >= rows) break;
         const vf pv = splat(w.s[(r0 + i) * Tp + t]);

@@ -26,17 +26,6 @@ constexpr int kRows = 2;  // 8 + 4 + 1 of 16
 #endif
 constexpr int64_t kColumns = 16;  // weight rows per task: the task's x tile stays in L1 across them
 
-template <typename W>
-inline vf load_w(const W* p);
-template <>
-inline vf load_w<float>(const float* p) {
-  return loadv(p);
-}
-template <>
-inline vf load_w<uint16_t>(const uint16_t* p) {
-  return widen_bf16(p);
-}
-
 // R rows of x against weight row w: out[r * N] for r < R.
 template <int R, typename W>
 inline void row_tile(const float* x, int64_t K, const W* w, float* out, int64_t N) {
@@ -46,12 +35,12 @@ inline void row_tile(const float* x, int64_t K, const W* w, float* out, int64_t 
   int64_t k = 0;
   for (; k + C * VL <= K; k += C * VL) {
     vf wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = load_w<W>(w + k + c * VL);
+    for (int c = 0; c < C; ++c) wv[c] = load_floats(w + k + c * VL);
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) acc[r][c] = fmadd(loadv(x + r * K + k + c * VL), wv[c], acc[r][c]);
   }
   for (int c = 0; k + VL <= K; k += VL, ++c) {  // at most C - 1 whole vectors left
-    const vf wv = load_w<W>(w + k);
+    const vf wv = load_floats(w + k);
     for (int r = 0; r < R; ++r) acc[r][c] = fmadd(loadv(x + r * K + k), wv, acc[r][c]);
   }
   for (int r = 0; r < R; ++r) {

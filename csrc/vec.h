@@ -234,6 +234,10 @@ inline vf widen_bf16(const uint16_t* p) {
   return f;
 }
 
+// The VL floats at p, float32 or bf16 (widened exactly): what the row-invariant kernels read of either dtype.
+inline vf load_floats(const float* p) { return loadv(p); }
+inline vf load_floats(const uint16_t* p) { return widen_bf16(p); }
+
 // dst[0, n) = float(src[0, n)) for bf16 src
 inline void bf16_row_to_float(const uint16_t* src, float* dst, int n) {
   int d = 0;

@@ -60,7 +60,7 @@ from treespec.core.attention import auto_kernel  # noqa: E402
 from treespec.core.tree import pack_bits  # noqa: E402
 from treespec.io import atomic_write_json  # noqa: E402
 from treespec.tools.benchmarks_page import device_tables, overall_summary  # noqa: E402
-from treespec.tools.models import MODEL_SHAPES  # noqa: E402
+from treespec.tools.models import MODEL_SHAPES, shape_config  # noqa: E402
 from treespec.training.costs import interpolate, verify_ms  # noqa: E402
 
 KERNEL_SHAPES = {"smollm2": (9, 3, 64), "7b": (32, 8, 128)}  # query heads, KV heads, head_dim
@@ -208,9 +208,8 @@ def copy_gbps(device: torch.device, megabytes: int) -> float:
 
 def model_config(name: str, smoke: bool) -> tuple[str, dict]:
     """(label, LlamaConfig fields) of a model shape; --smoke: the family's head counts, tiny otherwise."""
-    sizes = dict(LLAMA_SHAPES[name])
-    label = sizes.pop("label")
-    del sizes["model_type"]
+    label = LLAMA_SHAPES[name]["label"]
+    _, sizes = shape_config(name)  # a fresh dict: changed below for --smoke
     if smoke:
         hidden = sizes["num_attention_heads"] * SMOKE_HEAD_DIM
         sizes |= {"hidden_size": hidden, "intermediate_size": 2 * hidden}

@@ -39,15 +39,15 @@ from treespec.core.decoder import Decoder
 from treespec.core.drafting import BaseDrafter, Proposal
 from treespec.core.native import LINEAR_STAGES
 from treespec.core.tree import Tree
-from treespec.tools.models import MODEL_SHAPES
+from treespec.tools.models import MODEL_SHAPES, shape_config
 
 
 def shaped_model(shape: str) -> torch.nn.Module:
     """A float32 model of `shape` (`MODEL_SHAPES`) with random weights (normal, std 0.02)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    sizes = {k: v for k, v in MODEL_SHAPES[shape].items() if k not in ("label", "model_type")}
-    config = AutoConfig.for_model(MODEL_SHAPES[shape]["model_type"], max_position_embeddings=4096, **sizes)
+    model_type, sizes = shape_config(shape)
+    config = AutoConfig.for_model(model_type, max_position_embeddings=4096, **sizes)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():

