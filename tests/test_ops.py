@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import shutil
 import subprocess
+import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -316,3 +318,40 @@ def test_cuda_binding_compiles_against_torchs_headers(tmp_path):
     cmd += [f"-I{path}" for path in includes] + [str(CSRC / "bindings_cuda.cpp")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def test_killed_build_does_not_block_the_next(tmp_path):
+    """A build killed mid-way leaves torch's `lock` file: the next build waits for a live builder only,
+    then removes the dead one's file instead of waiting on it forever."""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; from treespec import ops\n"
+            "with ops._exclusive_build(Path(sys.argv[1])):\n"
+            "    (Path(sys.argv[1]) / 'lock').touch(); print('building', flush=True); time.sleep(60)",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "building"
+        entered, seen = threading.Event(), []
+
+        def next_build():
+            with ops._exclusive_build(tmp_path):
+                seen.append((tmp_path / "lock").exists())
+                entered.set()
+
+        waiter = threading.Thread(target=next_build)
+        waiter.start()
+        assert not entered.wait(1.0), "entered while a live build held the folder"
+        assert (tmp_path / "lock").exists()  # a live builder's file is left alone
+        holder.kill()  # the build dies without removing its lock file
+        assert entered.wait(30.0), "still waiting after the builder died"
+        waiter.join()
+        assert seen == [False]
+    finally:
+        holder.kill()
+        holder.wait()

@@ -33,6 +33,7 @@ Ops (namespace `torch.ops.treespec`, traceable by torch.compile through the fake
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -191,24 +192,59 @@ def _build_and_load() -> None:
             pass  # a half-written library: rebuild below
     build_dir.mkdir(parents=True, exist_ok=True)
     verbose = os.environ.get("TREESPEC_EXT_VERBOSE", "") not in ("", "0")
-    print(
-        f"treespec: compiling the tree-attention kernels{' (with CUDA)' if cuda else ''} into {build_dir} "
-        "(first use only; about half a minute)",
-        file=sys.stderr,
-        flush=True,
-    )
-    cpp_extension.load(
-        name=name,
-        sources=[str(s) for s in sources],
-        extra_cflags=cflags,
-        extra_cuda_cflags=cuda_flags,
-        extra_include_paths=[str(src)],
-        build_directory=str(build_dir),
-        with_cuda=cuda,
-        is_python_module=False,
-        verbose=verbose,
-    )
+    with _exclusive_build(build_dir):
+        if library.is_file():  # another process built it while this one waited
+            torch.ops.load_library(str(library))
+            _finish(library, cuda, start)
+            return
+        print(
+            f"treespec: compiling the tree-attention kernels{' (with CUDA)' if cuda else ''} into "
+            f"{build_dir} (first use only; about half a minute)",
+            file=sys.stderr,
+            flush=True,
+        )
+        cpp_extension.load(
+            name=name,
+            sources=[str(s) for s in sources],
+            extra_cflags=cflags,
+            extra_cuda_cflags=cuda_flags,
+            extra_include_paths=[str(src)],
+            build_directory=str(build_dir),
+            with_cuda=cuda,
+            is_python_module=False,
+            verbose=verbose,
+        )
     _finish(library, cuda, start)
+
+
+@contextlib.contextmanager
+def _exclusive_build(build_dir: Path):
+    """One build per folder at a time, across processes, and no wait on a dead build.
+
+    torch's `cpp_extension.load` marks a build with a `lock` file that it removes when done; a build
+    that was killed leaves the file, and every later load of the same sources would wait on it forever.
+    Here each build first takes an advisory lock (`flock`, which the OS drops when its process dies)
+    on `build.flock`: whoever holds it is the only live builder, so a `lock` file found then is a dead
+    build's and is removed."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): torch's own lock file alone
+        yield
+        return
+    with open(build_dir / "build.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                print(
+                    f"treespec: removing {stale}, left by an extension build that did not finish",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _finish(library: Path, cuda: bool, start: float) -> None:
