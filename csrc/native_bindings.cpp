@@ -60,15 +60,21 @@ struct NativeModel : torch::CustomClassHolder {
     return out;
   }
 
-  // dims: layers, hidden, heads, kv_heads, head_dim, intermediate, vocab; numbers: eps, scale;
+  // dims: layers, hidden, heads, kv_heads, head_dim, intermediate, vocab[, eagle]; numbers: eps, scale;
   // tensors: embed, final norm, then per layer: input norm, post norm, 7 linears x (w, d, m, bias) with
-  // empty tensors where a slot is unused, then the lm_head's 4 slots; kinds: 7 WeightKind values per
-  // layer, then the lm_head's. int8: int8 numerics (int8_linear.h): every linear must come as Q4_1 / Q8_0
-  // blocks; they are repacked into the int8 layout, which the model then holds instead of the blocks.
+  // empty tensors where a slot is unused, then the lm_head's 4 slots[, eagle: the hidden norm]; kinds: 7
+  // WeightKind values per layer, then the lm_head's. int8: int8 numerics (int8_linear.h): every linear must
+  // come as Q4_1 / Q8_0 blocks; they are repacked into the int8 layout, which the model then holds instead
+  // of the blocks. eagle (dims[7] = 1): one EAGLE draft layer (native_step.h), its q, k, v [., 2 hidden], its
+  // lm_head over the draft vocabulary (vocab: the embedding's rows; the lm_head's rows: dims[6] too, so the
+  // caller passes the draft vocabulary's size there and the embedding's rows are read from the tensor).
   NativeModel(std::vector<int64_t> dims, std::vector<double> numbers, std::vector<at::Tensor> tensors,
               std::vector<int64_t> kinds, bool int8) {
-    TORCH_CHECK(dims.size() == 7 && numbers.size() == 2, "treespec native step: 7 dims and 2 numbers expected");
+    TORCH_CHECK((dims.size() == 7 || dims.size() == 8) && numbers.size() == 2,
+                "treespec native step: 7 or 8 dims and 2 numbers expected");
     NativeModelDesc& m = desc;
+    m.eagle = dims.size() == 8 && dims[7] != 0;
+    TORCH_CHECK(!m.eagle || (dims[0] == 1 && !int8), "treespec native step: an EAGLE layer is one layer, float numerics");
     m.layers = static_cast<int>(dims[0]);
     m.hidden = static_cast<int>(dims[1]);
     m.heads = static_cast<int>(dims[2]);
@@ -85,12 +91,15 @@ struct NativeModel : torch::CustomClassHolder {
     TORCH_CHECK(m.kv_heads > 0 && m.heads % m.kv_heads == 0 && m.head_dim % 2 == 0 && m.head_dim <= 512,
                 "treespec native step: heads ", m.heads, " / kv heads ", m.kv_heads, " / head_dim ", m.head_dim,
                 " not supported");
-    const size_t expected = 2 + static_cast<size_t>(m.layers) * (2 + kLinearsPerLayer * kSlotsPerLinear) + kSlotsPerLinear;
+    const size_t expected =
+        2 + static_cast<size_t>(m.layers) * (2 + kLinearsPerLayer * kSlotsPerLinear) + kSlotsPerLinear + (m.eagle ? 1 : 0);
     const size_t expected_kinds = static_cast<size_t>(m.layers) * kLinearsPerLayer + 1;
     TORCH_CHECK(tensors.size() == expected && kinds.size() == expected_kinds, "treespec native step: ", expected,
                 " tensors and ", expected_kinds, " kinds expected, got ", tensors.size(), " and ", kinds.size());
     held = tensors;
     const at::Tensor& embed = tensors[0];
+    const int64_t lm_rows = m.vocab;  // the lm_head's rows (eagle: the draft vocabulary)
+    if (m.eagle) m.vocab = static_cast<int>(embed.size(0));
     TORCH_CHECK(embed.is_contiguous() && embed.dim() == 2 && embed.size(0) == m.vocab && embed.size(1) == m.hidden &&
                     (embed.scalar_type() == at::kFloat || embed.scalar_type() == at::kBFloat16),
                 "treespec native step: the embedding must be a contiguous float32 or bfloat16 [vocab, hidden] tensor");
@@ -99,7 +108,8 @@ struct NativeModel : torch::CustomClassHolder {
     m.final_norm = float_pointer(tensors[1], "the final norm");
     size_t at = 2;
     const int64_t q_width = static_cast<int64_t>(m.heads) * m.head_dim, kv_width = static_cast<int64_t>(m.kv_heads) * m.head_dim;
-    const int64_t shapes[kLinearsPerLayer][2] = {{q_width, m.hidden}, {kv_width, m.hidden}, {kv_width, m.hidden},
+    const int64_t qkv_in = m.eagle ? 2 * m.hidden : m.hidden;
+    const int64_t shapes[kLinearsPerLayer][2] = {{q_width, qkv_in}, {kv_width, qkv_in}, {kv_width, qkv_in},
                                                  {m.hidden, q_width},  {m.intermediate, m.hidden},
                                                  {m.intermediate, m.hidden}, {m.hidden, m.intermediate}};
     if (int8) {  // one arena for every int8 form (2 MB pages): per layer the 7 linears, then the lm_head
@@ -125,8 +135,9 @@ struct NativeModel : torch::CustomClassHolder {
       }
       m.layer.push_back(std::move(L));
     }
-    lm_head = linear_of(tensors, at, kinds.back(), m.vocab, m.hidden);
+    lm_head = linear_of(tensors, at, kinds.back(), lm_rows, m.hidden);
     if (int8) lm_head_int8 = int8_form(lm_head, at);
+    if (m.eagle) m.hidden_norm = float_pointer(tensors[at + kSlotsPerLinear], "the hidden norm");
   }
 
   // The int8 form of the linear whose slots start at `at`; the blocks it was made from are let go (the
@@ -200,7 +211,7 @@ struct NativeModel : torch::CustomClassHolder {
                 "treespec native logits: hidden states [..., ", m.hidden, "] in the model's dtype expected");
     const at::Tensor x = hidden.to(at::kFloat).contiguous();
     std::vector<int64_t> shape(hidden.sizes().begin(), hidden.sizes().end());
-    shape.back() = m.vocab;
+    shape.back() = lm_head.N;
     at::Tensor out = at::empty(shape, x.options());
     sync_threads();
     if (m.int8)
@@ -258,13 +269,12 @@ struct NativeModel : torch::CustomClassHolder {
   // when another decoder's cache is bound.
   int64_t bound_to() { return cache_bound ? reinterpret_cast<int64_t>(desc.layer[0].keys) : 0; }
 
-  // One step: ids, positions [A, n] int64; rows, starts [A] int64; bits [n, W] int64 or None (causal);
-  // cos, sin [P, head_dim] float32; feature_layers: HF hidden_states indices. Returns (hidden [A, n, hidden],
-  // features [A, n, len(feature_layers) * hidden], empty without feature layers), both in the model's dtype.
-  std::tuple<at::Tensor, at::Tensor> step(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& rows,
-                                          const at::Tensor& starts, const std::optional<at::Tensor>& bits,
-                                          const at::Tensor& cos, const at::Tensor& sin,
-                                          std::vector<int64_t> feature_layers, bool exact) {
+  // The arguments of one call, checked: ids, positions [A, n] int64; rows, starts [A] int64; bits [m, W]
+  // int64 (m >= block_offset + n) or None (causal); cos, sin [P, head_dim] float32. `held` keeps the
+  // contiguous bits alive.
+  NativeStepArgs prepare(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& rows,
+                         const at::Tensor& starts, const std::optional<at::Tensor>& bits, int64_t block_offset,
+                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor& held_bits) {
     const NativeModelDesc& m = desc;
     TORCH_CHECK(cache_bound, "treespec native step: bind_cache() first");
     TORCH_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong && ids.is_contiguous() && positions.sizes() == ids.sizes() &&
@@ -276,6 +286,8 @@ struct NativeModel : torch::CustomClassHolder {
                 "treespec native step: rows and starts must be contiguous int64 [A] tensors");
     TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(1) == m.head_dim,
                 "treespec native step: cos and sin must be [P, head_dim]");
+    TORCH_CHECK(block_offset >= 0, "treespec native step: block offset ", block_offset, " < 0");
+    const int64_t block_n = block_offset + n;
     const float* cp = float_pointer(cos, "cos");
     const float* sp = float_pointer(sin, "sin");
     const int64_t* id = ids.data_ptr<int64_t>();
@@ -291,26 +303,21 @@ struct NativeModel : torch::CustomClassHolder {
     for (int64_t a = 0; a < A; ++a) {
       TORCH_CHECK(rp[a] >= 0 && rp[a] < m.cache_rows, "treespec native step: row ", rp[a], " outside a cache of ",
                   m.cache_rows, " rows");
-      TORCH_CHECK(st[a] >= 0 && st[a] + n <= m.max_len, "treespec native step: row ", rp[a], " writes up to ", st[a] + n,
-                  " in a cache of ", m.max_len);
+      TORCH_CHECK(st[a] >= 0 && st[a] + block_n <= m.max_len, "treespec native step: row ", rp[a], " writes up to ",
+                  st[a] + block_n, " in a cache of ", m.max_len);
     }
     NativeStepArgs args;
-    at::Tensor b;
     if (bits.has_value() && bits->defined()) {
-      b = bits->contiguous();
-      TORCH_CHECK(b.scalar_type() == at::kLong && b.dim() == 2 && b.size(0) == n && b.size(1) >= (n + 63) / 64,
-                  "treespec native step: bits must be int64 [n, ceil(n / 64)]");
-      args.bits = reinterpret_cast<const uint64_t*>(b.data_ptr<int64_t>());
-      args.words = static_cast<int>(b.size(1));
+      held_bits = bits->contiguous();
+      TORCH_CHECK(held_bits.scalar_type() == at::kLong && held_bits.dim() == 2 && held_bits.size(0) >= block_n &&
+                      held_bits.size(1) >= (block_n + 63) / 64,
+                  "treespec native step: bits must be int64 [block_offset + n, ceil((block_offset + n) / 64)]");
+      args.bits = reinterpret_cast<const uint64_t*>(held_bits.data_ptr<int64_t>());
+      args.words = static_cast<int>(held_bits.size(1));
     }
-    std::vector<int> features(feature_layers.begin(), feature_layers.end());
-    for (int f : features)
-      TORCH_CHECK(f >= 0 && f <= m.layers, "treespec native step: feature layer ", f, " outside [0, ", m.layers, "]");
-    const auto options = ids.options().dtype(m.bf16 ? at::kBFloat16 : at::kFloat);
-    at::Tensor hidden = at::empty({A, n, m.hidden}, options);
-    at::Tensor feats = at::empty({A, n, static_cast<int64_t>(features.size()) * m.hidden}, options);
     args.A = static_cast<int>(A);
     args.n = static_cast<int>(n);
+    args.block_offset = static_cast<int>(block_offset);
     args.ids = id;
     args.positions = pos;
     args.rows = rp;
@@ -318,16 +325,64 @@ struct NativeModel : torch::CustomClassHolder {
     args.cos = cp;
     args.sin = sp;
     args.table = cos.size(0);
+    args.profile_ns = profiling ? profile_ns.data() : nullptr;
+    sync_threads();
+    args.governor = &governor;
+    return args;
+  }
+
+  // One step: ids, positions [A, n] int64; rows, starts [A] int64; bits [n, W] int64 or None (causal);
+  // cos, sin [P, head_dim] float32; feature_layers: HF hidden_states indices. Returns (hidden [A, n, hidden],
+  // features [A, n, len(feature_layers) * hidden], empty without feature layers), both in the model's dtype.
+  std::tuple<at::Tensor, at::Tensor> step(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& rows,
+                                          const at::Tensor& starts, const std::optional<at::Tensor>& bits,
+                                          const at::Tensor& cos, const at::Tensor& sin,
+                                          std::vector<int64_t> feature_layers, bool exact) {
+    const NativeModelDesc& m = desc;
+    TORCH_CHECK(!m.eagle, "treespec native step: an EAGLE layer runs eagle_step()");
+    at::Tensor held_bits;
+    NativeStepArgs args = prepare(ids, positions, rows, starts, bits, 0, cos, sin, held_bits);
+    std::vector<int> features(feature_layers.begin(), feature_layers.end());
+    for (int f : features)
+      TORCH_CHECK(f >= 0 && f <= m.layers, "treespec native step: feature layer ", f, " outside [0, ", m.layers, "]");
+    const int64_t A = ids.size(0), n = ids.size(1);
+    const auto options = ids.options().dtype(m.bf16 ? at::kBFloat16 : at::kFloat);
+    at::Tensor hidden = at::empty({A, n, m.hidden}, options);
+    at::Tensor feats = at::empty({A, n, static_cast<int64_t>(features.size()) * m.hidden}, options);
     args.feature_layers = features.data();
     args.num_features = static_cast<int>(features.size());
     args.exact = exact;
     args.hidden = hidden.data_ptr();
     args.features = feats.data_ptr();
-    args.profile_ns = profiling ? profile_ns.data() : nullptr;
-    sync_threads();
-    args.governor = &governor;
     native_step_cpu(m, args, scratch);
     return {hidden, feats};
+  }
+
+  // One call of an EAGLE draft layer: inputs [A, n, hidden] float32 (the residual inputs), ids, positions
+  // [A, n]; rows, starts [A]: the tokens are positions block_offset.. of a block at starts[a] (bits [m, W] as
+  // prepare() says, or None: causal). Returns (outputs [A, n, hidden]: the layer's outputs, logits [A, n,
+  // draft vocab] over the final norm; empty unless `with_logits`), float32.
+  std::tuple<at::Tensor, at::Tensor> eagle_step(const at::Tensor& inputs, const at::Tensor& ids,
+                                                const at::Tensor& positions, const at::Tensor& rows,
+                                                const at::Tensor& starts, const std::optional<at::Tensor>& bits,
+                                                int64_t block_offset, const at::Tensor& cos, const at::Tensor& sin,
+                                                bool with_logits) {
+    const NativeModelDesc& m = desc;
+    TORCH_CHECK(m.eagle && !m.bf16, "treespec native step: eagle_step() runs a float32 EAGLE layer");
+    at::Tensor held_bits;
+    NativeStepArgs args = prepare(ids, positions, rows, starts, bits, block_offset, cos, sin, held_bits);
+    const int64_t A = ids.size(0), n = ids.size(1);
+    TORCH_CHECK(inputs.dim() == 3 && inputs.size(0) == A && inputs.size(1) == n && inputs.size(2) == m.hidden,
+                "treespec native step: EAGLE inputs must be [A, n, ", m.hidden, "]");
+    const at::Tensor in = inputs.to(at::kFloat).contiguous();
+    at::Tensor normed = at::empty({A, n, m.hidden}, in.options());
+    at::Tensor outputs = at::empty({A, n, m.hidden}, in.options());
+    args.inputs = in.data_ptr<float>();
+    args.hidden = normed.data_ptr();
+    args.outputs = outputs.data_ptr();
+    native_step_cpu(m, args, scratch);
+    at::Tensor logits_out = with_logits ? logits(normed) : at::empty({0}, in.options());
+    return {outputs, logits_out};
   }
 };
 
@@ -390,6 +445,7 @@ TORCH_LIBRARY_FRAGMENT(treespec, m) {
       .def("bound_to", &treespec::NativeModel::bound_to)
       .def("threads", &treespec::NativeModel::threads)
       .def("step", &treespec::NativeModel::step)
+      .def("eagle_step", &treespec::NativeModel::eagle_step)
       .def("logits", &treespec::NativeModel::logits)
       .def("set_profiling", &treespec::NativeModel::set_profiling)
       .def("profile", &treespec::NativeModel::profile);

@@ -8,6 +8,13 @@
 //       under `bits`); h += o(attn); x = RMSNorm(h); h += down(silu(gate(x)) * up(x))
 //   -> final RMSNorm -> hidden [A, n, H] (logits stay with the caller: the lm_head is one more linear)
 //
+// The same step runs the EAGLE-style draft layer (drafters/eagle_model.py; `NativeModelDesc::eagle`): one
+// layer whose residual input is given (the target's fused features or the layer's own earlier output)
+// instead of embedded, and whose q, k, v read u = [RMSNorm(embedding(id)), RMSNorm'(input)] [2H]:
+//   h = input; u = ...; attention as above; h += o(attn); h += mlp(RMSNorm(h)) -> h out, and the final
+//   RMSNorm for the draft lm_head. Its tokens may sit past the start of their block (`block_offset`: a
+//   tree drafted level by level writes each level after the levels before it).
+//
 // Numerics follow the HF forward in the model's dtype: float32 throughout for float32 models; for bf16
 // models every value the HF forward holds as a bf16 tensor is rounded to bf16 at the same place
 // (norm outputs, projections, rotary products, residuals, the MLP's activations), the sums inside an
@@ -41,6 +48,8 @@ struct NativeModelDesc {
   float eps = 1e-5f, scale = 1.0f;     // RMSNorm epsilon, attention softmax scale
   bool bf16 = false;                    // the model's dtype is bfloat16 (else float32)
   bool int8 = false;                    // int8 numerics: every linear runs int8_linear.h's kernel
+  bool eagle = false;                   // one EAGLE draft layer (the header comment): q, k, v are [., 2H]
+  const float* hidden_norm = nullptr;   // eagle: [hidden] the norm of the residual input's half of u
   const void* embed = nullptr;          // [vocab, hidden] float32 or bf16
   const float* final_norm = nullptr;    // [hidden]
   std::vector<NativeLayer> layer;
@@ -94,7 +103,14 @@ struct NativeStepArgs {
   const int* feature_layers = nullptr;
   int num_features = 0;
   bool exact = false;                    // the row-invariant attention kernel
+  // the tokens are positions block_offset .. block_offset + n - 1 of a block that starts at starts[a]: their
+  // K/V land there, and they see the committed prefix [0, starts[a]) plus the block's keys before them that
+  // `bits` rows block_offset.. allow (0: the block is this call's tokens)
+  int block_offset = 0;
+  const float* inputs = nullptr;         // eagle: [A, n, hidden] float32 residual inputs
   void* hidden = nullptr;                // out [A, n, hidden] in the model's dtype
+  void* outputs = nullptr;               // out [A, n, hidden]: the last layer's output before the final norm,
+                                         // or nullptr
   void* features = nullptr;              // out [A, n, num_features * hidden] in the model's dtype
   int64_t* profile_ns = nullptr;         // kNativeStageKinds counters of task time by stage kind, or nullptr
   ThreadGovernor* governor = nullptr;    // the thread count of the step (nullptr: every thread)
@@ -106,6 +122,7 @@ constexpr int kNativeStageKinds = 12;   // embed, norm1, qkv, rotary, attention,
 // float32 work buffers of a step, grown on demand and kept between calls (no allocation in steady state)
 struct NativeScratch {
   std::vector<float> h, x, qkv, attn, o, gate, up, act;
+  std::vector<float> u;                    // eagle: [M, 2H] the q / k / v input
   std::vector<uint16_t> q_bf16, out_bf16;  // attention q / output in bf16 models
   std::vector<float> q_f32, out_f32;       // ... in float32 models
   QuantRows xq, attnq, actq;               // int8 numerics: the normed rows, attention outputs, MLP activations

@@ -176,6 +176,7 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
   const int64_t qw = static_cast<int64_t>(Hq) * D, kw = static_cast<int64_t>(Hkv) * D, QKV = qw + 2 * kw;
   s.h.resize(M * H);
   s.x.resize(M * H);
+  if (m.eagle) s.u.resize(M * 2 * H);
   s.qkv.resize(M * QKV);
   s.attn.resize(M * qw);
   s.o.resize(M * H);
@@ -230,12 +231,15 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
   // one fills them with head dims. Measured on AVX2 (8 lanes, one thread, after 1024 keys): 3 rows 119 vs
   // 148 us, 6 rows 147 vs 189, 4 rows (D 64) 296 vs 394 and (D 128) 683 vs 921; 7 rows 153 vs 136, 8 rows
   // 625 vs 443. So up to VL - 2 rows (the same rule for 16 lanes: not measured there).
-  const bool exact_attention = a.exact || n * G <= VL - 2;
+  // (tokens past the start of their block: the row-invariant kernel, the one that takes a query offset)
+  const bool exact_attention = a.exact || n * G <= VL - 2 || a.block_offset > 0;
+  const int block_n = a.block_offset + n;  // the block's tokens up to this call's last
+  const float* qkv_input = m.eagle ? s.u.data() : x;  // [M, K] the q / k / v linears' input
   const int query_tiles = exact_attention ? (n + kQueryTile - 1) / kQueryTile : 1;
   std::vector<Stage> stages;
   stages.push_back({StageKind::kEmbed, 0, M});
   for (int l = 0; l < m.layers; ++l) {
-    stages.push_back({StageKind::kNorm1, l, M});
+    if (!m.eagle) stages.push_back({StageKind::kNorm1, l, M});  // (eagle: the embed stage builds u)
     stages.push_back({StageKind::kQKV, l, q_tasks + 2 * k_tasks});
     if (!fused_rotary) stages.push_back({StageKind::kRotary, l, M});
     stages.push_back({StageKind::kAttention, l, static_cast<int64_t>(A) * Hkv * query_tiles});
@@ -272,7 +276,8 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
   auto rotary_kv = [&](const NativeLayer& L, int64_t r, int kvh, bool store_k, bool store_v) {
     const int64_t ai = r / n, i = r % n, pos = a.positions[r];
     float* row = qkv + r * QKV;
-    const int64_t slot = a.rows[ai] * m.cache_stride_b + kvh * m.cache_stride_h + (a.starts[ai] + i) * m.cache_stride_l;
+    const int64_t slot =
+        a.rows[ai] * m.cache_stride_b + kvh * m.cache_stride_h + (a.starts[ai] + a.block_offset + i) * m.cache_stride_l;
     if (store_k) {
       float* kv = row + qw + static_cast<int64_t>(kvh) * D;
       rotate(kv, a.cos + pos * D, a.sin + pos * D, D, bf16);
@@ -286,6 +291,16 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
     switch (st.kind) {
       case StageKind::kEmbed: {
         const int64_t id = a.ids[t];
+        if (m.eagle) {  // h = the given input; u = [norm(embedding), norm'(input)] (x holds the embedding row)
+          std::memcpy(h + t * H, a.inputs + t * H, sizeof(float) * H);
+          if constexpr (std::is_same<T, uint16_t>::value)
+            bf16_row_to_float(static_cast<const uint16_t*>(m.embed) + id * H, x + t * H, H);
+          else
+            std::memcpy(x + t * H, static_cast<const float*>(m.embed) + id * H, sizeof(float) * H);
+          rms_norm(x + t * H, L.input_norm, H, m.eps, bf16, s.u.data() + t * 2 * H);
+          rms_norm(h + t * H, m.hidden_norm, H, m.eps, bf16, s.u.data() + t * 2 * H + H);
+          break;
+        }
         if constexpr (std::is_same<T, uint16_t>::value)
           bf16_row_to_float(static_cast<const uint16_t*>(m.embed) + id * H, h + t * H, H);
         else
@@ -311,7 +326,7 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
           N = kw;
         }
         const auto [n0, n1] = columns(task, N);
-        linear(*w, *iw, x, s.xq, qkv + offset, QKV, n0, n1);
+        linear(*w, *iw, qkv_input, s.xq, qkv + offset, QKV, n0, n1);
         if (bf16)
           for (int64_t r = 0; r < M; ++r) round_row(qkv + offset + r * QKV + n0, n1 - n0, true);
         if (fused_rotary)  // the task's heads [n0 / D, n1 / D) of q, k or v
@@ -352,11 +367,11 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
         p.heads = G;
         p.kv_heads = 1;
         p.n = tokens;
-        p.block_n = n;
-        p.query_offset = i0;
-        p.kv_len = static_cast<int>(a.starts[ai] + n);
+        p.block_n = block_n;
+        p.query_offset = a.block_offset + i0;
+        p.kv_len = static_cast<int>(a.starts[ai] + block_n);
         p.head_dim = D;
-        p.words = a.words > 0 ? a.words : (n + 63) / 64;
+        p.words = a.words > 0 ? a.words : (block_n + 63) / 64;
         p.scale = m.scale;
         p.dtype = bf16 ? DType::kBFloat16 : DType::kFloat32;
         p.serial = true;
@@ -400,6 +415,7 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
       }
       case StageKind::kFeatures: copy_feature(st.layer, h + t * H, t); break;
       case StageKind::kFinal:
+        if (a.outputs != nullptr) store_row<T>(h + t * H, static_cast<T*>(a.outputs) + t * H, H);
         rms_norm(h + t * H, m.final_norm, H, m.eps, bf16, x + t * H);
         store_row<T>(x + t * H, static_cast<T*>(a.hidden) + t * H, H);
         copy_feature(m.layers, x + t * H, t);

@@ -135,7 +135,7 @@ def unsupported_reason(model, kernel: str, linears: str, compile: bool, own_scor
     return None
 
 
-def _linear_slots(module: torch.nn.Linear, blocks, int8: bool) -> tuple[int, list[torch.Tensor]]:
+def linear_slots(module: torch.nn.Linear, blocks, int8: bool) -> tuple[int, list[torch.Tensor]]:
     """(weight kind, [w or q, d, m, bias]) of one linear: its exact blocks when `blocks` has them; in int8
     numerics a dense weight as Q8_0 blocks (`q8_blocks`); a float32 weight of bfloat16 values as its
     bfloat16 copy (the kernel widens each weight back to the same float32 value)."""
@@ -202,10 +202,10 @@ class NativeStep:
                 layer.post_attention_layernorm.weight.detach().float().contiguous(),
             ]
             for module in _layer_linears(layer):
-                kind, slots = _linear_slots(module, blocks.get(id(module)), self.int8)
+                kind, slots = linear_slots(module, blocks.get(id(module)), self.int8)
                 kinds.append(kind)
                 tensors += slots
-        kind, slots = _linear_slots(model.lm_head, blocks.get(id(model.lm_head)), self.int8)
+        kind, slots = linear_slots(model.lm_head, blocks.get(id(model.lm_head)), self.int8)
         kinds.append(kind)
         tensors += slots
         dims = [

@@ -29,7 +29,7 @@ import torch
 from ..core.cache import TreeKVCache
 from ..core.drafting import BaseDrafter, DrafterReport, Proposal, SequenceStart, batch_rows
 from ..core.packed import packed_linears
-from ..core.tree import Tree
+from ..core.tree import Tree, pack_bits
 from .eagle_model import EagleDraftModel
 
 
@@ -40,14 +40,24 @@ class EagleDrafter(BaseDrafter):
     batched = True
     limits_depth = True  # propose(..., max_depth=D): levels 1..D only (see `SequentialDrafter`)
 
-    def __init__(self, draft: EagleDraftModel, tree: Tree, model: torch.nn.Module, linears: str = "auto"):
+    def __init__(
+        self,
+        draft: EagleDraftModel,
+        tree: Tree,
+        model: torch.nn.Module,
+        linears: str = "auto",
+        native: bool | None = None,
+    ):
         """linears: how the draft layer's linear layers run on CPU (`core.packed`): "auto" (treespec's
         block kernel for weights rounded with `EagleDraftModel.round_to_blocks`, else oneDNN prepacked),
-        "onednn" or "torch"."""
+        "onednn" or "torch". native: run the layer through the native step (`eagle_native`; one C++ call
+        per level): None (default) where it can run and linears is "auto", True (required), False (the
+        torch layer)."""
         if tree.num_nodes < 1:
             raise ValueError("the tree needs at least its root")
         self.draft, self.tree, self.linears = draft, tree, linears
         self.embedding = model.get_input_embeddings().weight  # [V, H]
+        self.native = self._native_layer(native)
         self.feature_layers = tuple(draft.feature_layers)
         self.device = self.embedding.device
         # per level d: expanded nodes at depth d [n_d], their parents, the children [c_d], each child's
@@ -68,10 +78,31 @@ class EagleDrafter(BaseDrafter):
                     if ancestor in slot:
                         mask[row, slot[ancestor]] = True
             self.level_masks.append(mask.to(self.device))
+        # the same visibility as ancestor bits for the native layer: row i (drafted slot i) sees slot j
+        visible = torch.zeros(max(self.num_drafted, 1), max(self.num_drafted, 1), dtype=torch.bool)
+        first = 0
+        for mask in self.level_masks[1:]:
+            visible[first : first + mask.shape[0], : mask.shape[1]] = mask.cpu()
+            first += mask.shape[0]
+        self.slot_bits = pack_bits(visible)  # [slots, W]
         self.cache: TreeKVCache | None = None
         self.live: list[int] = []  # the cache rows still decoding, in the decoder's row order
         self.last_hidden: torch.Tensor | None = None  # [B, H] per cache row: the output at position T-1
+        self.last_logits: torch.Tensor | None = None  # [B, V'] native layer: the logits of last_hidden
         self.stats = {"catch_up_seconds": 0.0, "draft_seconds": 0.0, "steps": 0}
+
+    def _native_layer(self, native: bool | None):
+        """The native layer `native` asks for, or None (the torch layer)."""
+        if native is False or (native is None and self.linears != "auto"):
+            return None
+        from .eagle_native import NativeEagleLayer, native_eagle_reason
+
+        reason = native_eagle_reason(self.draft, self.embedding)
+        if reason is None:
+            return NativeEagleLayer.of(self.draft, self.embedding)
+        if native:
+            raise ValueError(f"native=True, but the native EAGLE layer cannot run here: {reason}")
+        return None
 
     # -- the drafter's committed entries ---------------------------------------------------------------
     def start(self, sequence: SequenceStart) -> None:
@@ -92,6 +123,7 @@ class EagleDrafter(BaseDrafter):
             self.cache.reset()
             self.live = list(range(rows))
             self.last_hidden = d.fc.weight.new_zeros(rows, d.hidden_size)  # [B, H]
+            self.last_logits = d.fc.weight.new_zeros(rows, d.draft_vocab_size)  # [B, V']
             self.stats = {"catch_up_seconds": 0.0, "draft_seconds": 0.0, "steps": 0}
         tokens = sequence.tokens  # prompt + root: the entry at t reads x_t+1
         next_tokens = torch.tensor([tokens[1:]], device=self.device)  # [1, P]
@@ -125,6 +157,18 @@ class EagleDrafter(BaseDrafter):
         A, m = next_tokens.shape
         cache.begin(rows, m)
         positions = cache.positions(torch.arange(m, device=self.device))  # [A, m]: c_a + i
+        last = torch.tensor(counts, device=self.device) - 1  # [A]
+        if self.native is not None:
+            with packed_linears(d, mode=self.linears):
+                hidden = d.fuse(features)  # [A, m, H]
+            rows_at, starts = cache.forward_rows()
+            out, logits = self.native(hidden, next_tokens, positions, cache, rows_at, starts)  # causal block
+            cache.mark_written(1)
+            cache.commit([range(n) for n in counts])
+            self.last_hidden[rows] = out[torch.arange(A), last]
+            self.last_logits[rows] = logits[torch.arange(A), last]
+            self.stats["catch_up_seconds"] += time.perf_counter() - t0
+            return
         with packed_linears(d, mode=self.linears):
             hidden = d.fuse(features)  # [A, m, H]
             emb = self.embedding[next_tokens]  # [A, m, H]
@@ -134,7 +178,6 @@ class EagleDrafter(BaseDrafter):
             mask = keys_at[None, None, :] <= positions[:, :, None]  # [A, m, end]: committed, then causal
             out = d.finish(hidden, d.attend(q, keys, values, mask[:, None]))  # [A, m, H]
         cache.commit([range(n) for n in counts])  # each row's own entries; its padding rolled back
-        last = torch.tensor(counts, device=self.device) - 1  # [A]
         self.last_hidden[rows] = out[torch.arange(A, device=self.device), last]
         self.stats["catch_up_seconds"] += time.perf_counter() - t0
 
@@ -155,8 +198,11 @@ class EagleDrafter(BaseDrafter):
         if roots.numel() != len(self.live):
             raise ValueError(f"propose got {roots.numel()} roots for {len(self.live)} live rows")
         t0 = time.perf_counter()
-        with packed_linears(self.draft, mode=self.linears):
-            proposal = self._draft(roots.to(self.device), max_depth)
+        if self.native is not None:
+            proposal = self._draft_native(roots.to(self.device), max_depth)
+        else:
+            with packed_linears(self.draft, mode=self.linears):
+                proposal = self._draft(roots.to(self.device), max_depth)
         self.stats["draft_seconds"] += time.perf_counter() - t0
         self.stats["steps"] += 1
         return proposal
@@ -198,6 +244,37 @@ class EagleDrafter(BaseDrafter):
             tokens[:, children] = d.token_ids(top.indices[:, row, rank])  # [A, c_d]
             probs[:, children] = top.values[:, row, rank]
         cache.rollback_rows(live, committed)  # the drafted entries were speculative: dropped by pointer
+        return Proposal(tokens, probs)  # [A, N] each
+
+    def _draft_native(self, roots: torch.Tensor, max_depth: int | None = None) -> Proposal:
+        """`_draft` through the native layer: each level is one call that writes its entries at block
+        positions after the levels before it (the cache's committed lengths never move: nothing to roll
+        back) and returns the level's outputs and logits."""
+        cache, n, live = self.cache, self.tree.num_nodes, self.live
+        A = len(live)
+        rows = torch.tensor(live, dtype=torch.long)  # [A]
+        c = torch.tensor([cache.lengths[r] for r in live], dtype=torch.long)  # [A] committed lengths
+        tokens = roots[:, None].repeat(1, n)  # [A, N] undrafted nodes: the root's token
+        probs = torch.zeros(A, n)  # [A, N] undrafted nodes: 0
+        probs[:, 0] = 1.0
+        levels = self.levels if max_depth is None else self.levels[: max(max_depth, 0)]
+        outputs = self.last_hidden.new_empty(A, n, self.draft.hidden_size)  # [A, N, H]
+        outputs[:, 0] = self.last_hidden[rows]
+        written = 0  # drafted entries per row so far
+        for level, (expanded, parents, children, row, rank, k) in enumerate(levels):
+            if level == 0:
+                logits = self.last_logits[rows][:, None]  # [A, 1, V']
+            else:
+                count = len(expanded)
+                positions = (c - 1 + level)[:, None].expand(A, count)  # [A, n_d]
+                inputs, ids = outputs[:, parents], tokens[:, expanded]  # [A, n_d, H], [A, n_d]
+                h, logits = self.native(inputs, ids, positions, cache, rows, c, self.slot_bits, written)
+                # h [A, n_d, H], logits [A, n_d, V']
+                written += count
+                outputs[:, expanded] = h
+            top = logits.softmax(dim=-1).topk(k, dim=-1)  # values, indices [A, n_d, k]
+            tokens[:, children] = self.draft.token_ids(top.indices[:, row, rank])  # [A, c_d]
+            probs[:, children] = top.values[:, row, rank]
         return Proposal(tokens, probs)  # [A, N] each
 
     def report(self) -> DrafterReport:
