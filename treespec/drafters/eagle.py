@@ -198,11 +198,8 @@ class EagleDrafter(BaseDrafter):
         if roots.numel() != len(self.live):
             raise ValueError(f"propose got {roots.numel()} roots for {len(self.live)} live rows")
         t0 = time.perf_counter()
-        if self.native is not None:
-            proposal = self._draft_native(roots.to(self.device), max_depth)
-        else:
-            with packed_linears(self.draft, mode=self.linears):
-                proposal = self._draft(roots.to(self.device), max_depth)
+        with packed_linears(self.draft, enabled=self.native is None, mode=self.linears):
+            proposal = self._draft(roots.to(self.device), max_depth)
         self.stats["draft_seconds"] += time.perf_counter() - t0
         self.stats["steps"] += 1
         return proposal
@@ -212,6 +209,7 @@ class EagleDrafter(BaseDrafter):
         roots [A]. With max_depth, nodes deeper than it keep the root's token and probability 0."""
         d, cache, n, live = self.draft, self.cache, self.tree.num_nodes, self.live
         A = len(live)
+        rows = torch.tensor(live, device=self.device)  # [A]
         committed = [cache.lengths[r] for r in live]
         c = torch.tensor(committed, device=self.device)  # [A]
         tokens = roots[:, None].repeat(1, n)  # [A, N] undrafted nodes: the root's token
@@ -219,63 +217,47 @@ class EagleDrafter(BaseDrafter):
         probs[:, 0] = 1.0
         levels = self.levels if max_depth is None else self.levels[: max(max_depth, 0)]
         outputs = self.last_hidden.new_empty(A, n, d.hidden_size)  # [A, N, H] the output of each node's entry
-        outputs[:, 0] = self.last_hidden[torch.tensor(live, device=self.device)]
-        written = 0  # drafted entries per row so far
-        for level, (expanded, parents, children, row, rank, k) in enumerate(levels):
-            if level == 0:
-                h = outputs[:, :1]  # [A, 1, H]
-            else:
-                count = len(expanded)
-                x = outputs[:, parents]  # [A, n_d, H] each node's parent's output
-                emb = self.embedding[tokens[:, expanded]]  # [A, n_d, H]
-                positions = (c - 1 + level)[:, None].expand(A, count)  # [A, n_d]
-                q, key, value = d.qkv(x, emb, positions)
-                cache.begin(live, count)  # at each row's end: after the levels drafted before
-                keys, values = self._rows_kv(cache.layers[0].update(key, value), live)  # [A, Hkv, end, D]
-                written += count
-                # key slot j of row a: committed when j < c_a, drafted slot j - c_a when below c_a + written
-                rel = torch.arange(keys.shape[2], device=self.device)[None] - c[:, None]  # [A, end]
-                seen = self.level_masks[level][:, rel.clamp(0, written - 1)]  # [n_d, A, end]
-                mask = (rel < 0)[None] | (seen & ((rel >= 0) & (rel < written))[None])  # [n_d, A, end]
-                h = d.finish(x, d.attend(q, keys, values, mask.transpose(0, 1)[:, None]))  # [A, n_d, H]
-                cache.commit_all()  # the deeper levels see this level's entries; dropped after drafting
-                outputs[:, expanded] = h
-            top = d.logits(h).float().softmax(dim=-1).topk(k, dim=-1)  # values, indices [A, n_d, k]
-            tokens[:, children] = d.token_ids(top.indices[:, row, rank])  # [A, c_d]
-            probs[:, children] = top.values[:, row, rank]
-        cache.rollback_rows(live, committed)  # the drafted entries were speculative: dropped by pointer
-        return Proposal(tokens, probs)  # [A, N] each
-
-    def _draft_native(self, roots: torch.Tensor, max_depth: int | None = None) -> Proposal:
-        """`_draft` through the native layer: each level is one call that writes its entries at block
-        positions after the levels before it (the cache's committed lengths never move: nothing to roll
-        back) and returns the level's outputs and logits."""
-        cache, n, live = self.cache, self.tree.num_nodes, self.live
-        A = len(live)
-        rows = torch.tensor(live, dtype=torch.long)  # [A]
-        c = torch.tensor([cache.lengths[r] for r in live], dtype=torch.long)  # [A] committed lengths
-        tokens = roots[:, None].repeat(1, n)  # [A, N] undrafted nodes: the root's token
-        probs = torch.zeros(A, n)  # [A, N] undrafted nodes: 0
-        probs[:, 0] = 1.0
-        levels = self.levels if max_depth is None else self.levels[: max(max_depth, 0)]
-        outputs = self.last_hidden.new_empty(A, n, self.draft.hidden_size)  # [A, N, H]
         outputs[:, 0] = self.last_hidden[rows]
         written = 0  # drafted entries per row so far
         for level, (expanded, parents, children, row, rank, k) in enumerate(levels):
-            if level == 0:
-                logits = self.last_logits[rows][:, None]  # [A, 1, V']
+            if level == 0:  # [A, 1, V'] the kept output's logits
+                native = self.native is not None
+                logits = self.last_logits[rows][:, None] if native else d.logits(outputs[:, :1])
             else:
-                count = len(expanded)
-                positions = (c - 1 + level)[:, None].expand(A, count)  # [A, n_d]
-                inputs, ids = outputs[:, parents], tokens[:, expanded]  # [A, n_d, H], [A, n_d]
-                h, logits = self.native(inputs, ids, positions, cache, rows, c, self.slot_bits, written)
-                # h [A, n_d, H], logits [A, n_d, V']
-                written += count
+                positions = (c - 1 + level)[:, None].expand(A, len(expanded))  # [A, n_d]
+                x, ids = outputs[:, parents], tokens[:, expanded]  # [A, n_d, H] parents' outputs, [A, n_d]
+                level_layer = self._native_level if self.native is not None else self._torch_level
+                h, logits = level_layer(level, x, ids, positions, rows, c, written)  # [A, n_d, H], [.., V']
+                written += len(expanded)
                 outputs[:, expanded] = h
-            top = logits.softmax(dim=-1).topk(k, dim=-1)  # values, indices [A, n_d, k]
-            tokens[:, children] = self.draft.token_ids(top.indices[:, row, rank])  # [A, c_d]
+            top = logits.float().softmax(dim=-1).topk(k, dim=-1)  # values, indices [A, n_d, k]
+            tokens[:, children] = d.token_ids(top.indices[:, row, rank])  # [A, c_d]
             probs[:, children] = top.values[:, row, rank]
+        if self.native is None:
+            cache.rollback_rows(live, committed)  # the drafted entries were speculative: dropped by pointer
         return Proposal(tokens, probs)  # [A, N] each
+
+    def _torch_level(self, level, x, ids, positions, rows, c, written):
+        """One level through the torch layer: its entries appended at each row's end (after the levels
+        before it, committed for the deeper levels to see; `_draft` rolls them back) -> h, logits."""
+        d, cache, count = self.draft, self.cache, ids.shape[1]
+        q, key, value = d.qkv(x, self.embedding[ids], positions)
+        cache.begin(self.live, count)  # at each row's end: after the levels drafted before
+        keys, values = self._rows_kv(cache.layers[0].update(key, value), self.live)  # [A, Hkv, end, D]
+        written += count
+        # key slot j of row a: committed when j < c_a, drafted slot j - c_a when below c_a + written
+        rel = torch.arange(keys.shape[2], device=self.device)[None] - c[:, None]  # [A, end]
+        seen = self.level_masks[level][:, rel.clamp(0, written - 1)]  # [n_d, A, end]
+        mask = (rel < 0)[None] | (seen & ((rel >= 0) & (rel < written))[None])  # [n_d, A, end]
+        h = d.finish(x, d.attend(q, keys, values, mask.transpose(0, 1)[:, None]))  # [A, n_d, H]
+        cache.commit_all()  # the deeper levels see this level's entries
+        return h, d.logits(h)
+
+    def _native_level(self, level, x, ids, positions, rows, c, written):
+        """One level through the native layer: one call that writes the level's entries at block positions
+        `written`.. after each row's committed end (the committed lengths never move: nothing to roll back)
+        and returns h and the logits."""
+        return self.native(x, ids, positions, self.cache, rows, c, self.slot_bits, written)
 
     def report(self) -> DrafterReport:
         memory = self.cache.memory_bytes() if self.cache is not None else {}
