@@ -22,6 +22,8 @@ from test_native import _model as native_model
 from test_native import _random_tree, _verify, one_token_logits
 
 from treespec import ops
+from treespec.core.attention import AttentionPlan
+from treespec.core.cache import TreeKVCache
 from treespec.core.decoder import Decoder, decoding_mode
 from treespec.core.native import NativeStep, int8_reason, q8_blocks
 
@@ -171,3 +173,29 @@ def test_int8_refuses_what_it_cannot_run_with_the_reason():
         Decoder(odd, numerics="int8")
     with pytest.raises(ValueError, match="float64"):
         Decoder(tiny_model("llama", **SHAPE), numerics="int8")
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_int8_prefill_equals_feeding_the_prompt_one_token_at_a_time(arch):
+    """The prompt runs through the native step in int8 numerics too (one call of P rows): its K/V, first
+    token and hidden state are the bits of P one-token steps from an empty cache (row-invariant kernels)."""
+    model = _model(arch, torch.float32, True, seed=13)
+    prompts = [[random.Random(f"{arch}{row}").randrange(96) for _ in range(5 + 6 * row)] for row in range(2)]
+    decoder = Decoder(model, numerics="int8")
+    roots = decoder.prefill(prompts, max_new_tokens=4)
+    assert decoder.native is not None
+    with torch.inference_mode(), decoding_mode(model, "exact"):
+        native = NativeStep(model, int8=True)
+        native.refresh()
+        for row, prompt in enumerate(prompts):
+            cache = TreeKVCache.for_model(model, max_len=len(prompt) + 1)
+            for token in prompt:
+                cache.begin([0], 1)
+                hidden = native(torch.tensor([[token]]), cache.positions(torch.zeros(1, dtype=torch.long)),
+                                cache, AttentionPlan("exact"))  # fmt: skip
+                cache.commit_all()
+            assert roots[row] == int(native.logits(hidden)[0, -1].argmax())
+            assert torch.equal(decoder.hidden[row], hidden[0, -1])
+            for mine, theirs in zip(decoder.cache.layers, cache.layers, strict=True):
+                assert torch.equal(mine.keys[row, :, : len(prompt)], theirs.keys[0, :, : len(prompt)])
+                assert torch.equal(mine.values[row, :, : len(prompt)], theirs.values[0, :, : len(prompt)])

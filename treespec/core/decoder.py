@@ -313,11 +313,18 @@ class Decoder:
         self.cache.begin([row], len(prompt))
         plan = self.cache.attention_plan(AttentionPlan(self.kernel))
         features = None  # [1, P, F] for a drafter that reads the target's features
-        with self.running(), shared_forward(self.model):  # every numerics: the prefill is shared as it is
-            out = full_forward(self.model, ids, positions, self.cache, plan, self.feature_layers)
-            if self.feature_layers:
-                out, features = out
-            logits = output_logits(self.model, out[0, -1])  # out [1, P, H] -> [V]
+        if self.numerics == "int8":  # the prompt in int8 numerics too, through the native step
+            with self.running():
+                out = self.scorer(ids, positions, self.cache, plan)
+                if self.feature_layers:
+                    out, features = out
+                logits = self.logits(out[0, -1])  # out [1, P, H] -> [V]
+        else:  # the HF forward, its linears in their fastest form per row count (plain and trees share it)
+            with self.running(), shared_forward(self.model):
+                out = full_forward(self.model, ids, positions, self.cache, plan, self.feature_layers)
+                if self.feature_layers:
+                    out, features = out
+                logits = output_logits(self.model, out[0, -1])  # out [1, P, H] -> [V]
         self.cache.check_written()
         self.cache.commit_all()
         root = self.sampling.sample(logits, self.generator)
