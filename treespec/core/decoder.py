@@ -43,6 +43,12 @@ from .pricing import StepPricer
 from .stats import GenerationStats
 from .tree import Tree
 
+# Prompts up to this many tokens prefill through the native step in int8 numerics (its linears, the fast
+# attention kernel); longer ones through the HF forward, whose SDPA attention is faster at that length
+# (2-core AVX2 EPYC, SmolLM2, ms against the HF forward: 60 tokens 100-118 / 175-228, 400: 623-661 / 788-906,
+# 1000: about even, 1500: 3466-3525 / 3194-3222; benchmarks/log/2026-12-06-i-int8-prefill.md).
+NATIVE_PREFILL_MAX = 1024
+
 
 @dataclass
 class DecodeStep:
@@ -313,9 +319,9 @@ class Decoder:
         self.cache.begin([row], len(prompt))
         plan = self.cache.attention_plan(AttentionPlan(self.kernel))
         features = None  # [1, P, F] for a drafter that reads the target's features
-        if self.numerics == "int8":  # the prompt in int8 numerics too, through the native step
+        if self.numerics == "int8" and len(prompt) <= NATIVE_PREFILL_MAX:  # int8 numerics: the native step
             with self.running():
-                out = self.scorer(ids, positions, self.cache, plan)
+                out = self.native(ids, positions, self.cache, plan, self.feature_layers, exact=False)
                 if self.feature_layers:
                     out, features = out
                 logits = self.logits(out[0, -1])  # out [1, P, H] -> [V]

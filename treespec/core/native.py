@@ -262,8 +262,9 @@ class NativeStep:
             cos, sin = rotary(torch.zeros(1, dtype=dtype), positions)  # [1, P, D] in the model's dtype
             self._cos, self._sin = cos[0].float().contiguous(), sin[0].float().contiguous()
 
-    def __call__(self, tokens, positions, cache, plan, feature_layers=()):
-        """tokens, positions [A, n] -> hidden [A, n, H]; with feature_layers (hidden, features [A, n, F])."""
+    def __call__(self, tokens, positions, cache, plan, feature_layers=(), exact: bool | None = None):
+        """tokens, positions [A, n] -> hidden [A, n, H]; with feature_layers (hidden, features [A, n, F]).
+        exact: the row-invariant attention kernel (default: the step's own choice)."""
         self._bind(cache)
         rows, starts = cache.forward_rows()
         bits = plan.bits if plan.mask is not None else None
@@ -276,7 +277,7 @@ class NativeStep:
             self._cos,
             self._sin,
             list(feature_layers),
-            self.exact,
+            self.exact if exact is None else exact,
         )
         cache.mark_written(len(self.layers))
         return (hidden, features) if feature_layers else hidden
