@@ -88,3 +88,30 @@ def test_native_layer_is_refused_where_it_cannot_run():
         treespec.EagleDrafter(draft, tree, model, native=True)
     assert treespec.EagleDrafter(draft, tree, model).native is None  # default: the torch layer
     assert treespec.EagleDrafter(random_eagle(model, 0), tree, model, linears="torch").native is None
+
+
+def test_native_layer_refuses_bad_calls_with_the_reason():
+    model = tiny_model("llama", dtype=torch.float32)
+    draft = random_eagle(model, 1, std=0.2)
+    tree = treespec.Tree.from_choices(TREE)
+    drafter = treespec.EagleDrafter(draft, tree, model, native=True)
+    prompt = [3, 4, 5, 6]
+    features = torch.randn(1, 3, len(draft.feature_layers) * model.config.hidden_size)
+    drafter.start(treespec.SequenceStart(prompt, 12, None, "sdpa", features))
+    layer, cache = drafter.native, drafter.cache
+    rows, starts = torch.tensor([0]), torch.tensor([cache.lengths[0]])
+    x, ids, positions = (
+        torch.zeros(1, 2, model.config.hidden_size),
+        torch.tensor([[1, 2]]),
+        torch.tensor([[3, 3]]),
+    )
+    with pytest.raises(RuntimeError, match="bits must be int64"):  # rows for block positions 0..4 needed
+        layer(x, ids, positions, cache, rows, starts, drafter.slot_bits[:2], block_offset=3)
+    with pytest.raises(RuntimeError, match="writes up to"):  # past the cache's capacity
+        layer(x, ids, positions, cache, rows, starts, drafter.slot_bits, block_offset=9)
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        layer(
+            x, torch.tensor([[1, 10**6]]), positions, cache, rows, starts, drafter.slot_bits, block_offset=0
+        )
+    with pytest.raises(RuntimeError, match="EAGLE inputs must be"):
+        layer(x[:, :1], ids, positions, cache, rows, starts, drafter.slot_bits, block_offset=0)
