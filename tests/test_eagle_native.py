@@ -115,3 +115,23 @@ def test_native_layer_refuses_bad_calls_with_the_reason():
         )
     with pytest.raises(RuntimeError, match="EAGLE inputs must be"):
         layer(x[:, :1], ids, positions, cache, rows, starts, drafter.slot_bits, block_offset=0)
+
+
+def test_native_layer_follows_weights_changed_between_sequences():
+    """A drafter kept across sequences drafts with the draft layer's current weights (trained further,
+    say): the native layer is rebuilt when a weight changed."""
+    model = tiny_model("llama", dtype=torch.float32)
+    draft = random_eagle(model, 6, std=0.2).round_to_blocks()  # the native layer reads copies: Q8_0 blocks
+    tree = treespec.Tree.from_choices(TREE)
+    native, reference = _pair(model, draft, tree)
+    prompt = [3, 4, 5, 6, 7]
+    features = torch.randn(1, 4, len(draft.feature_layers) * model.config.hidden_size)
+    with torch.no_grad():
+        draft.q_proj.weight.mul_(-1.5)  # K = 2H = 96: whole blocks
+    draft.round_to_blocks()
+    for drafter in (native, reference):
+        drafter.start(treespec.SequenceStart(prompt, 40, None, "sdpa", features))
+    roots = torch.tensor([9])
+    _assert_same_proposals(
+        native.propose(torch.zeros(1, 8), roots), reference.propose(torch.zeros(1, 8), roots)
+    )

@@ -31,6 +31,7 @@ from ..core.drafting import BaseDrafter, DrafterReport, Proposal, SequenceStart,
 from ..core.packed import packed_linears
 from ..core.tree import Tree, pack_bits
 from .eagle_model import EagleDraftModel
+from .eagle_native import NativeEagleLayer, native_eagle_reason
 
 
 class EagleDrafter(BaseDrafter):
@@ -95,8 +96,6 @@ class EagleDrafter(BaseDrafter):
         """The native layer `native` asks for, or None (the torch layer)."""
         if native is False or (native is None and self.linears != "auto"):
             return None
-        from .eagle_native import NativeEagleLayer, native_eagle_reason
-
         reason = native_eagle_reason(self.draft, self.embedding)
         if reason is None:
             return NativeEagleLayer.of(self.draft, self.embedding)
@@ -114,6 +113,8 @@ class EagleDrafter(BaseDrafter):
             )
         if sequence.row == 0:
             d, rows = self.draft, sequence.rows
+            if self.native is not None:  # over the current weights (rebuilt if they changed since)
+                self.native = NativeEagleLayer.of(d, self.embedding)
             if self.cache is None or self.cache.max_len < sequence.capacity or self.cache.num_rows != rows:
                 dtype = d.fc.weight.dtype
                 self.cache = TreeKVCache(
