@@ -103,7 +103,9 @@ struct NativeModel : torch::CustomClassHolder {
     TORCH_CHECK(embed.is_contiguous() && embed.dim() == 2 && embed.size(0) == m.vocab && embed.size(1) == m.hidden &&
                     (embed.scalar_type() == at::kFloat || embed.scalar_type() == at::kBFloat16),
                 "treespec native step: the embedding must be a contiguous float32 or bfloat16 [vocab, hidden] tensor");
-    m.bf16 = embed.scalar_type() == at::kBFloat16;
+    // the model's dtype is the embedding's; an EAGLE layer is float32 over a float32 or bf16 embedding
+    m.bf16 = !m.eagle && embed.scalar_type() == at::kBFloat16;
+    m.embed_bf16 = m.eagle && embed.scalar_type() == at::kBFloat16;
     m.embed = embed.data_ptr();
     m.final_norm = float_pointer(tensors[1], "the final norm");
     size_t at = 2;
@@ -368,7 +370,7 @@ struct NativeModel : torch::CustomClassHolder {
                                                 int64_t block_offset, const at::Tensor& cos, const at::Tensor& sin,
                                                 bool with_logits) {
     const NativeModelDesc& m = desc;
-    TORCH_CHECK(m.eagle && !m.bf16, "treespec native step: eagle_step() runs a float32 EAGLE layer");
+    TORCH_CHECK(m.eagle, "treespec native step: eagle_step() runs an EAGLE layer");
     at::Tensor held_bits;
     NativeStepArgs args = prepare(ids, positions, rows, starts, bits, block_offset, cos, sin, held_bits);
     const int64_t A = ids.size(0), n = ids.size(1);

@@ -50,6 +50,7 @@ struct NativeModelDesc {
   bool int8 = false;                    // int8 numerics: every linear runs int8_linear.h's kernel
   bool eagle = false;                   // one EAGLE draft layer (the header comment): q, k, v are [., 2H]
   const float* hidden_norm = nullptr;   // eagle: [hidden] the norm of the residual input's half of u
+  bool embed_bf16 = false;              // eagle: the (target's) embedding is bf16, the layer float32
   const void* embed = nullptr;          // [vocab, hidden] float32 or bf16
   const float* final_norm = nullptr;    // [hidden]
   std::vector<NativeLayer> layer;

@@ -293,7 +293,7 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
         const int64_t id = a.ids[t];
         if (m.eagle) {  // h = the given input; u = [norm(embedding), norm'(input)] (x holds the embedding row)
           std::memcpy(h + t * H, a.inputs + t * H, sizeof(float) * H);
-          if constexpr (std::is_same<T, uint16_t>::value)
+          if (m.bf16 || m.embed_bf16)
             bf16_row_to_float(static_cast<const uint16_t*>(m.embed) + id * H, x + t * H, H);
           else
             std::memcpy(x + t * H, static_cast<const float*>(m.embed) + id * H, sizeof(float) * H);

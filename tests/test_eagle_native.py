@@ -80,6 +80,26 @@ def test_greedy_output_through_the_native_layer_equals_the_base_models():
     assert result.stats.drafter["steps"] == result.stats.steps
 
 
+def test_a_bf16_target_drafts_through_the_native_layer_like_the_torch_layer():
+    """A bf16 target's float32 drafter (what `load_eagle_option` makes on CPU) reads the bf16 embedding."""
+    model = tiny_model(
+        "llama", dtype=torch.float32, hidden_size=64, intermediate_size=128, num_attention_heads=4
+    )
+    draft = random_eagle(model, 7, draft_size=64, std=0.2).round_to_blocks()
+    model.to(torch.bfloat16)
+    native, reference = _pair(model, draft, treespec.Tree.from_choices(TREE))
+    prompt = [4, 5, 6, 7, 8, 9]
+    features = torch.randn(1, 5, len(draft.feature_layers) * 64).to(torch.bfloat16)
+    for drafter in (native, reference):
+        drafter.start(treespec.SequenceStart(prompt, 40, None, "sdpa", features))
+    for root in (11, 3):
+        roots = torch.tensor([root])
+        got, want = native.propose(torch.zeros(1, 8), roots), reference.propose(torch.zeros(1, 8), roots)
+        _assert_same_proposals(got, want)
+        native.observe([[root, 2]], features[:, :2])
+        reference.observe([[root, 2]], features[:, :2])
+
+
 def test_native_layer_is_refused_where_it_cannot_run():
     model = tiny_model("llama", dtype=torch.float32)
     draft = random_eagle(model, 0).to(torch.bfloat16)

@@ -11,8 +11,9 @@ call per drafted level instead of about a hundred small torch operations.
         -> outputs [A, n, H] (the layer's h), logits [A, n, V'] over the draft vocabulary (or empty)
 
 It computes what `EagleDraftModel.qkv / attend / finish / logits` compute, in float32, over the same
-weights (a linear rounded to Q8_0 blocks is read as those blocks) and the target's own embedding table;
-tests/test_eagle_native.py compares the two on fresh random drafters.
+weights (a linear rounded to Q8_0 blocks is read as those blocks) and the target's own embedding table
+(float32 or bfloat16, widened exactly); tests/test_eagle_native.py compares the two on fresh random
+drafters.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ from .eagle_model import EagleDraftModel
 def native_eagle_reason(draft: EagleDraftModel, embedding: torch.Tensor) -> str | None:
     """None when `NativeEagleLayer` can run `draft` with the target's `embedding`, else why not."""
     weight = draft.fc.weight
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or embedding.dtype != torch.float32:
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return f"{weight.device.type} {weight.dtype} weights (it runs float32 on the CPU)"
+    if embedding.device.type != "cpu" or embedding.dtype not in (torch.float32, torch.bfloat16):
+        return f"a {embedding.device.type} {embedding.dtype} embedding (it reads float32 or bfloat16)"
     if draft.head_dim % 2 or draft.head_dim > 512:
         return f"head_dim {draft.head_dim}"
     if not ops.available("cpu"):
