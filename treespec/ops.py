@@ -194,9 +194,12 @@ def _build_and_load() -> None:
     verbose = os.environ.get("TREESPEC_EXT_VERBOSE", "") not in ("", "0")
     with _exclusive_build(build_dir):
         if library.is_file():  # another process built it while this one waited
-            torch.ops.load_library(str(library))
-            _finish(library, cuda, start)
-            return
+            try:
+                torch.ops.load_library(str(library))
+                _finish(library, cuda, start)
+                return
+            except OSError:
+                pass  # a half-written library: rebuild below
         print(
             f"treespec: compiling the tree-attention kernels{' (with CUDA)' if cuda else ''} into "
             f"{build_dir} (first use only; about half a minute)",
