@@ -67,12 +67,19 @@ class RMSNorm(nn.Module):
         return (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype) * self.weight
 
 
+def rotary_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """The rotary tables at `positions` [...]: cos, sin [..., head_dim] float32 (each half the same)."""
+    d = head_dim
+    half = torch.arange(0, d, 2, device=positions.device, dtype=torch.float32)  # [D/2]
+    inv_freq = 1.0 / theta ** (half / d)  # [D/2]
+    angles = positions.float()[..., None] * inv_freq  # [..., D/2]
+    return torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)
+
+
 def rotate(x: Tensor, positions: Tensor, theta: float) -> Tensor:
     """Rotary position embedding (half-split, as Llama): x [B, heads, n, D], positions [B, n]."""
     d = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)  # [D/2]
-    angles = positions.float()[:, None, :, None] * inv_freq  # [B, 1, n, D/2]
-    cos, sin = angles.cos().repeat(1, 1, 1, 2), angles.sin().repeat(1, 1, 1, 2)  # [B, 1, n, D]
+    cos, sin = (t[:, None] for t in rotary_cos_sin(positions, d, theta))  # [B, 1, n, D]
     x1, x2 = x.float()[..., : d // 2], x.float()[..., d // 2 :]
     rotated = torch.cat([-x2, x1], dim=-1)  # [B, heads, n, D]
     return (x.float() * cos + rotated * sin).to(x.dtype)

@@ -25,7 +25,7 @@ from ..core.blocks import recover_blocks
 from ..core.native import linear_slots
 from ..core.packed import weight_key
 from ..core.runtime import TargetRuntime
-from .eagle_model import EagleDraftModel
+from .eagle_model import EagleDraftModel, rotary_cos_sin
 
 
 def native_eagle_reason(draft: EagleDraftModel, embedding: torch.Tensor) -> str | None:
@@ -40,13 +40,6 @@ def native_eagle_reason(draft: EagleDraftModel, embedding: torch.Tensor) -> str 
     if not ops.available("cpu"):
         return f"treespec's compiled CPU ops did not build ({ops.build_info()['error']})"
     return None
-
-
-def rotary_tables(positions: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [positions, head_dim] float32: the rows `eagle_model.rotate` computes for each position."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # [D/2]
-    angles = torch.arange(positions).float()[:, None] * inv_freq  # [P, D/2]
-    return angles.cos().repeat(1, 2).contiguous(), angles.sin().repeat(1, 2).contiguous()
 
 
 class NativeEagleLayer:
@@ -96,7 +89,9 @@ class NativeEagleLayer:
         if self._native.bound_to() != keys.data_ptr():
             self._native.bind_cache([keys], [values])
         if self._cos is None or self._cos.shape[0] < cache.max_len:
-            self._cos, self._sin = rotary_tables(cache.max_len, self.draft.head_dim, self.draft.rope_theta)
+            positions = torch.arange(cache.max_len)  # [P]
+            cos, sin = rotary_cos_sin(positions, self.draft.head_dim, self.draft.rope_theta)  # [P, D] each
+            self._cos, self._sin = cos.contiguous(), sin.contiguous()
 
     def __call__(self, inputs, ids, positions, cache, rows, starts, bits=None, block_offset=0, logits=True):
         """The module docstring's call; rows [A]: the cache rows (int64 CPU tensors rows, starts)."""
