@@ -362,13 +362,14 @@ struct NativeModel : torch::CustomClassHolder {
 
   // One call of an EAGLE draft layer: inputs [A, n, hidden] float32 (the residual inputs), ids, positions
   // [A, n]; rows, starts [A]: the tokens are positions block_offset.. of a block at starts[a] (bits [m, W] as
-  // prepare() says, or None: causal). Returns (outputs [A, n, hidden]: the layer's outputs, logits [A, n,
-  // draft vocab] over the final norm; empty unless `with_logits`), float32.
+  // prepare() says, or None: causal). Returns (outputs [A, n, hidden]: the layer's outputs, logits over the
+  // final norm: [A, n, draft vocab], or with logit_rows (int64 [A]) [A, draft vocab] of token logit_rows[a]
+  // of row a only), float32.
   std::tuple<at::Tensor, at::Tensor> eagle_step(const at::Tensor& inputs, const at::Tensor& ids,
                                                 const at::Tensor& positions, const at::Tensor& rows,
                                                 const at::Tensor& starts, const std::optional<at::Tensor>& bits,
                                                 int64_t block_offset, const at::Tensor& cos, const at::Tensor& sin,
-                                                bool with_logits) {
+                                                const std::optional<at::Tensor>& logit_rows) {
     const NativeModelDesc& m = desc;
     TORCH_CHECK(m.eagle, "treespec native step: eagle_step() runs an EAGLE layer");
     at::Tensor held_bits;
@@ -383,8 +384,11 @@ struct NativeModel : torch::CustomClassHolder {
     args.hidden = normed.data_ptr();
     args.outputs = outputs.data_ptr();
     native_step_cpu(m, args, scratch);
-    at::Tensor logits_out = with_logits ? logits(normed) : at::empty({0}, in.options());
-    return {outputs, logits_out};
+    if (!logit_rows.has_value() || !logit_rows->defined()) return {outputs, logits(normed)};
+    const at::Tensor picked = logit_rows->to(at::kLong);
+    TORCH_CHECK(picked.numel() == A && (picked.min().item<int64_t>() >= 0) && (picked.max().item<int64_t>() < n),
+                "treespec native step: logit_rows must be [A] token indices below ", n);
+    return {outputs, logits(normed.index({at::arange(A), picked.reshape({A})}))};
   }
 };
 

@@ -133,6 +133,8 @@ def test_native_layer_refuses_bad_calls_with_the_reason():
         layer(
             x, torch.tensor([[1, 10**6]]), positions, cache, rows, starts, drafter.slot_bits, block_offset=0
         )
+    with pytest.raises(RuntimeError, match="logit_rows must be"):  # token 2 of a call of 2
+        layer(x, ids, positions, cache, rows, starts, drafter.slot_bits, 0, logit_rows=torch.tensor([2]))
     with pytest.raises(RuntimeError, match="EAGLE inputs must be"):
         layer(x[:, :1], ids, positions, cache, rows, starts, drafter.slot_bits, block_offset=0)
 

@@ -159,25 +159,22 @@ class EagleDrafter(BaseDrafter):
         cache.begin(rows, m)
         positions = cache.positions(torch.arange(m, device=self.device))  # [A, m]: c_a + i
         last = torch.tensor(counts, device=self.device) - 1  # [A]
-        if self.native is not None:
-            with packed_linears(d, mode=self.linears):
-                hidden = d.fuse(features)  # [A, m, H]
-            rows_at, starts = cache.forward_rows()
-            out, logits = self.native(hidden, next_tokens, positions, cache, rows_at, starts)  # causal block
-            cache.mark_written(1)
-            cache.commit([range(n) for n in counts])
-            self.last_hidden[rows] = out[torch.arange(A), last]
-            self.last_logits[rows] = logits[torch.arange(A), last]
-            self.stats["catch_up_seconds"] += time.perf_counter() - t0
-            return
         with packed_linears(d, mode=self.linears):
             hidden = d.fuse(features)  # [A, m, H]
-            emb = self.embedding[next_tokens]  # [A, m, H]
-            q, k, v = d.qkv(hidden, emb, positions)
-            keys, values = self._rows_kv(cache.layers[0].update(k, v), rows)  # [A, Hkv, end, D]
-            keys_at = torch.arange(keys.shape[2], device=self.device)  # [end]
-            mask = keys_at[None, None, :] <= positions[:, :, None]  # [A, m, end]: committed, then causal
-            out = d.finish(hidden, d.attend(q, keys, values, mask[:, None]))  # [A, m, H]
+            if self.native is not None:  # one call, causal over the block; logits of the kept outputs only
+                rows_at, starts = cache.forward_rows()
+                out, logits = self.native(
+                    hidden, next_tokens, positions, cache, rows_at, starts, logit_rows=last
+                )  # [A, m, H], [A, V']
+                cache.mark_written(1)
+                self.last_logits[rows] = logits
+            else:
+                emb = self.embedding[next_tokens]  # [A, m, H]
+                q, k, v = d.qkv(hidden, emb, positions)
+                keys, values = self._rows_kv(cache.layers[0].update(k, v), rows)  # [A, Hkv, end, D]
+                keys_at = torch.arange(keys.shape[2], device=self.device)  # [end]
+                mask = keys_at[None, None, :] <= positions[:, :, None]  # [A, m, end]: committed, then causal
+                out = d.finish(hidden, d.attend(q, keys, values, mask[:, None]))  # [A, m, H]
         cache.commit([range(n) for n in counts])  # each row's own entries; its padding rolled back
         self.last_hidden[rows] = out[torch.arange(A, device=self.device), last]
         self.stats["catch_up_seconds"] += time.perf_counter() - t0

@@ -1,14 +1,17 @@
 """The EAGLE draft layer through the native step (csrc/native_step.h, `NativeModelDesc::eagle`): one C++
 call per drafted level instead of about a hundred small torch operations.
 
-    layer = NativeEagleLayer(draft, embedding)
-    outputs, logits = layer(inputs, ids, positions, cache, starts, bits, block_offset)
+    layer = NativeEagleLayer.of(draft, embedding)
+    outputs, logits = layer(inputs, ids, positions, cache, rows, starts, bits, block_offset, logit_rows)
         inputs [A, n, H]   the residual inputs (fused target features, or the parent nodes' outputs)
         ids, positions     [A, n] the tokens (x_t+1) and their rotary positions
-        starts [A]         where each row's block starts in the drafter's cache (its committed length);
-                           the tokens are block positions block_offset.., their K/V are written there
+        rows, starts [A]   the cache rows (int64 CPU tensors), and where each row's block starts in the
+                           drafter's cache (its committed length); the tokens are block positions
+                           block_offset.., their K/V are written there
         bits               [m, W] ancestor bits of the block's positions, or None (causal)
-        -> outputs [A, n, H] (the layer's h), logits [A, n, V'] over the draft vocabulary (or empty)
+        logit_rows         None, or [A]: only token logit_rows[a] of each row gets logits
+        -> outputs [A, n, H] (the layer's h), logits [A, n, V'] over the draft vocabulary ([A, V'] with
+           logit_rows)
 
 It computes what `EagleDraftModel.qkv / attend / finish / logits` compute, in float32, over the same
 weights (a linear rounded to Q8_0 blocks is read as those blocks) and the target's own embedding table
@@ -93,8 +96,10 @@ class NativeEagleLayer:
             cos, sin = rotary_cos_sin(positions, self.draft.head_dim, self.draft.rope_theta)  # [P, D] each
             self._cos, self._sin = cos.contiguous(), sin.contiguous()
 
-    def __call__(self, inputs, ids, positions, cache, rows, starts, bits=None, block_offset=0, logits=True):
-        """The module docstring's call; rows [A]: the cache rows (int64 CPU tensors rows, starts)."""
+    def __call__(
+        self, inputs, ids, positions, cache, rows, starts, bits=None, block_offset: int = 0, logit_rows=None
+    ):
+        """The module docstring's call."""
         self._bind(cache)
         return self._native.eagle_step(
             inputs,
@@ -106,5 +111,5 @@ class NativeEagleLayer:
             block_offset,
             self._cos,
             self._sin,
-            logits,
+            logit_rows,
         )
