@@ -217,21 +217,21 @@ class EagleDrafter(BaseDrafter):
         outputs = self.last_hidden.new_empty(A, n, d.hidden_size)  # [A, N, H] the output of each node's entry
         outputs[:, 0] = self.last_hidden[rows]
         written = 0  # drafted entries per row so far
+        native = self.native is not None
+        level_layer = self._native_level if native else self._torch_level
         for level, (expanded, parents, children, row, rank, k) in enumerate(levels):
             if level == 0:  # [A, 1, V'] the kept output's logits
-                native = self.native is not None
                 logits = self.last_logits[rows][:, None] if native else d.logits(outputs[:, :1])
             else:
                 positions = (c - 1 + level)[:, None].expand(A, len(expanded))  # [A, n_d]
                 x, ids = outputs[:, parents], tokens[:, expanded]  # [A, n_d, H] parents' outputs, [A, n_d]
-                level_layer = self._native_level if self.native is not None else self._torch_level
                 h, logits = level_layer(level, x, ids, positions, rows, c, written)  # [A, n_d, H], [.., V']
                 written += len(expanded)
                 outputs[:, expanded] = h
             top = logits.float().softmax(dim=-1).topk(k, dim=-1)  # values, indices [A, n_d, k]
             tokens[:, children] = d.token_ids(top.indices[:, row, rank])  # [A, c_d]
             probs[:, children] = top.values[:, row, rank]
-        if self.native is None:
+        if not native:
             cache.rollback_rows(live, committed)  # the drafted entries were speculative: dropped by pointer
         return Proposal(tokens, probs)  # [A, N] each
 
