@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <limits>
 #include <cstring>
 #include <string>
 #include <tuple>
@@ -394,9 +395,10 @@ struct NativeModel : torch::CustomClassHolder {
 
 // int8 numerics of one linear for tests (int8_linear.h): x [M, K] float32 against Q4_1 blocks (q uint8
 // [N, K/2], d and m [N, K/32]) or Q8_0 blocks (q int8 [N, K], m None), + bias; engine: Int8Engine (0: the
-// fastest here, 1: the scalar reference, 2: AVX2, 3: AVX-512 VNNI; one this build lacks is refused).
+// fastest here, 1: the scalar reference, 2: AVX2, 3: AVX-512 VNNI; one this build lacks is refused);
+// columns [n0, n1) only (n1 = -1: N; n0 a multiple of 16, n1 one too or N), the others left NaN.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m,
-                       const std::optional<at::Tensor>& bias, int64_t engine) {
+                       const std::optional<at::Tensor>& bias, int64_t engine, int64_t n0, int64_t n1) {
   const std::vector<Int8Engine> engines = int8_engines();
   TORCH_CHECK(engine == 0 || std::find(engines.begin(), engines.end(), static_cast<Int8Engine>(engine)) != engines.end(),
               "int8_linear: engine ", engine, " is not in this build");
@@ -412,8 +414,11 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   QuantRows rows;
   rows.resize(M, K);
   for (int64_t r = 0; r < M; ++r) quantize_row(xc.data_ptr<float>() + r * K, rows, r);
-  at::Tensor out = at::empty({M, N}, xc.options());
-  int8_columns(iw, rows, M, out.data_ptr<float>(), N, 0, N, static_cast<Int8Engine>(engine));
+  if (n1 < 0) n1 = N;
+  TORCH_CHECK(0 <= n0 && n0 % 16 == 0 && n0 <= n1 && n1 <= N && (n1 % 16 == 0 || n1 == N),
+              "int8_linear: columns [", n0, ", ", n1, ") must start on a multiple of 16 and end on one or at N = ", N);
+  at::Tensor out = at::full({M, N}, std::numeric_limits<float>::quiet_NaN(), xc.options());
+  int8_columns(iw, rows, M, out.data_ptr<float>(), N, n0, n1, static_cast<Int8Engine>(engine));
   return out;
 }
 
@@ -455,7 +460,7 @@ TORCH_LIBRARY_FRAGMENT(treespec, m) {
       .def("logits", &treespec::NativeModel::logits)
       .def("set_profiling", &treespec::NativeModel::set_profiling)
       .def("profile", &treespec::NativeModel::profile);
-  m.def("int8_linear(Tensor x, Tensor q, Tensor d, Tensor? m, Tensor? bias, int engine) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor q, Tensor d, Tensor? m, Tensor? bias, int engine, int n0=0, int n1=-1) -> Tensor");
   m.def("int8_quantize(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("int8_engines() -> int[]", &treespec::int8_engine_list);
 }

@@ -52,7 +52,9 @@ def _q8_blocks(N: int, K: int, gen: torch.Generator):
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("N,K,M", [(48, 64, 1), (37, 96, 7), (576, 576, 16), (20, 32, 13), (5, 1536, 3)])
+@pytest.mark.parametrize(
+    "N,K,M", [(48, 64, 1), (37, 96, 7), (576, 576, 16), (20, 32, 13), (5, 1536, 3), (100, 64, 5), (70, 96, 9)]
+)
 def test_int8_kernel_equals_its_reference_and_is_row_invariant(kind, N, K, M):
     gen = torch.Generator().manual_seed(N * K + M)
     q, d, m, weight = (_q4_blocks if kind == "q4_1" else _q8_blocks)(N, K, gen)
@@ -66,6 +68,12 @@ def test_int8_kernel_equals_its_reference_and_is_row_invariant(kind, N, K, M):
         for row in {0, M // 2, M - 1}:
             alone = torch.ops.treespec.int8_linear(x[row : row + 1].clone(), q, d, m, bias, engine)
             assert torch.equal(alone[0], fast[row]), engine
+        # a task's columns, starting or ending inside a weight panel: those and nothing else written
+        for n0, n1 in ((16, N), (0, 16), (16, 48), (48, 64)):
+            if n0 < n1 <= N:
+                part = torch.ops.treespec.int8_linear(x, q, d, m, bias, engine, n0, n1)
+                assert torch.equal(part[:, n0:n1], reference[:, n0:n1]), engine
+                assert part[:, :n0].isnan().all() and part[:, n1:].isnan().all(), engine
     exact = x @ weight.T + bias
     assert float((fast - exact).norm() / exact.norm()) < 0.02
 
