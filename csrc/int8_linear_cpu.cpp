@@ -1,9 +1,10 @@
 // int8 numerics (int8_linear.h): activation quantization, the weight repacking and the integer kernels.
 //
 // Engines: AVX-512 VNNI (`vpdpbusd`: 64 unsigned-by-signed byte products summed into 16 int32 lanes per
-// instruction; one lane per weight row of a 16-row group), AVX2 (`vpmaddubsw` on each quarter of a panel, 8
-// lanes, the panel's four quarters in one pass over its records with software prefetch: Q4_1 sums a block's 16-bit pair sums and widens them once with `vpmaddwd`; Q8 weights go through
-// the sign trick, |q| * sign(x, q), so no 16-bit sum saturates, and widen every pair sum) and the scalar
+// instruction; one lane per weight row of a 16-row group), AVX2 (`vpmaddubsw` on each quarter of a panel,
+// 8 lanes; a panel's four quarters in one pass over its records: Q4_1 sums a block's 16-bit pair sums and
+// widens them once with `vpmaddwd`; Q8 weights go through the sign trick, |q| * sign(x, q), so no 16-bit
+// sum saturates, and widen every pair sum) and the scalar
 // reference. All compute each output with the same float operations in the same order (the integer sums
 // are exact), so they agree bit for bit. The VNNI tile is R rows x one panel of 32 weight rows: each
 // weight chunk is loaded (and unpacked) once for its R rows.
