@@ -48,7 +48,8 @@ from . import calibrate
 # 6: float32 weights of bf16 values read from bf16 copies; bf16 weights widened by one load + shift
 # 7: row-invariant attention with AVX2 tiles (trees in bitwise / int8 numerics cost less); AVX2 int8 Q4_1
 #    integer sums in 16 bits
-KERNELS_REVISION = 7
+# 8: AVX2 int8 linears stream each weight panel in one pass with software prefetch (int8 steps cheaper)
+KERNELS_REVISION = 8
 NODES = (1, 4, 8, 16, 32, 64)
 PREFIXES = (128, 512, 1024)
 # name -> Decoder(linears=..., compile=...)
