@@ -247,10 +247,11 @@ void columns_vnni(const Int8Weights& w, const QuantRows& x, int64_t M, float* ou
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define TREESPEC_INT8_AVX2 1
 
-// Records ahead of the one being computed that a panel's first row tile asks for (into L1). Measured on
-// the 2-core Zen 3 EPYC over a whole SmolLM2 step's weights (96 MB, 2 threads): one row 6.0-6.7 ms without,
-// 4.2-4.4 with 2-8 records ahead (4 best), and 1.3-1.5x faster at 2-8 rows too; the hardware prefetcher
-// alone does not keep the stream full.
+// Records ahead of the one being computed that a panel's first row tile asks for (into L1): the hardware
+// prefetcher alone does not keep the stream full. Measured on the 2-core Zen 3 EPYC over a whole SmolLM2
+// step's int8 weights (96 MB, 2 threads, one row): 6.0-6.7 ms with each quarter of a panel walked on its own
+// (the kernel before), 5.3-6.3 in one pass, 4.2-4.4 in one pass with 2-8 records ahead (4 best). In the
+// native step the linears of 1-3 rows cost 1.15-1.3x less; from 4 rows the arithmetic bounds them as before.
 constexpr int64_t kAheadAvx2 = 4;
 
 // R rows of x (from r0) against the 32 weight rows of panel p, in one pass over the panel's records (so the
@@ -274,7 +275,8 @@ void panel_avx2(const Int8Weights& w, int64_t p, const QuantRows& x, int64_t r0,
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < blocks; ++b, rec += record) {
     if (fetch)
-      for (const uint8_t* line = rec + kAheadAvx2 * record; line < rec + (kAheadAvx2 + 1) * record && line < end; line += 64)
+      for (const uint8_t* line = rec + kAheadAvx2 * record; line < rec + (kAheadAvx2 + 1) * record && line < end;
+           line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
     const uint16_t* scales = reinterpret_cast<const uint16_t*>(rec + 2 * kQuant);
     for (int c = 0; c < 4; ++c) {
@@ -300,7 +302,8 @@ void panel_avx2(const Int8Weights& w, int64_t p, const QuantRows& x, int64_t r0,
         // each widens, through the sign trick |q| * sign(x, q)
         for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
         for (int j = 0; j < 8; ++j) {
-          const __m256i q = _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(quants + 64 * j)), flip);
+          const __m256i stored = _mm256_load_si256(reinterpret_cast<const __m256i*>(quants + 64 * j));
+          const __m256i q = _mm256_xor_si256(stored, flip);
           const __m256i q_abs = _mm256_abs_epi8(q);
           for (int r = 0; r < R; ++r) {
             const __m256i xv = _mm256_set1_epi32(reinterpret_cast<const int32_t*>(xq[r] + 32 * b)[j]);
@@ -314,7 +317,8 @@ void panel_avx2(const Int8Weights& w, int64_t p, const QuantRows& x, int64_t r0,
       if constexpr (Q4) wm = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(scales + 32 + 8 * c)));
       for (int r = 0; r < R; ++r) {
         const int64_t xb = (r0 + r) * x.blocks + b;
-        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(_mm256_set1_ps(x.d[xb]), wd), acc[r][c]);
+        const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(x.d[xb]), wd);
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r][c]);
         if constexpr (Q4) acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(x.dsum[xb]), wm, acc[r][c]);
       }
     }
@@ -323,7 +327,8 @@ void panel_avx2(const Int8Weights& w, int64_t p, const QuantRows& x, int64_t r0,
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int c = 0; c < 4; ++c) {  // lanes 8c .. 8c + 7 of the panel, those in [lo, hi)
     const __m256i l = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * c));
-    const __m256i mask = _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(lo), l), _mm256_cmpgt_epi32(_mm256_set1_epi32(hi), l));
+    const __m256i mask =
+        _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(lo), l), _mm256_cmpgt_epi32(_mm256_set1_epi32(hi), l));
     if (_mm256_testz_si256(mask, mask)) continue;
     const int64_t first = p * Int8Weights::kPanel + 8 * c;
     __m256 bias = _mm256_setzero_ps();
@@ -345,7 +350,8 @@ void columns_avx2(const Int8Weights& w, const QuantRows& x, int64_t M, float* ou
   constexpr int64_t P = Int8Weights::kPanel;
   const int64_t tiles = (M + kRowsAvx2 - 1) / kRowsAvx2;
   for (int64_t p = n0 / P; p < (n1 + P - 1) / P; ++p) {
-    const int lo = static_cast<int>(std::max<int64_t>(n0 - p * P, 0)), hi = static_cast<int>(std::min<int64_t>(n1 - p * P, P));
+    const int lo = static_cast<int>(std::max<int64_t>(n0 - p * P, 0));
+    const int hi = static_cast<int>(std::min<int64_t>(n1 - p * P, P));
     for (int64_t t = 0, r = 0; t < tiles; ++t) {
       const int64_t rows = (M - r) / (tiles - t) + ((M - r) % (tiles - t) != 0);
       float* o = out + r * ldo;

@@ -8,8 +8,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <limits>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <tuple>
 #include <vector>
