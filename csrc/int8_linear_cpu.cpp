@@ -78,6 +78,24 @@ int32_t integer_sum(const Int8Weights& w, int64_t g, int64_t b, int c, const int
   return isum - 128 * xsum;
 }
 
+// Columns [n0, n1) of M rows as the SIMD engines compute them: every panel p the columns touch (its lanes
+// [lo, hi) stored; the others computed, not stored), its M rows in ceil(M / max_rows) tiles of as equal
+// sizes as can be (8 rows at 6 a tile: 4 + 4): tile(p, lo, hi, r0, rows, t, tiles) for rows r0.. of tile t.
+template <class Tile>
+void for_panel_tiles(int64_t M, int64_t n0, int64_t n1, int64_t max_rows, Tile tile) {
+  constexpr int64_t P = Int8Weights::kPanel;
+  const int64_t tiles = (M + max_rows - 1) / max_rows;
+  for (int64_t p = n0 / P; p < (n1 + P - 1) / P; ++p) {
+    const int lo = static_cast<int>(std::max<int64_t>(n0 - p * P, 0));
+    const int hi = static_cast<int>(std::min<int64_t>(n1 - p * P, P));
+    for (int64_t t = 0, r = 0; t < tiles; ++t) {
+      const int64_t rows = (M - r + tiles - t - 1) / (tiles - t);
+      tile(p, lo, hi, r, rows, t, tiles);
+      r += rows;
+    }
+  }
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define TREESPEC_INT8_VNNI 1
 
@@ -201,24 +219,23 @@ void panel_tile(const Int8Weights& w, int64_t p, const QuantRows& x, int64_t r0,
 
 constexpr int kTileRows = 6;  // rows per tile at most: 2 x 6 integer sums + 2 x 6 accumulators in registers
 
-// All M rows against panel p, in ceil(M / kTileRows) tiles of as equal sizes as can be (8 rows: 4 + 4).
+// Columns [n0, n1) (for_panel_tiles). A panel in several tiles asks for the next panel while it computes,
+// even past the caller's columns (a step's multi-row task is one panel; the claims hand a thread runs of
+// consecutive tasks, so the next panel is mostly its own next task).
 template <bool Q4>
-void panel_rows(const Int8Weights& w, int64_t p, const QuantRows& x, int64_t M, float* out, int64_t ldo, int lo,
-                int hi, const uint8_t* end) {
-  const int64_t tiles = (M + kTileRows - 1) / kTileRows;
-  Prefetch pf;
-  pf.end = end;
-  pf.parts = static_cast<int>(tiles);
-  // the next panel even past the caller's columns (a step's multi-row task is one panel; the claims hand a
-  // thread runs of consecutive tasks, so the next panel is mostly its own next task)
-  if (tiles > 1 && p + 1 < w.panels) {
-    pf.next = w.at(p + 1, 0);
-    pf.end = w.at(w.panels, 0);
-  }
-  for (int64_t t = 0, r = 0; t < tiles; ++t) {
-    const int64_t rows = (M - r) / (tiles - t) + ((M - r) % (tiles - t) != 0);
-    float* o = out + r * ldo;
+void columns_vnni(const Int8Weights& w, const QuantRows& x, int64_t M, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  constexpr int64_t P = Int8Weights::kPanel;
+  const uint8_t* end = w.at((n1 + P - 1) / P, 0);  // the end of the columns' stream
+  auto tile = [&](int64_t p, int lo, int hi, int64_t r, int64_t rows, int64_t t, int64_t tiles) {
+    Prefetch pf;
+    pf.end = end;
+    pf.parts = static_cast<int>(tiles);
     pf.part = static_cast<int>(t);
+    if (tiles > 1 && p + 1 < w.panels) {
+      pf.next = w.at(p + 1, 0);
+      pf.end = w.at(w.panels, 0);
+    }
+    float* o = out + r * ldo + p * P;
     switch (rows) {
       case 1: panel_tile<1, Q4>(w, p, x, r, o, ldo, lo, hi, pf); break;
       case 2: panel_tile<2, Q4>(w, p, x, r, o, ldo, lo, hi, pf); break;
@@ -227,20 +244,8 @@ void panel_rows(const Int8Weights& w, int64_t p, const QuantRows& x, int64_t M, 
       case 5: panel_tile<5, Q4>(w, p, x, r, o, ldo, lo, hi, pf); break;
       default: panel_tile<kTileRows, Q4>(w, p, x, r, o, ldo, lo, hi, pf); break;
     }
-    r += rows;
-  }
-}
-
-// Columns [n0, n1): the panels they touch (a panel's columns outside [n0, n1) are computed, not stored).
-template <bool Q4>
-void columns_vnni(const Int8Weights& w, const QuantRows& x, int64_t M, float* out, int64_t ldo, int64_t n0, int64_t n1) {
-  constexpr int64_t P = Int8Weights::kPanel;
-  const int64_t p0 = n0 / P, p1 = (n1 + P - 1) / P;
-  const uint8_t* end = w.at(p1, 0);
-  for (int64_t p = p0; p < p1; ++p) {
-    const int lo = static_cast<int>(std::max<int64_t>(n0 - p * P, 0)), hi = static_cast<int>(std::min<int64_t>(n1 - p * P, P));
-    panel_rows<Q4>(w, p, x, M, out + p * P, ldo, lo, hi, end);
-  }
+  };
+  for_panel_tiles(M, n0, n1, kTileRows, tile);
 }
 #endif
 
@@ -343,27 +348,19 @@ void panel_avx2(const Int8Weights& w, int64_t p, const QuantRows& x, int64_t r0,
 
 constexpr int kRowsAvx2 = 4;  // rows per tile at most (4 x 4 accumulators)
 
-// Columns [n0, n1): the panels they touch, all M rows in ceil(M / kRowsAvx2) tiles of as equal sizes as can
-// be (a panel's columns outside [n0, n1) are computed, not stored).
+// Columns [n0, n1) (for_panel_tiles); a panel's first tile asks for the records ahead.
 template <bool Q4>
 void columns_avx2(const Int8Weights& w, const QuantRows& x, int64_t M, float* out, int64_t ldo, int64_t n0, int64_t n1) {
-  constexpr int64_t P = Int8Weights::kPanel;
-  const int64_t tiles = (M + kRowsAvx2 - 1) / kRowsAvx2;
-  for (int64_t p = n0 / P; p < (n1 + P - 1) / P; ++p) {
-    const int lo = static_cast<int>(std::max<int64_t>(n0 - p * P, 0));
-    const int hi = static_cast<int>(std::min<int64_t>(n1 - p * P, P));
-    for (int64_t t = 0, r = 0; t < tiles; ++t) {
-      const int64_t rows = (M - r) / (tiles - t) + ((M - r) % (tiles - t) != 0);
-      float* o = out + r * ldo;
-      switch (rows) {
-        case 1: panel_avx2<1, Q4>(w, p, x, r, o, ldo, lo, hi, t == 0); break;
-        case 2: panel_avx2<2, Q4>(w, p, x, r, o, ldo, lo, hi, t == 0); break;
-        case 3: panel_avx2<3, Q4>(w, p, x, r, o, ldo, lo, hi, t == 0); break;
-        default: panel_avx2<kRowsAvx2, Q4>(w, p, x, r, o, ldo, lo, hi, t == 0); break;
-      }
-      r += rows;
+  auto tile = [&](int64_t p, int lo, int hi, int64_t r, int64_t rows, int64_t t, int64_t) {
+    float* o = out + r * ldo;
+    switch (rows) {
+      case 1: panel_avx2<1, Q4>(w, p, x, r, o, ldo, lo, hi, t == 0); break;
+      case 2: panel_avx2<2, Q4>(w, p, x, r, o, ldo, lo, hi, t == 0); break;
+      case 3: panel_avx2<3, Q4>(w, p, x, r, o, ldo, lo, hi, t == 0); break;
+      default: panel_avx2<kRowsAvx2, Q4>(w, p, x, r, o, ldo, lo, hi, t == 0); break;
     }
-  }
+  };
+  for_panel_tiles(M, n0, n1, kRowsAvx2, tile);
 }
 #endif
 
