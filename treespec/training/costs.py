@@ -49,7 +49,8 @@ from . import calibrate
 # 7: row-invariant attention with AVX2 tiles (trees in bitwise / int8 numerics cost less); AVX2 int8 Q4_1
 #    integer sums in 16 bits
 # 8: AVX2 int8 linears stream each weight panel in one pass with software prefetch (int8 steps cheaper)
-KERNELS_REVISION = 8
+# 9: AVX2 int8 tiles keep their integer sums in registers (int8 trees of 4+ nodes cost less)
+KERNELS_REVISION = 9
 NODES = (1, 4, 8, 16, 32, 64)
 PREFIXES = (128, 512, 1024)
 # name -> Decoder(linears=..., compile=...)
