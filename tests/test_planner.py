@@ -133,6 +133,26 @@ def test_a_priced_planner_verifies_the_root_alone_when_nodes_cost_too_much_and_t
     assert costly.counts["skipped"] == 1
 
 
+def test_a_first_source_given_no_level_to_draft_is_not_called():
+    class Counted(Scripted):
+        calls = 0
+
+        def propose(self, hidden, roots, max_depth=None) -> Proposal:
+            Counted.calls += 1
+            return super().propose(hidden, roots, max_depth)
+
+    heads = Counted(Tree.from_choices([[0], [0, 0]]), [{(0,): (10, 0.9), (0, 0): (11, 0.9)}] * 2)
+    lookup = Scripted(Tree.from_choices([[0]]), [{(0,): (20, 0.5)}, {(0,): (30, 0.5)}])
+    planner = TreePlanner([heads, lookup], lambda n, prefix: 1.0 + 0.01 * n)
+    planner.levels = 0  # the level count the pricer would choose after levels that did not pay
+    proposal = planner.propose(torch.zeros(2, 4), torch.tensor([7, 8]))
+    assert Counted.calls == 0  # the heads are not asked for a tree of the root alone
+    assert merged_nodes(proposal, 0) == {(20,): 0.5} and merged_nodes(proposal, 1) == {(30,): 0.5}
+    planner.levels = 2
+    planner.propose(torch.zeros(2, 4), torch.tensor([7, 8]))
+    assert Counted.calls == 1
+
+
 def test_the_declared_tree_places_every_source_side_by_side():
     model = tiny_model("llama", dtype=torch.float32)
     heads = treespec.make_drafter(random_heads(model), treespec.default_tree(8, 4), model)

@@ -26,8 +26,8 @@ with every source each step and verifies one tree:
    steps in a row, drafting is skipped for a while (doubling up to `max_skip` steps).
 5. levels (priced, a first source that drafts level by level: heads, EAGLE): every step also prices the
    level counts it could have drafted instead (what level d adds: log(rate_d / rate_d-1), a running
-   mean); the next step drafts the count with the largest summed gains, and every level again every
-   `explore_after` steps while the deepest drafted is the best.
+   mean); the next step drafts the count with the largest summed gains (none: that source is not called
+   at all), and every level again every `explore_after` steps while the deepest drafted is the best.
 
 What it learns (calibration, drafting and step costs, level gains) describes the drafters on this
 machine, not one prompt: it carries over to the next sequence.
@@ -302,6 +302,8 @@ class TreePlanner(BaseDrafter):
     def _draft(self, index: int, source: Drafter, hidden, roots, levels: int) -> tuple:
         """One source's proposal as lists: (parents [N], tokens [B][N], probs [B][N], levels [N])."""
         limits = index == 0 and source.limits_depth
+        if limits and levels == 0:  # no level to draft: the root alone, without calling the source
+            return [-1], [[r] for r in roots.reshape(-1).tolist()], [[1.0]] * roots.numel(), [0]
         proposal = source.propose(hidden, roots, levels if limits else None)
         tree = source.tree if proposal.tree is None else proposal.tree
         # level d drafts depth d; a source that does not limit depth drafts whole, whatever the count
