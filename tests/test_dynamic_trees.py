@@ -299,6 +299,30 @@ def test_a_planner_drafts_the_level_count_that_pays_and_tries_every_level_now_an
     assert counts["levels"] < 3 * (counts["steps"] - counts["skipped"])
 
 
+def test_explorations_that_find_no_level_worth_drafting_come_less_often():
+    model = tiny_model("llama")
+    heads = random_heads(model, seed=3, sequential=True)
+    inner = treespec.make_drafter(heads, treespec.default_tree(16, heads.num_heads), model)
+    planner = TreePlanner([inner], lambda n, prefix: 1.0, explore_after=4, max_explore_after=16)
+    nothing_pays = [1.0, 0.5, 0.4, 0.3]  # rates had 0, 1, 2, 3 levels been drafted
+    planner.choose_levels(nothing_pays, drafted=3)
+    assert planner.levels == 0
+    gaps = []
+    for _ in range(4):
+        steps = 0
+        while planner.levels == 0:  # steps without heads until every level is drafted again
+            planner.choose_levels([1.0], drafted=0)
+            steps += 1
+        gaps.append(steps)
+        planner.choose_levels(nothing_pays, drafted=3)
+        assert planner.levels == 0
+    assert gaps == [4, 8, 16, 16]  # the wait doubles, up to max_explore_after
+    while planner.levels == 0:
+        planner.choose_levels([1.0], drafted=0)
+    planner.choose_levels([1.0, 4.0, 4.4, 4.5], drafted=3)  # now the first level pays
+    assert planner.levels >= 1 and planner.explore_interval == 4  # back to every explore_after steps
+
+
 def test_step_trees_are_kept_for_a_bounded_number_of_node_sets():
     from treespec.core.drafting import StepTrees
 

@@ -27,7 +27,9 @@ with every source each step and verifies one tree:
 5. levels (priced, a first source that drafts level by level: heads, EAGLE): every step also prices the
    level counts it could have drafted instead (what level d adds: log(rate_d / rate_d-1), a running
    mean); the next step drafts the count with the largest summed gains (none: that source is not called
-   at all), and every level again every `explore_after` steps while the deepest drafted is the best.
+   at all), and every level again every `explore_after` steps while the deepest drafted is the best
+   (each such exploration that finds no deeper count worth drafting doubles that wait, up to
+   `max_explore_after`: where the heads do not pay, drafting all their levels costs most of a plain step).
 
 What it learns (calibration, drafting and step costs, level gains) describes the drafters on this
 machine, not one prompt: it carries over to the next sequence.
@@ -109,6 +111,7 @@ class TreePlanner(BaseDrafter):
         patience: int = 4,
         max_skip: int = 8,
         explore_after: int = 16,
+        max_explore_after: int = 128,
         prefix_bucket: int = 16,
         slow_step: float = 4.0,
         max_slow_steps: int = 8,
@@ -130,6 +133,7 @@ class TreePlanner(BaseDrafter):
         self.feature_layers = layers.pop() if layers else ()
         self.verify_seconds = verify_seconds
         self.patience, self.max_skip, self.explore_after = patience, max_skip, explore_after
+        self.max_explore_after = max(explore_after, max_explore_after)
         self.prefix_bucket, self.slow_step, self.max_slow_steps = prefix_bucket, slow_step, max_slow_steps
         choices, rank = [], 0  # the sources' declared trees side by side under the root
         for source in self.sources:
@@ -150,6 +154,10 @@ class TreePlanner(BaseDrafter):
         self.step_costs = StepCosts()  # a step's time beyond drafting and the curve
         self.level_gains: dict[int, float] = {}  # level d -> mean log gain of drafting d levels, not d - 1
         self.gain_age: dict[int, int] = {}  # level d -> steps since its gain was last priced
+        # steps a deeper level's gain may age before every level is drafted again; doubles after each
+        # such exploration that found no deeper count worth drafting (up to max_explore_after)
+        self.explore_interval = explore_after
+        self.explored_from: int | None = None  # the level count an exploration just replaced
         self.levels = self.max_levels  # levels the next step drafts
         self.verify_tables: dict[tuple[int, int], list[float]] = {}  # (prefix bucket, rows) -> seconds
         self.prefixes: list[int] = [0]  # per row: tokens in the sequence
@@ -425,7 +433,8 @@ class TreePlanner(BaseDrafter):
         """Learn what each level adds from this step's `rates` (gain_d = log(rate_d / rate_d-1), a
         running mean that moves halfway to a gain not priced for `explore_after` steps) and set the level
         count of the next step: the one with the largest summed gains, or every level when that is the
-        deepest drafted and a deeper level's gain is stale."""
+        deepest drafted and a deeper level's gain is stale (not priced for `explore_interval` steps:
+        `explore_after`, doubled after each exploration that found no deeper count worth drafting)."""
         for d in self.gain_age:
             self.gain_age[d] += 1
         for d in range(1, len(rates)):
@@ -441,11 +450,19 @@ class TreePlanner(BaseDrafter):
             total += self.level_gains[d]
             if total > best_total:
                 best, best_total = d, total
+        if self.explored_from is not None and drafted == self.max_levels:  # an exploration was priced
+            found = best > self.explored_from
+            self.explore_interval = (
+                self.explore_after if found else min(2 * self.explore_interval, self.max_explore_after)
+            )
+            self.explored_from = None
         stale = any(
-            self.gain_age.get(d, self.explore_after) >= self.explore_after
+            self.gain_age.get(d, self.explore_interval) >= self.explore_interval
             for d in range(best + 1, self.max_levels + 1)
         )
-        self.levels = self.max_levels if best == drafted < self.max_levels and stale else best
+        self.levels = best
+        if best == drafted < self.max_levels and stale:
+            self.levels, self.explored_from = self.max_levels, best
 
     def learned(self) -> dict:
         """What the pricer has learned so far, for reports: the step-cost line (rest of the step in ms,
