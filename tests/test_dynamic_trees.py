@@ -124,6 +124,35 @@ def test_calibration_per_group_starts_from_the_pooled_table_and_learns_its_own()
     assert float(cal.predict(torch.tensor([0.6]), [7])) == pytest.approx(by_group[2])  # the last group
 
 
+def test_calibration_equals_a_tensor_reference_on_random_observations():
+    gen = torch.Generator().manual_seed(0)
+    bins, groups, weight = 10, 5, 4.0
+    cal = AcceptanceCalibration(bins=bins, prior_weight=3.0, prior_scale=0.5, groups=2, group_weight=weight)
+    cal.reserve(groups)
+    edges = torch.linspace(0, 1, bins + 1)[1:-1].double()  # the reference: counts as float64 tensors
+    proposed = torch.full((bins,), 3.0, dtype=torch.float64)
+    accepted = 3.0 * 0.5 * ((torch.arange(bins, dtype=torch.float64) + 0.5) / bins)
+    g_proposed = torch.zeros(groups, bins, dtype=torch.float64)
+    g_accepted = torch.zeros(groups, bins, dtype=torch.float64)
+    for _ in range(20):
+        probs = torch.rand(30, generator=gen)  # float32, as the planner's
+        probs[:3] = torch.tensor([0.0, 1.0, 0.5])  # the ends and an inner edge
+        hits = torch.rand(30, generator=gen) < probs
+        g = torch.randint(0, groups + 2, (30,), generator=gen)  # past the last group: the last one
+        b, gc = torch.bucketize(probs.double().clamp(0, 1), edges), g.clamp(0, groups - 1)
+        pooled = accepted[b] / proposed[b]
+        expected = (g_accepted[gc, b] + weight * pooled) / (g_proposed[gc, b] + weight)
+        assert cal.predict_list(probs.tolist(), g.tolist()) == expected.tolist()
+        assert torch.equal(cal.predict(probs, g), expected) and torch.equal(cal.predict(probs), pooled)
+        cal.update_list(probs.tolist(), hits.tolist(), g.tolist())
+        proposed.index_add_(0, b, torch.ones(30, dtype=torch.float64))
+        accepted.index_add_(0, b, hits.double())
+        g_proposed.index_put_((gc, b), torch.ones(30, dtype=torch.float64), accumulate=True)
+        g_accepted.index_put_((gc, b), hits.double(), accumulate=True)
+        assert torch.equal(cal.proposed, proposed) and torch.equal(cal.accepted, accepted)
+        assert torch.equal(cal.group_proposed, g_proposed) and torch.equal(cal.group_accepted, g_accepted)
+
+
 @pytest.mark.parametrize("sequential", [False, True])
 def test_a_priced_planner_is_exact_and_shrinks_when_nodes_cost_too_much(sequential):
     model = tiny_model("llama")

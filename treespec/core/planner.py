@@ -235,7 +235,7 @@ class TreePlanner(BaseDrafter):
                     break
                 node = nxt
         if hits:
-            self.calibration.update(torch.tensor(seen_probs), torch.tensor(hits), seen_groups)
+            self.calibration.update_list(seen_probs, hits, seen_groups)
 
     def verified(self, tokens: torch.Tensor, top_tokens: torch.Tensor) -> None:
         """The whole verified tree goes to each source that asks, with the top-k it asked for."""
@@ -342,7 +342,7 @@ class TreePlanner(BaseDrafter):
         merged.node_probs, merged.groups = probs, groups
         if self.priced:  # calibrated acceptance of each node given its parent
             self.calibration.reserve(len(self.group_ids))
-            accept = self.calibration.predict(torch.tensor(probs), groups).tolist()
+            accept = self.calibration.predict_list(probs, groups)
         else:
             accept = probs
         values = [1.0] * len(probs)

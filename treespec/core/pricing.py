@@ -15,6 +15,8 @@ the decoder's batch steps decide on.
 
 from __future__ import annotations
 
+import array
+import bisect
 from collections import deque
 from collections.abc import Hashable, Sequence
 
@@ -31,7 +33,11 @@ class AcceptanceCalibration:
     With `groups` > 1 (e.g. one per drafting level: deeper heads and a lookup branch are calibrated
     differently), each group keeps its own counts per bin, starting from `group_weight`
     pseudo-observations at the pooled estimate of the bin (a group with few observations follows the
-    pooled table)."""
+    pooled table).
+
+    The counts are Python floats: a planner predicts and updates a few dozen nodes a step, where each
+    small tensor operation costs more than the arithmetic (`predict_list` / `update_list` are what it
+    calls; the tensor forms and attributes give the same numbers)."""
 
     def __init__(
         self,
@@ -41,50 +47,85 @@ class AcceptanceCalibration:
         groups: int = 1,
         group_weight: float = 4.0,
     ):
-        self.edges = torch.linspace(0, 1, bins + 1)[1:-1]  # [bins - 1] inner edges
-        centres = (torch.arange(bins, dtype=torch.float64) + 0.5) / bins  # [bins]
-        self.proposed = torch.full((bins,), prior_weight, dtype=torch.float64)
-        self.accepted = prior_weight * prior_scale * centres
+        # [bins - 1] inner edges, float32 values (a probability on an edge goes to the lower bin)
+        self.edges = torch.linspace(0, 1, bins + 1)[1:-1].double().tolist()
+        centres = [(b + 0.5) / bins for b in range(bins)]
+        self._proposed = [float(prior_weight)] * bins
+        self._accepted = [prior_weight * prior_scale * c for c in centres]
         self.group_weight = group_weight
-        self.group_proposed = torch.zeros(groups, bins, dtype=torch.float64)  # [groups, bins]
-        self.group_accepted = torch.zeros(groups, bins, dtype=torch.float64)
+        self._group_proposed = [[0.0] * bins for _ in range(groups)]  # [groups][bins]
+        self._group_accepted = [[0.0] * bins for _ in range(groups)]
+
+    # the counts as float64 tensors (copies): proposed / accepted [bins], group_* [groups, bins]
+    @property
+    def proposed(self) -> torch.Tensor:
+        return torch.tensor(self._proposed, dtype=torch.float64)
+
+    @property
+    def accepted(self) -> torch.Tensor:
+        return torch.tensor(self._accepted, dtype=torch.float64)
+
+    @property
+    def group_proposed(self) -> torch.Tensor:
+        return torch.tensor(self._group_proposed, dtype=torch.float64)
+
+    @property
+    def group_accepted(self) -> torch.Tensor:
+        return torch.tensor(self._group_accepted, dtype=torch.float64)
 
     def reserve(self, groups: int) -> None:
         """At least `groups` groups: new ones start with no observations of their own (the pooled table)."""
-        more = groups - self.group_proposed.shape[0]
-        if more > 0:
-            zeros = self.group_proposed.new_zeros(more, self.group_proposed.shape[1])
-            self.group_proposed = torch.cat([self.group_proposed, zeros])
-            self.group_accepted = torch.cat([self.group_accepted, zeros])
+        bins = len(self._proposed)
+        for _ in range(groups - len(self._group_proposed)):
+            self._group_proposed.append([0.0] * bins)
+            self._group_accepted.append([0.0] * bins)
 
-    def bin(self, probs: torch.Tensor) -> torch.Tensor:
-        return torch.bucketize(probs.double().clamp(0, 1), self.edges.double())  # [n]
+    def _bins(self, probs: Sequence[float]) -> list[int]:
+        """The bin of each probability, as a float32 value clamped to [0, 1]."""
+        return [bisect.bisect_left(self.edges, min(max(p, 0.0), 1.0)) for p in array.array("f", probs)]
 
-    def group(self, groups: torch.Tensor | Sequence[int]) -> torch.Tensor:
-        return torch.as_tensor(groups, dtype=torch.long).clamp(0, self.group_proposed.shape[0] - 1)  # [n]
+    def _groups(self, groups: Sequence[int]) -> list[int]:
+        last = len(self._group_proposed) - 1
+        return [min(max(int(g), 0), last) for g in groups]
+
+    def predict_list(self, probs: Sequence[float], groups: Sequence[int] | None = None) -> list[float]:
+        """probs [n] (and their groups [n]) -> calibrated acceptance probabilities [n]."""
+        bins = self._bins(probs)
+        pooled = [self._accepted[b] / self._proposed[b] for b in bins]
+        if groups is None:
+            return pooled
+        w = self.group_weight
+        return [
+            (self._group_accepted[g][b] + w * p) / (self._group_proposed[g][b] + w)
+            for g, b, p in zip(self._groups(groups), bins, pooled, strict=True)
+        ]
+
+    def update_list(
+        self, probs: Sequence[float], accepted: Sequence[bool], groups: Sequence[int] | None = None
+    ) -> None:
+        """probs [m] of nodes whose parent was accepted; accepted [m]: whether they were; groups [m]."""
+        bins = self._bins(probs)
+        for b, hit in zip(bins, accepted, strict=True):
+            self._proposed[b] += 1.0
+            self._accepted[b] += float(hit)
+        if groups is not None:
+            for g, b, hit in zip(self._groups(groups), bins, accepted, strict=True):
+                self._group_proposed[g][b] += 1.0
+                self._group_accepted[g][b] += float(hit)
 
     def predict(
         self, probs: torch.Tensor, groups: torch.Tensor | Sequence[int] | None = None
     ) -> torch.Tensor:
         """probs [n] (and their groups [n]) -> calibrated acceptance probabilities [n] (float64)."""
-        b = self.bin(probs)
-        pooled = self.accepted[b] / self.proposed[b]  # [n]
-        if groups is None:
-            return pooled
-        g, w = self.group(groups), self.group_weight
-        return (self.group_accepted[g, b] + w * pooled) / (self.group_proposed[g, b] + w)
+        groups = groups.tolist() if isinstance(groups, torch.Tensor) else groups
+        return torch.tensor(self.predict_list(probs.tolist(), groups), dtype=torch.float64)
 
     def update(
         self, probs: torch.Tensor, accepted: torch.Tensor, groups: torch.Tensor | Sequence[int] | None = None
     ) -> None:
         """probs [m] of nodes whose parent was accepted; accepted [m] bool: whether they were; groups [m]."""
-        b = self.bin(probs)
-        self.proposed.index_add_(0, b, torch.ones_like(b, dtype=torch.float64))
-        self.accepted.index_add_(0, b, accepted.double())
-        if groups is not None:
-            g = self.group(groups)
-            self.group_proposed.index_put_((g, b), torch.ones_like(b, dtype=torch.float64), accumulate=True)
-            self.group_accepted.index_put_((g, b), accepted.double(), accumulate=True)
+        groups = groups.tolist() if isinstance(groups, torch.Tensor) else groups
+        self.update_list(probs.tolist(), accepted.tolist(), groups)
 
 
 class DraftCosts:
