@@ -186,6 +186,8 @@ def check_invariants(t: Tree) -> None:
             assert t.choices[i - 1][-1] == int(t.rank[i]) and int(t.head[i]) == int(t.depth[i]) - 1
     assert t.ancestor_bits.shape == (n, (n + 63) // 64)
     assert torch.equal(unpack_bits(t.ancestor_bits, n), t.ancestor_mask)
+    assert torch.equal(t.ancestor_bits, pack_bits(t.ancestor_mask))  # the words pack_bits writes
+    assert t.ancestor_mask.dtype == torch.bool and t.leaf_paths.dtype == torch.long
 
     leaves = [i for i in range(n) if not t.children(i)]
     assert t.leaf_paths.shape == (len(leaves), t.max_depth + 1) == (t.num_leaves, t.max_depth + 1)

@@ -75,17 +75,21 @@ class Tree:
         self.head = self.depth - 1  # [N]
         self.rank = torch.tensor([p[-1] if p else 0 for p in paths], dtype=torch.long)  # [N]
 
-        mask = torch.eye(n, dtype=torch.bool)  # [N, N]
+        # node i's ancestors (itself included) as the bits of one Python int; parents come first, so
+        # theirs are complete. Then the bits as int64 words and the mask, each in one tensor call (a
+        # planner makes a new tree in many steps, and N small tensor operations cost more than a step's
+        # drafting arithmetic)
+        ancestors = [1]
         for i in range(1, n):
-            mask[i] |= mask[parent_list[i]]  # parents come first, so their rows are complete
-        self.ancestor_mask = mask
-        self.ancestor_bits = pack_bits(mask)  # [N, W]
+            ancestors.append(ancestors[parent_list[i]] | (1 << i))
+        words = (n + 63) // 64
+        bits = [[_signed64((a >> (64 * w)) & _WORD) for w in range(words)] for a in ancestors]
+        self.ancestor_bits = torch.tensor(bits, dtype=torch.long)  # [N, W]
+        self.ancestor_mask = unpack_bits(self.ancestor_bits, n)  # [N, N]
 
-        leaf_paths = torch.full((len(leaves), self.max_depth + 1), -1, dtype=torch.long)  # [L, D + 1]
-        for row, leaf in enumerate(leaves):
-            path = self.path_to(leaf)
-            leaf_paths[row, : len(path)] = torch.tensor(path)
-        self.leaf_paths = leaf_paths
+        width = self.max_depth + 1  # [L, D + 1] leaf paths, padded with -1
+        rows = [path + [-1] * (width - len(path)) for path in map(self.path_to, leaves)]
+        self.leaf_paths = torch.tensor(rows, dtype=torch.long).reshape(len(leaves), width)
 
     # ----- construction -----
 
@@ -345,6 +349,14 @@ def _acceptance_table(acceptance: Sequence[Sequence[float]]) -> list[list[float]
             if not 0.0 <= p <= 1.0:
                 raise ValueError(f"acceptance[{h}][{r}] = {p} is not a probability in [0, 1]")
     return table
+
+
+_WORD = (1 << 64) - 1
+
+
+def _signed64(word: int) -> int:
+    """A 64-bit word (0 <= word < 2**64) as the int64 with the same bits."""
+    return word - (1 << 64) if word >= 1 << 63 else word
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
