@@ -355,3 +355,25 @@ def test_killed_build_does_not_block_the_next(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_equals_torch_max_indices(dtype):
+    """ops.argmax_rows (greedy acceptance's argmax) gives x.max(dim=-1).indices on fresh random rows:
+    ties (small integer values), NaN (a row's first NaN wins), +-inf, rows of every length around the
+    kernel's 8- and 32-value rounds, views with strides, and more than one leading dimension."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    for trial in range(400):
+        V = int(torch.randint(1, 150, (), generator=gen))
+        x = torch.randint(-4, 5, (int(torch.randint(1, 6, (), generator=gen)), V), generator=gen).float()
+        if trial % 3 == 0:
+            x[torch.rand(x.shape, generator=gen) < 0.03] = float("nan")
+        if trial % 4 == 0:
+            x[torch.rand(x.shape, generator=gen) < 0.1] = float("inf")
+        if trial % 7 == 0:
+            x.fill_(float("-inf"))
+        x = x.to(dtype)
+        for view in (x, x[:, ::2], x.view(1, *x.shape)):
+            assert torch.equal(ops.argmax_rows(view), view.max(dim=-1).indices), (trial, view)
+    vocab = torch.randn(3, 49152, generator=gen).to(dtype)
+    assert torch.equal(ops.argmax_rows(vocab), vocab.max(dim=-1).indices)

@@ -29,6 +29,9 @@ Ops (namespace `torch.ops.treespec`, traceable by torch.compile through the fake
         call for all layers. In order means a move may read a slot an earlier move wrote; for a
         commit path (dst increasing, src[i] >= dst[i]) that never happens and the result equals
         gather-then-scatter.
+    argmax_rows(x) -> index
+        x [..., V] float32 or bfloat16 on the CPU -> int64 [...]: what x.max(dim=-1).indices gives (a
+        row's first NaN, else its first maximum), without torch's per-call cost (`argmax_rows` below).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ _SOURCES_CPU = (
     "native_step_cpu.cpp",
     "native_bindings.cpp",
     "int8_linear_cpu.cpp",
+    "argmax_cpu.cpp",
 )
 _SOURCES_CUDA = ("bindings_cuda.cpp", "tree_attention_cuda.cu")
 _HEADERS = (
@@ -157,6 +161,9 @@ def _register_fakes() -> None:
     def in_place(*args):  # writes into its arguments
         return None
 
+    def argmax(x):  # x [..., V] -> int64 [...]
+        return x.new_empty(x.shape[:-1], dtype=torch.long)
+
     fakes = {
         "tree_attention": attention,
         "tree_attention_rows": attention,
@@ -166,6 +173,7 @@ def _register_fakes() -> None:
         "commit_kv": in_place,
         "block_linear": linear,
         "exact_linear": linear,
+        "argmax_rows": argmax,
     }
     for name, fake in fakes.items():
         torch.library.register_fake(f"treespec::{name}", fake)
@@ -389,3 +397,12 @@ def commit_kv(
     if not isinstance(dst, torch.Tensor):
         dst = torch.tensor(dst, dtype=torch.long)
     torch.ops.treespec.commit_kv(list(keys), list(values), src, dst)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., V] -> int64 [...]: x.max(dim=-1).indices (the first maximum; a row's first NaN if it has
+    one), by the compiled op for float32 / bfloat16 CPU tensors when the extension is loaded (torch's max
+    over a 49k vocabulary costs ~100 us a row on a small CPU), else by torch."""
+    if x.device.type == "cpu" and x.dtype in CPU_DTYPES and x.shape[-1] > 0 and load():
+        return torch.ops.treespec.argmax_rows(x)
+    return x.max(dim=-1).indices
