@@ -14,6 +14,7 @@
 #include <tuple>
 #include <vector>
 
+#include "argmax.h"
 #include "native_step.h"
 
 namespace treespec {
@@ -207,7 +208,23 @@ struct NativeModel : torch::CustomClassHolder {
 
   // The lm_head over hidden states [..., hidden] in the model's dtype -> logits [..., vocab] in that dtype
   // (bf16 models: rounded to bf16, as the HF lm_head's output is).
-  at::Tensor logits(const at::Tensor& hidden) {
+  at::Tensor logits(const at::Tensor& hidden) { return lm_head_call(hidden, nullptr); }
+
+  // (logits, best): the logits and each row's argmax [...] (int64; what logits.max(dim=-1).indices gives),
+  // taken by the lm_head's tasks from the columns they computed (argmax.h).
+  std::tuple<at::Tensor, at::Tensor> logits_argmax(const at::Tensor& hidden) {
+    std::vector<int64_t> shape(hidden.sizes().begin(), hidden.sizes().end() - 1);
+    at::Tensor best = at::empty(shape, hidden.options().dtype(at::kLong));
+    at::Tensor out = lm_head_call(hidden, desc.bf16 ? nullptr : best.data_ptr<int64_t>());
+    if (desc.bf16) {  // the argmax of the rounded logits (rounding can tie values that differed)
+      const at::Tensor rounded = out.to(at::kFloat).contiguous();
+      const int64_t V = rounded.size(-1);
+      for (int64_t r = 0; r < best.numel(); ++r) best.data_ptr<int64_t>()[r] = row_max(rounded.data_ptr<float>() + r * V, 0, V).index;
+    }
+    return {out, best};
+  }
+
+  at::Tensor lm_head_call(const at::Tensor& hidden, int64_t* best) {
     const NativeModelDesc& m = desc;
     TORCH_CHECK(hidden.size(-1) == m.hidden && hidden.is_cpu() &&
                     hidden.scalar_type() == (m.bf16 ? at::kBFloat16 : at::kFloat),
@@ -217,12 +234,13 @@ struct NativeModel : torch::CustomClassHolder {
     shape.back() = lm_head.N;
     at::Tensor out = at::empty(shape, x.options());
     sync_threads();
+    int64_t* profile = profiling ? profile_ns.data() : nullptr;
     if (m.int8)
       native_int8_linear_cpu(lm_head_int8, x.data_ptr<float>(), x.numel() / m.hidden, logits_rows,
-                             out.data_ptr<float>(), 256, &governor, profiling ? profile_ns.data() : nullptr);
+                             out.data_ptr<float>(), 256, &governor, profile, best);
     else
       native_linear_cpu(lm_head, x.data_ptr<float>(), x.numel() / m.hidden, out.data_ptr<float>(), 256, &governor,
-                        profiling ? profile_ns.data() : nullptr);
+                        profile, best);
     return m.bf16 ? out.to(at::kBFloat16) : out;
   }
 
@@ -458,6 +476,7 @@ TORCH_LIBRARY_FRAGMENT(treespec, m) {
       .def("step", &treespec::NativeModel::step)
       .def("eagle_step", &treespec::NativeModel::eagle_step)
       .def("logits", &treespec::NativeModel::logits)
+      .def("logits_argmax", &treespec::NativeModel::logits_argmax)
       .def("set_profiling", &treespec::NativeModel::set_profiling)
       .def("profile", &treespec::NativeModel::profile);
   m.def("int8_linear(Tensor x, Tensor q, Tensor d, Tensor? m, Tensor? bias, int engine, int n0=0, int n1=-1) -> Tensor");

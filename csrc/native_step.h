@@ -130,12 +130,14 @@ struct NativeScratch {
 };
 
 void native_step_cpu(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s);
-// out[M, N] = x[M, K] @ w^T (+ bias) on the step's scheduler (the lm_head of the rows the caller reads)
+// out[M, N] = x[M, K] @ w^T (+ bias) on the step's scheduler (the lm_head of the rows the caller reads).
+// best: nullptr, or [M]: each row's argmax (argmax.h), each task taking the maximum of the columns it wrote
 void native_linear_cpu(const LinearWeights& w, const float* x, int64_t M, float* out, int64_t columns_per_task,
-                       ThreadGovernor* governor = nullptr, int64_t* profile_ns = nullptr);
+                       ThreadGovernor* governor = nullptr, int64_t* profile_ns = nullptr, int64_t* best = nullptr);
 // The same in int8 numerics: the rows quantized into `rows`, then int8_linear.h's kernel (columns_per_task a
 // multiple of 16)
 void native_int8_linear_cpu(const Int8Weights& w, const float* x, int64_t M, QuantRows& rows, float* out,
-                            int64_t columns_per_task, ThreadGovernor* governor = nullptr, int64_t* profile_ns = nullptr);
+                            int64_t columns_per_task, ThreadGovernor* governor = nullptr, int64_t* profile_ns = nullptr,
+                            int64_t* best = nullptr);
 
 }  // namespace treespec

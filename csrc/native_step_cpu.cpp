@@ -19,6 +19,7 @@
 #include <thread>
 #include <utility>
 
+#include "argmax.h"
 #include "exact.h"
 #include "native_step.h"
 #include "tree_attention.h"
@@ -424,24 +425,43 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
   }, a.governor, a.profile_ns);
 }
 
+// Columns [0, N) of out [M, N] in tasks of `columns` on the step's scheduler: columns_of(n0, n1) computes a
+// task's columns for every row; with best, the task then takes each row's maximum over them (argmax.h:
+// read while the task's core still holds them) and best[r] merges the tasks' in column order.
+template <class Columns>
+void logits_stage(int64_t M, int64_t N, float* out, int64_t columns, ThreadGovernor* governor, int64_t* profile_ns,
+                  int64_t* best, Columns columns_of) {
+  const int64_t tasks = (N + columns - 1) / columns;
+  std::vector<RowMax> maxima(best != nullptr ? M * tasks : 0);  // [M, tasks]
+  const std::vector<Stage> stages = {{StageKind::kLogits, 0, tasks}};
+  run_stages(stages, [&](const Stage&, int64_t t) {
+    const int64_t n0 = t * columns, n1 = std::min(N, n0 + columns);
+    columns_of(n0, n1);
+    if (best != nullptr)
+      for (int64_t r = 0; r < M; ++r) maxima[r * tasks + t] = row_max(out + r * N, n0, n1);
+  }, governor, profile_ns);
+  if (best == nullptr) return;
+  for (int64_t r = 0; r < M; ++r) {
+    RowMax row;
+    for (int64_t t = 0; t < tasks; ++t) merge_row_max(row, maxima[r * tasks + t]);
+    best[r] = row.index;
+  }
+}
+
 }  // namespace
 
 void native_linear_cpu(const LinearWeights& w, const float* x, int64_t M, float* out, int64_t columns_per_task,
-                       ThreadGovernor* governor, int64_t* profile_ns) {
-  const std::vector<Stage> stages = {{StageKind::kLogits, 0, (w.N + columns_per_task - 1) / columns_per_task}};
-  run_stages(stages, [&](const Stage&, int64_t t) {
-    linear_columns(w, x, M, out, w.N, t * columns_per_task, std::min(w.N, (t + 1) * columns_per_task));
-  }, governor, profile_ns);
+                       ThreadGovernor* governor, int64_t* profile_ns, int64_t* best) {
+  logits_stage(M, w.N, out, columns_per_task, governor, profile_ns, best,
+               [&](int64_t n0, int64_t n1) { linear_columns(w, x, M, out, w.N, n0, n1); });
 }
 
 void native_int8_linear_cpu(const Int8Weights& w, const float* x, int64_t M, QuantRows& rows, float* out,
-                            int64_t columns_per_task, ThreadGovernor* governor, int64_t* profile_ns) {
+                            int64_t columns_per_task, ThreadGovernor* governor, int64_t* profile_ns, int64_t* best) {
   rows.resize(M, w.K);
   for (int64_t r = 0; r < M; ++r) quantize_row(x + r * w.K, rows, r);
-  const std::vector<Stage> stages = {{StageKind::kLogits, 0, (w.N + columns_per_task - 1) / columns_per_task}};
-  run_stages(stages, [&](const Stage&, int64_t t) {
-    int8_columns(w, rows, M, out, w.N, t * columns_per_task, std::min(w.N, (t + 1) * columns_per_task));
-  }, governor, profile_ns);
+  logits_stage(M, w.N, out, columns_per_task, governor, profile_ns, best,
+               [&](int64_t n0, int64_t n1) { int8_columns(w, rows, M, out, w.N, n0, n1); });
 }
 
 void native_step_cpu(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {

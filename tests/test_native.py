@@ -142,6 +142,36 @@ def test_native_step_equals_the_hf_forward(arch, dtype, blocks):
             assert (logits.float() - expected.float()).abs().max().item() < tolerance * 10
 
 
+@pytest.mark.parametrize(
+    "dtype,blocks,int8",
+    [(torch.float32, False, False), (torch.bfloat16, False, False), (torch.float32, True, False),
+     (torch.float32, True, True)],
+)  # fmt: skip
+def test_logits_argmax_is_the_argmax_of_the_logits(dtype, blocks, int8):
+    """NativeStep.logits_argmax: the logits of `logits` and their max(dim=-1).indices, with the argmax
+    taken per lm_head task (256 columns) and merged: a vocabulary of several tasks, the largest logit
+    tied across tasks (equal lm_head rows), and a row of NaN (its first NaN, column 0)."""
+    shape = dict(hidden_size=128, num_attention_heads=4) if int8 else {}  # int8: sizes in 32s
+    seed = int(torch.randint(0, 10**6, ()))
+    model = _model("llama", torch.float32, blocks, seed=seed, vocab_size=1000, **shape)
+    hidden = torch.randn(3, 5, model.config.hidden_size)  # [A, N, H]
+    with torch.no_grad():  # rows 70, 300 and 900 (three tasks) equal, along hidden[1, 2]: its largest logit
+        weight = model.lm_head.weight
+        weight[[300, 900]] = weight[70] = 4 * hidden[1, 2] / hidden[1, 2].norm()
+    if blocks:
+        blockify(model)  # the tied rows quantized alike
+    model = model.to(dtype)
+    hidden = hidden.to(dtype)
+    hidden[2, 4] = float("nan")
+    with torch.inference_mode(), decoding_mode(model, "auto"):
+        native = NativeStep(model, int8=int8)
+        native.refresh()
+        logits, best = native.logits_argmax(hidden)
+        torch.testing.assert_close(logits, native.logits(hidden), rtol=0, atol=0, equal_nan=True)
+        assert best.dtype == torch.long and torch.equal(best, logits.max(dim=-1).indices)
+        assert best[1, 2] == 70 and best[2, 4] == 0
+
+
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_greedy_through_the_native_step_equals_hf_greedy(arch):
     model = tiny_model(arch, dtype=torch.float32, seed=2)

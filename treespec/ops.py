@@ -69,6 +69,7 @@ _HEADERS = (
     "exact.h",
     "vec.h",
     "native_step.h",
+    "argmax.h",
     "int8_linear.h",
 )
 

@@ -96,7 +96,12 @@ def accept_greedy(
     The deepest path whose every token is the base model's argmax after its prefix. Several children
     can carry the same token (e.g. a prompt-lookup branch beside the heads' guess): all are followed.
     """
-    best = argmax_rows(logits).tolist()  # [N]: max(dim=-1).indices, the first maximum on ties
+    return greedy_path(tokens, children, argmax_rows(logits).tolist())
+
+
+def greedy_path(tokens: list[int], children: list[list[int]], best: list[int]) -> tuple[list[int], int]:
+    """accept_greedy from best [N]: the base model's argmax after each node (max(dim=-1).indices, the
+    first maximum on ties)."""
 
     def deepest(node: int) -> list[int]:
         path = [node]
@@ -187,6 +192,31 @@ def accept_sampling(
         path.append(node)
 
 
+def greedy_rule(rule: str, config: SamplingConfig) -> bool:
+    """Whether `rule` accepts greedily under `config` (every rule does at temperature 0)."""
+    return rule == "greedy" or config.greedy
+
+
+def verify_rows(
+    rule: str,
+    tokens: list[list[int]],
+    children: list[list[int]],
+    logits: torch.Tensor,
+    config: SamplingConfig,
+    generator: torch.Generator | None = None,
+    best: torch.Tensor | None = None,
+) -> list[tuple[list[int], int]]:
+    """`verify` for each row of a batch (tokens [A][N], logits [A, N, V], one tree): greedy acceptance
+    takes every row's argmax in one call, or reads best [A, N] (logits.max(dim=-1).indices) when the
+    caller has it."""
+    if rule not in RULES:
+        raise ValueError(f"unknown acceptance rule {rule!r}; choose one of {RULES}")
+    if greedy_rule(rule, config):
+        best = (argmax_rows(logits) if best is None else best).tolist()  # [A][N]
+        return [greedy_path(row, children, b) for row, b in zip(tokens, best, strict=True)]
+    return [verify(rule, row, children, logits[a], config, generator) for a, row in enumerate(tokens)]
+
+
 def verify(
     rule: str,
     tokens: list[int],
@@ -196,10 +226,10 @@ def verify(
     generator: torch.Generator | None = None,
 ) -> tuple[list[int], int]:
     """Dispatch to one acceptance rule; returns (accepted path of node indices, bonus token)."""
-    if rule == "greedy" or (rule == "sampling" and config.greedy):
+    if rule not in RULES:
+        raise ValueError(f"unknown acceptance rule {rule!r}; choose one of {RULES}")
+    if greedy_rule(rule, config):
         return accept_greedy(tokens, children, logits)
     if rule == "sampling":
         return accept_sampling(tokens, children, logits, config, generator)
-    if rule == "typical":
-        return accept_typical(tokens, children, logits, config, generator=generator)
-    raise ValueError(f"unknown acceptance rule {rule!r}; choose one of {RULES}")
+    return accept_typical(tokens, children, logits, config, generator=generator)

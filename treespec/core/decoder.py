@@ -29,7 +29,7 @@ from functools import partial
 
 import torch
 
-from .acceptance import RULES, SamplingConfig, verify
+from .acceptance import RULES, SamplingConfig, greedy_rule, verify_rows
 from .attention import KERNELS, AttentionPlan, auto_kernel, require_exact_ops, tree_attention_enabled
 from .cache import CacheCapacityError, TreeKVCache
 from .compiled import CompiledForward
@@ -165,6 +165,16 @@ def synchronized_clock(device: torch.device) -> Callable[[], float]:
     return clock
 
 
+def last_hidden(hidden: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
+    """Each row's hidden state at the last node of its accepted path: hidden [A, N, H] -> [A, H] (a view
+    when every path ends at the same node, as in a plain step)."""
+    last = [p[-1] for p in paths]
+    if all(node == last[0] for node in last):
+        return hidden[:, last[0]]
+    index = torch.tensor(last, device=hidden.device)  # [A]
+    return hidden[torch.arange(len(paths), device=hidden.device), index]
+
+
 class Decoder:
     """Tree-speculative decoding of B sequences at once (B = 1: one) over one preallocated cache."""
 
@@ -235,6 +245,7 @@ class Decoder:
         self.hidden: torch.Tensor | None = None  # [A, H] at each live row's last committed token
         self.roots: torch.Tensor | None = None  # [A] each live row's next root token
         self.stats: list[GenerationStats] = []  # per cache row
+        self._in_mode = False  # inside `running()` (a loop holds the mode over its steps)
 
     def _step_kind(self, step: str, model, linears: str, compile: bool, own_scorer: bool) -> str:
         """ "native" or "hf": what `step` means for this model and these settings (refuses an impossible
@@ -258,9 +269,19 @@ class Decoder:
             raise ValueError(f'step="native" cannot run here: {reason}; use step="hf" (or "auto")')
         return "hf" if reason is not None else "native"
 
+    @contextlib.contextmanager
     def running(self):
-        """The model's mode for treespec's forwards (`decoding_mode`)."""
-        return decoding_mode(self.model, self.linears)
+        """The model's mode for treespec's forwards (`decoding_mode`); entered once when nested (a loop
+        that holds it over its steps pays for it once, not every step)."""
+        if self._in_mode:
+            yield
+            return
+        with decoding_mode(self.model, self.linears):
+            self._in_mode = True
+            try:
+                yield
+            finally:
+                self._in_mode = False
 
     def capacity(self, prompt_tokens: int, max_new_tokens: int, max_length: int | None = None) -> int:
         """Cache positions one sequence needs (`positions_needed`)."""
@@ -363,17 +384,19 @@ class Decoder:
             plan, children, depth = self.layout(tree)
             t1 = self.clock()
             hidden_tree, features = self._forward(rows, proposal.tokens, plan, depth)  # [A, N, H]
-            logits = self.logits(hidden_tree)  # [A, N, V]
+            best = None  # [A, N] the argmax after each node, when the lm_head takes it (greedy)
+            if self.native is not None and greedy_rule(self.acceptance, self.sampling):
+                logits, best = self.native.logits_argmax(hidden_tree)  # [A, N, V], [A, N]
+            else:
+                logits = self.logits(hidden_tree)  # [A, N, V]
             tokens = proposal.tokens.tolist()
-            verified = [
-                verify(self.acceptance, tokens[a], children, logits[a], self.sampling, self.generator)
-                for a in range(len(rows))
-            ]
+            verified = verify_rows(
+                self.acceptance, tokens, children, logits, self.sampling, self.generator, best
+            )
             paths, bonuses = [v[0] for v in verified], [v[1] for v in verified]
             t2 = self.clock()
             self.cache.commit(paths)
-            last = torch.tensor([p[-1] for p in paths], device=self.device)  # [A]
-            self.hidden = hidden_tree[torch.arange(len(rows), device=self.device), last]  # [A, H]
+            self.hidden = last_hidden(hidden_tree, paths)  # [A, H]
             self.roots = torch.tensor(bonuses, device=self.device)  # [A]
             t3 = self.clock()
         committed = [[tokens[a][i] for i in p[1:]] + [bonuses[a]] for a, p in enumerate(paths)]

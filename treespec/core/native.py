@@ -246,6 +246,11 @@ class NativeStep:
         """The lm_head over hidden [..., H] -> logits [..., V], on the native step's threads."""
         return self._native.logits(hidden)
 
+    def logits_argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [..., V], their argmax [...]): what `logits` and logits.max(dim=-1).indices give, the
+        argmax taken by the lm_head's tasks from the columns they just computed."""
+        return self._native.logits_argmax(hidden)
+
     def _bind(self, cache) -> None:
         """Bind the cache's tensors and size the rotary tables for its capacity (when either changed)."""
         if self._native is None:
