@@ -127,18 +127,18 @@ def test_repeated_generations_do_not_grow_memory(smollm2, monkeypatch):
     # the check has power: keeping each generation's last logits ([nodes, V] float32; 3 MiB with the
     # shipped 16-node tree), twice over in float64 (12 MiB), must fail it
     kept: list[torch.Tensor] = []
-    logits = treespec.Decoder.logits  # every verification's logits pass here (native step or HF forward)
+    verified_logits = treespec.Decoder.verified_logits  # every verification's logits pass here
 
     def keeping(self, hidden):
-        out = logits(self, hidden)
+        out, best = verified_logits(self, hidden)
         kept[-1] = out.detach().double().repeat(2, 1, 1)
-        return out
+        return out, best
 
     def leaky():
         kept.append(None)
         generate()
 
-    monkeypatch.setattr(treespec.Decoder, "logits", keeping)
+    monkeypatch.setattr(treespec.Decoder, "verified_logits", keeping)
     leaked = _soak(leaky, runs=3)
     monkeypatch.undo()
     per_generation = sum(t.numel() * t.element_size() for t in kept[1:]) / (len(kept) - 1) / MIB

@@ -384,11 +384,7 @@ class Decoder:
             plan, children, depth = self.layout(tree)
             t1 = self.clock()
             hidden_tree, features = self._forward(rows, proposal.tokens, plan, depth)  # [A, N, H]
-            best = None  # [A, N] the argmax after each node, when the lm_head takes it (greedy)
-            if self.native is not None and greedy_rule(self.acceptance, self.sampling):
-                logits, best = self.native.logits_argmax(hidden_tree)  # [A, N, V], [A, N]
-            else:
-                logits = self.logits(hidden_tree)  # [A, N, V]
+            logits, best = self.verified_logits(hidden_tree)  # [A, N, V], [A, N] or None
             tokens = proposal.tokens.tolist()
             verified = verify_rows(
                 self.acceptance, tokens, children, logits, self.sampling, self.generator, best
@@ -416,6 +412,13 @@ class Decoder:
             rows, tokens, probs, tree, proposal.expected_accept, paths, committed, bonuses,
             t_draft, t2 - t1, t3 - t2,
         )  # fmt: skip
+
+    def verified_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A verification's logits [A, N, V] (every step's pass here) and, when the native lm_head takes
+        it (greedy acceptance), their argmax [A, N] (else None)."""
+        if self.native is not None and greedy_rule(self.acceptance, self.sampling):
+            return self.native.logits_argmax(hidden)
+        return self.logits(hidden), None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The base model's logits of verified hidden states [..., H] -> [..., V] (the native step's own
