@@ -18,6 +18,9 @@ struct RowMax {
 // The RowMax of columns [n0, n1) of one row (x points at the row's column 0).
 RowMax row_max(const float* x, int64_t n0, int64_t n1);
 
+// index[r] = the argmax of row r of x [rows, V] (row_max over every column), for r < rows; rows in parallel.
+void rows_argmax(const float* x, int64_t rows, int64_t V, int64_t* index);
+
 // into covers columns before later's: the RowMax of both ranges (earlier columns win ties).
 inline void merge_row_max(RowMax& into, const RowMax& later) {
   if (later.index < 0 || into.nan) return;

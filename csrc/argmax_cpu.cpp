@@ -72,6 +72,13 @@ RowMax row_max(const float* x, int64_t n0, int64_t n1) {
   return out;
 }
 
+void rows_argmax(const float* x, int64_t rows, int64_t V, int64_t* index) {
+  // a row is a few microseconds: threads only for many rows
+  at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) index[r] = row_max(x + r * V, 0, V).index;
+  });
+}
+
 namespace {
 
 at::Tensor argmax_rows(const at::Tensor& x) {
@@ -84,12 +91,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   const int64_t V = xf.size(-1), rows = xf.numel() / V;
   std::vector<int64_t> shape(xf.sizes().begin(), xf.sizes().end() - 1);
   at::Tensor out = at::empty(shape, xf.options().dtype(at::kLong));
-  const float* data = xf.data_ptr<float>();
-  int64_t* index = out.data_ptr<int64_t>();
-  // a row is a few microseconds: threads only for many rows
-  at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) index[r] = row_max(data + r * V, 0, V).index;
-  });
+  rows_argmax(xf.data_ptr<float>(), rows, V, out.data_ptr<int64_t>());
   return out;
 }
 

@@ -218,8 +218,7 @@ struct NativeModel : torch::CustomClassHolder {
     at::Tensor out = lm_head_call(hidden, desc.bf16 ? nullptr : best.data_ptr<int64_t>());
     if (desc.bf16) {  // the argmax of the rounded logits (rounding can tie values that differed)
       const at::Tensor rounded = out.to(at::kFloat).contiguous();
-      const int64_t V = rounded.size(-1);
-      for (int64_t r = 0; r < best.numel(); ++r) best.data_ptr<int64_t>()[r] = row_max(rounded.data_ptr<float>() + r * V, 0, V).index;
+      rows_argmax(rounded.data_ptr<float>(), best.numel(), rounded.size(-1), best.data_ptr<int64_t>());
     }
     return {out, best};
   }
