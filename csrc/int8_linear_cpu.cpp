@@ -4,7 +4,8 @@
 // instruction; one lane per weight row of a 16-row group), AVX2 (`vpmaddubsw` on each quarter of a panel,
 // 8 lanes; a panel's four quarters in one pass over its records: Q4_1 sums a block's 16-bit pair sums and
 // widens them once with `vpmaddwd`; Q8 weights go through the sign trick, |q| * sign(x, q), so no 16-bit
-// sum saturates, and widen every pair sum) and the scalar
+// sum saturates, and widen every pair sum; from 2 rows a group of 16 weight rows at a time, Q8 split into
+// nibbles) and the scalar
 // reference. All compute each output with the same float operations in the same order (the integer sums
 // are exact), so they agree bit for bit. The VNNI tile is R rows x one panel of 32 weight rows: each
 // weight chunk is loaded (and unpacked) once for its R rows.
@@ -266,11 +267,34 @@ constexpr int64_t kAheadAvx2 = 4;
 // 1-3 rows unchanged. The integer sums are exact, so the bits do not change.
 inline void keep_in_register(__m256i& v) { asm volatile("" : "+x"(v)); }
 
+// out[r * ldo + 32p + l] (+ bias) for the lanes l of quarters c0 .. c0 + Q - 1 of panel p in [lo, hi) (hi <= N - 32p):
+// acc[r][c] holds lanes 8 (c0 + c) .. 8 (c0 + c) + 7 of row r.
+template <int R, int Q>
+void store_lanes(const Int8Weights& w, int64_t p, int c0, const __m256 (&acc)[R][Q], float* out, int64_t ldo, int lo,
+                 int hi) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int c = 0; c < Q; ++c) {
+    const __m256i l = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * (c0 + c)));
+    const __m256i mask =
+        _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(lo), l), _mm256_cmpgt_epi32(_mm256_set1_epi32(hi), l));
+    if (_mm256_testz_si256(mask, mask)) continue;
+    const int64_t first = p * Int8Weights::kPanel + 8 * (c0 + c);
+    __m256 bias = _mm256_setzero_ps();
+    if (w.bias != nullptr) bias = _mm256_maskload_ps(w.bias + first, mask);
+    for (int r = 0; r < R; ++r) {
+      __m256 v = acc[r][c];
+      if (w.bias != nullptr) v = _mm256_add_ps(v, bias);
+      _mm256_maskstore_ps(out + r * ldo + first, mask, v);
+    }
+  }
+}
+
 // R rows of x (from r0) against the 32 weight rows of panel p, in one pass over the panel's records (so the
 // weights stream sequentially): out[r * ldo + 32p + l] for the lanes l in [lo, hi) below N. Per block, each
 // quarter (8 weight rows: group c / 2, half c % 2) is one 8-lane vector of integer sums per row, then the
 // block's float step:  acc = fma(float(isum), xd * d, acc)  (+ fma(xd * xsum, m, acc) for Q4_1).
 // fetch: ask for the records kAheadAvx2 ahead (the first row tile of a panel; the others find it in L1).
+// It serves one-row tiles (from 2 rows panel_groups_avx2 below is faster; the results are the same bits).
 template <int R, bool Q4>
 void panel_avx2(const Int8Weights& w, int64_t p, const QuantRows& x, int64_t r0, float* out, int64_t ldo, int lo,
                 int hi, bool fetch) {
@@ -338,35 +362,114 @@ void panel_avx2(const Int8Weights& w, int64_t p, const QuantRows& x, int64_t r0,
     }
   }
   hi = static_cast<int>(std::min<int64_t>(hi, w.N - p * Int8Weights::kPanel));
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (int c = 0; c < 4; ++c) {  // lanes 8c .. 8c + 7 of the panel, those in [lo, hi)
-    const __m256i l = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * c));
-    const __m256i mask =
-        _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(lo), l), _mm256_cmpgt_epi32(_mm256_set1_epi32(hi), l));
-    if (_mm256_testz_si256(mask, mask)) continue;
-    const int64_t first = p * Int8Weights::kPanel + 8 * c;
-    __m256 bias = _mm256_setzero_ps();
-    if (w.bias != nullptr) bias = _mm256_maskload_ps(w.bias + first, mask);
-    for (int r = 0; r < R; ++r) {
-      __m256 v = acc[r][c];
-      if (w.bias != nullptr) v = _mm256_add_ps(v, bias);
-      _mm256_maskstore_ps(out + r * ldo + first, mask, v);
+  store_lanes<R, 4>(w, p, 0, acc, out, ldo, lo, hi);
+}
+
+// R rows of x (from r0) against panel p in one pass over its records, a block's two groups of 16 weight rows
+// one after the other: each weight vector is unpacked once for the R rows, and each row's activations are
+// broadcast once for the two quarters of a group (the kernel above broadcasts them for each quarter and keeps
+// a row's four quarters' integer sums apart). The float steps are the kernel above's, so are the bits.
+// Q8 here splits each stored byte (q + 128) into nibbles, like a Q4_1 byte: isum = 16 * high + low - 128 * xsum,
+// each nibble's 16-bit pair sums summed over the block (|sum| <= 16 * 15 * 127), which spares the sign trick's
+// per-row `vpsignb`. Measured on the 2-core Zen 3 EPYC, one thread, cycles per (row, block, panel), the kernel
+// above -> this one: weights in L2, Q4_1 2 rows 61 -> 46, 4 rows 50 -> 39, 16 rows 48 -> 37; Q8 88 -> 68-73;
+// weights from memory (16384 x 1536 Q4_1): 2 rows 63 -> 51, 4 rows 50 -> 41, 16 rows 50 -> 38. (Two passes,
+// one per group, ran ~32 in L2 at 4 rows but lost to the kernel above at 2 rows from memory.)
+// fetch: ask for the records kAheadAvx2 ahead (the first row tile of a panel).
+// (Not inlined: inlined into the tile switch, gcc allocated its registers worse, ~38 against ~32 in L2.)
+template <int R, bool Q4>
+__attribute__((noinline)) void panel_groups_avx2(const Int8Weights& w, int64_t p, const QuantRows& x, int64_t r0,
+                                                 float* out, int64_t ldo, int lo, int hi, bool fetch) {
+  constexpr int64_t kQuant = Q4 ? 256 : 512;  // quant bytes of one group in a record
+  constexpr int kChunks = Q4 ? 4 : 8;         // 64-byte chunks of a group's quants
+  constexpr int kSums = Q4 ? 1 : 2;           // 16-bit sums per (row, quarter): Q8 keeps its nibbles apart
+  const int64_t blocks = w.blocks, record = w.record;
+  const uint8_t* end = w.at(w.panels, 0);
+  hi = static_cast<int>(std::min<int64_t>(hi, w.N - p * Int8Weights::kPanel));
+  const int8_t* xq[R];
+  for (int r = 0; r < R; ++r) xq[r] = x.q.data() + (r0 + r) * x.K;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1), sixteens = _mm256_set1_epi16(16);
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
+  const uint8_t* rec = w.at(p, 0);
+  for (int64_t b = 0; b < blocks; ++b, rec += record) {
+    for (int g = 0; g < 2; ++g) {
+      if (fetch && g == 0)
+        for (const uint8_t* line = rec + kAheadAvx2 * record; line < rec + (kAheadAvx2 + 1) * record && line < end;
+             line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+      const uint8_t* quants = rec + g * kQuant;
+      __m256i sums[R][2][kSums];
+#pragma GCC unroll 8
+      for (int j = 0; j < kChunks; ++j) {
+        __m256i q_lo[2], q_hi[2];  // the two quarters' nibbles
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(quants + 64 * j + 32 * h));
+          q_lo[h] = _mm256_and_si256(v, low);
+          q_hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        }
+        for (int r = 0; r < R; ++r) {
+          const int32_t* x4 = reinterpret_cast<const int32_t*>(xq[r] + 32 * b);
+          if constexpr (Q4) {  // chunk j: low nibbles k = 8j .. 8j + 3, high nibbles k = 8j + 4 .. 8j + 7
+            const __m256i x_lo = _mm256_set1_epi32(x4[2 * j]), x_hi = _mm256_set1_epi32(x4[2 * j + 1]);
+            for (int h = 0; h < 2; ++h) {
+              const __m256i both =
+                  _mm256_add_epi16(_mm256_maddubs_epi16(q_lo[h], x_lo), _mm256_maddubs_epi16(q_hi[h], x_hi));
+              sums[r][h][0] = j == 0 ? both : _mm256_add_epi16(sums[r][h][0], both);
+              keep_in_register(sums[r][h][0]);
+            }
+          } else {  // chunk j: both nibbles of k = 4j .. 4j + 3
+            const __m256i xv = _mm256_set1_epi32(x4[j]);
+            for (int h = 0; h < 2; ++h) {
+              const __m256i high = _mm256_maddubs_epi16(q_hi[h], xv), lower = _mm256_maddubs_epi16(q_lo[h], xv);
+              sums[r][h][0] = j == 0 ? high : _mm256_add_epi16(sums[r][h][0], high);
+              sums[r][h][1] = j == 0 ? lower : _mm256_add_epi16(sums[r][h][1], lower);
+              keep_in_register(sums[r][h][0]);
+              keep_in_register(sums[r][h][1]);
+            }
+          }
+        }
+      }
+      const uint16_t* scales = reinterpret_cast<const uint16_t*>(rec + 2 * kQuant) + 16 * g;
+      for (int h = 0; h < 2; ++h) {
+        const __m256 wd = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(scales + 8 * h)));
+        __m256 wm = _mm256_setzero_ps();
+        if constexpr (Q4) wm = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(scales + 32 + 8 * h)));
+        for (int r = 0; r < R; ++r) {
+          const int64_t xb = (r0 + r) * x.blocks + b;
+          __m256i isum;
+          if constexpr (Q4) {
+            isum = _mm256_madd_epi16(sums[r][h][0], ones);
+          } else {
+            isum = _mm256_add_epi32(_mm256_madd_epi16(sums[r][h][0], sixteens), _mm256_madd_epi16(sums[r][h][1], ones));
+            isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(128 * x.sum[xb]));
+          }
+          const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(x.d[xb]), wd);
+          acc[r][2 * g + h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[r][2 * g + h]);
+          if constexpr (Q4) acc[r][2 * g + h] = _mm256_fmadd_ps(_mm256_set1_ps(x.dsum[xb]), wm, acc[r][2 * g + h]);
+        }
+      }
     }
   }
+  store_lanes<R, 4>(w, p, 0, acc, out, ldo, lo, hi);
 }
 
 constexpr int kRowsAvx2 = 4;  // rows per tile at most (4 x 4 accumulators)
 
-// Columns [n0, n1) (for_panel_tiles); a panel's first tile asks for the records ahead.
+// Columns [n0, n1) (for_panel_tiles): one-row tiles in panel_avx2 (a one-row step streams the weights from
+// memory, where that kernel keeps up), tiles of 2 to 4 rows in panel_groups_avx2; a panel's first tile asks
+// for the records ahead.
 template <bool Q4>
 void columns_avx2(const Int8Weights& w, const QuantRows& x, int64_t M, float* out, int64_t ldo, int64_t n0, int64_t n1) {
   auto tile = [&](int64_t p, int lo, int hi, int64_t r, int64_t rows, int64_t t, int64_t) {
     float* o = out + r * ldo;
     switch (rows) {
       case 1: panel_avx2<1, Q4>(w, p, x, r, o, ldo, lo, hi, t == 0); break;
-      case 2: panel_avx2<2, Q4>(w, p, x, r, o, ldo, lo, hi, t == 0); break;
-      case 3: panel_avx2<3, Q4>(w, p, x, r, o, ldo, lo, hi, t == 0); break;
-      default: panel_avx2<kRowsAvx2, Q4>(w, p, x, r, o, ldo, lo, hi, t == 0); break;
+      case 2: panel_groups_avx2<2, Q4>(w, p, x, r, o, ldo, lo, hi, t == 0); break;
+      case 3: panel_groups_avx2<3, Q4>(w, p, x, r, o, ldo, lo, hi, t == 0); break;
+      default: panel_groups_avx2<kRowsAvx2, Q4>(w, p, x, r, o, ldo, lo, hi, t == 0); break;
     }
   };
   for_panel_tiles(M, n0, n1, kRowsAvx2, tile);

@@ -78,6 +78,38 @@ def test_int8_kernel_equals_its_reference_and_is_row_invariant(kind, N, K, M):
     assert float((fast - exact).norm() / exact.norm()) < 0.02
 
 
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_int8_kernel_sums_extreme_blocks_exactly(kind):
+    """The largest weights against the largest activations of either sign: the SIMD kernels sum bytes in
+    16-bit lanes first, so a sum that saturated there would differ from the reference's integers."""
+    N, K, M = 64, 96, 9
+    gen = torch.Generator().manual_seed(11)
+    if kind == "q4_1":
+        q = torch.full((N, K // 2), 0xFF, dtype=torch.uint8)  # every nibble 15
+        q[N // 2 :] = torch.randint(0, 256, (N // 2, K // 2), dtype=torch.uint8, generator=gen)
+        m = torch.full((N, K // 32), -0.5).half()
+    else:
+        q = torch.full((N, K), 127, dtype=torch.int8)
+        q[N // 4 : N // 2] = -127
+        q[N // 2 :] = torch.randint(-127, 128, (N // 2, K), dtype=torch.int8, generator=gen)
+        m = None
+    d = torch.full((N, K // 32), 0.01).half()
+    x = torch.ones(M, K) * torch.tensor([1.0, -1.0, 3.0, -2.0, 1.0, -1.0, 0.5, 2.0, -4.0])[:, None]
+    x[1, ::2] = -x[1, ::2]  # alternating signs: a pair of opposite products
+    reference = torch.ops.treespec.int8_linear(x, q, d, m, None, REFERENCE)
+    for engine in torch.ops.treespec.int8_engines():
+        for rows in (1, 2, 3, 4, M):  # tiles of every size the kernels have (9 rows: three of 3)
+            fast = torch.ops.treespec.int8_linear(x[:rows].clone(), q, d, m, None, engine)
+            assert torch.equal(fast, reference[:rows]), (engine, rows)
+    if kind == "q4_1":
+        lo, hi = (q & 15).view(N, K // 32, 16), (q >> 4).view(N, K // 32, 16)
+        values = torch.cat([lo, hi], dim=-1).float() * d.float()[..., None] + m.float()[..., None]
+    else:
+        values = q.float().view(N, K // 32, 32) * d.float()[..., None]
+    exact = x @ values.view(N, K).T  # these activations quantize without error
+    assert torch.allclose(reference, exact, rtol=1e-5, atol=1e-3)
+
+
 def test_this_build_has_the_simd_engines_of_its_cpu():
     engines = torch.ops.treespec.int8_engines()
     cpuinfo = Path("/proc/cpuinfo")
