@@ -125,6 +125,9 @@ def test_activations_quantize_as_defined():
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(5, 96, generator=gen) * 3
     x[1, 32:64] = 0.0
+    x[2, :32] = torch.arange(32) - 15.5  # halves: with amax 127 (below) every one is a tie
+    x[2, 0] = 127.0  # the block scales by exactly 1, so ties round to even
+    x[2, 1:8] = torch.tensor([2.5, -3.5, 0.5, -0.5, 1.5, 126.5, -126.5])
     q, d, s = torch.ops.treespec.int8_quantize(x)
     blocks = x.view(5, 3, 32)
     amax = blocks.abs().amax(-1)  # [5, 3]
@@ -134,6 +137,7 @@ def test_activations_quantize_as_defined():
     assert torch.equal(q, expected)
     assert torch.equal(s, expected.view(5, 3, 32).sum(-1, dtype=torch.int32))
     assert q.abs().max() == 127 and torch.equal(q[1, 32:64], torch.zeros(32, dtype=torch.int8))
+    assert q[2, 1:8].tolist() == [2, -4, 0, 0, 2, 126, -126]
 
 
 def test_dense_weights_become_q8_blocks_within_half_a_step():
