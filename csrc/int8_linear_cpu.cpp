@@ -372,7 +372,7 @@ void panel_avx2(const Int8Weights& w, int64_t p, const QuantRows& x, int64_t r0,
 // Q8 here splits each stored byte (q + 128) into nibbles, like a Q4_1 byte: isum = 16 * high + low - 128 * xsum,
 // each nibble's 16-bit pair sums summed over the block (|sum| <= 16 * 15 * 127), which spares the sign trick's
 // per-row `vpsignb`. Measured on the 2-core Zen 3 EPYC, one thread, cycles per (row, block, panel), the kernel
-// above -> this one: weights in L2, Q4_1 2 rows 61 -> 46, 4 rows 50 -> 39, 16 rows 48 -> 37; Q8 88 -> 68-73;
+// above -> this one: weights in L2, Q4_1 2 rows 61 -> 46, 4 rows 50 -> 39, 16 rows 48 -> 37; Q8 71-86 -> 68-74;
 // weights from memory (16384 x 1536 Q4_1): 2 rows 63 -> 51, 4 rows 50 -> 41, 16 rows 50 -> 38. (Two passes,
 // one per group, ran ~32 in L2 at 4 rows but lost to the kernel above at 2 rows from memory.)
 // fetch: ask for the records kAheadAvx2 ahead (the first row tile of a panel).
