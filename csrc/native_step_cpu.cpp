@@ -85,7 +85,7 @@ __attribute__((noinline, noclone)) void silu_vectors(const float* g, float* s, i
 
 // out[j] = silu(g[j]) * u[j] for j < count (bf16 models: g, u, the silu and the product rounded to bf16, as
 // HF's bf16 tensors hold them). float32: whole vectors straight from g into out, then the products (the
-// per-element copies of the bf16 path cost ~3.5 ns an element, ~6% of an int8 prefill); a last partial vector
+// per-element copies of the bf16 path cost ~3.5 ns an element, ~5% of an int8 prefill); a last partial vector
 // and bf16 rows go through a VL-lane buffer (lanes past count compute on zeros).
 inline void silu_times(const float* g, const float* u, float* out, int64_t count, bool bf16) {
   int64_t j = 0;
@@ -228,8 +228,8 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
       if (a.feature_layers[f] == index) store_row<T>(src, static_cast<T*>(a.features) + r * F + f * H, H);
   };
   // columns per linear task: wider for the few rows of a plain step or a small tree (longer weight streams
-  // per task, fewer tasks to hand out), kTaskColumns otherwise. No output depends on it (the kernels are row-invariant
-  // whichever columns a call covers).
+  // per task, fewer tasks to hand out), kTaskColumns otherwise. No output depends on it (the kernels are
+  // row-invariant whichever columns a call covers).
   const int64_t task_columns = M <= kWideRows ? kWideTaskColumns : kTaskColumns;
   auto column_tasks = [&](int64_t N) { return (N + task_columns - 1) / task_columns; };
   // the q, k, v columns as one stage: task t covers columns of q, then k, then v
