@@ -29,11 +29,14 @@ namespace treespec {
 namespace {
 
 constexpr int64_t kTaskColumns = 32;
-constexpr int64_t kWideTaskColumns = 64;  // ... for steps of at most kWideRows rows
-// Up to 4 rows (small trees): with 64 columns a task's columns are whole heads, so rotary runs in the q/k/v
-// tasks (no rotary stage); on the 2-core Zen 3 EPYC int8 steps of 3 / 4 nodes cost ~3% less than with 32
-// (the setting alternated, three runs of scripts/step_profile.py).
-constexpr int64_t kWideRows = 4;
+constexpr int64_t kWideTaskColumns = 64;  // ... for steps of at most kWideRows (int8: kWideRowsInt8) rows
+constexpr int64_t kWideRows = 2;
+// int8 up to 4 rows (small trees): with 64 columns a task's columns are whole heads, so rotary runs in the
+// q/k/v tasks (no rotary stage). On the 2-core Zen 3 EPYC (the setting alternated, three runs of
+// scripts/step_profile.py each) int8 steps of 3 / 4 nodes cost ~3% less than with 32 columns, while the
+// linears of float32 4-node steps (compute-bound float kernels: 9 tasks of 64 columns balance worse on 2
+// threads) cost 3-14% more.
+constexpr int64_t kWideRowsInt8 = 4;
 constexpr int kQueryTile = 8;  // query tokens per attention task of the row-invariant kernel
 
 inline float round_to(float x, bool bf16) { return bf16 ? bf16_to_float(float_to_bf16(x)) : x; }
@@ -230,7 +233,7 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
   // columns per linear task: wider for the few rows of a plain step or a small tree (longer weight streams
   // per task, fewer tasks to hand out), kTaskColumns otherwise. No output depends on it (the kernels are
   // row-invariant whichever columns a call covers).
-  const int64_t task_columns = M <= kWideRows ? kWideTaskColumns : kTaskColumns;
+  const int64_t task_columns = M <= (m.int8 ? kWideRowsInt8 : kWideRows) ? kWideTaskColumns : kTaskColumns;
   auto column_tasks = [&](int64_t N) { return (N + task_columns - 1) / task_columns; };
   // the q, k, v columns as one stage: task t covers columns of q, then k, then v
   const int64_t q_tasks = column_tasks(qw), k_tasks = column_tasks(kw);
