@@ -100,20 +100,24 @@ void for_panel_tiles(int64_t M, int64_t n0, int64_t n1, int64_t max_rows, Tile t
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define TREESPEC_INT8_VNNI 1
 
-// Software prefetch of the weight stream (into L2). The records of a task's columns are one sequential run:
-// - a panel computed in one tile (at most kTileRows rows; memory-bound at one row): the tile keeps
-//   kAhead bytes of the stream in flight ahead of its loads. Measured on a Zen 4 EPYC, one thread, weights
-//   from DRAM: Q8 (the lm_head) streams faster with 2 KB ahead; Q4_1 streamed fastest with none (the
-//   hardware prefetcher follows it alone; 1-8 KB ahead cost 5-15%).
-// - a panel computed in several tiles (compute-bound): the next panel of the matrix is asked for while this
-//   one computes, each tile a share of its lines, so that its first tile finds it in L2.
-template <bool Q4>
-constexpr int64_t kAhead = Q4 ? 0 : 2048;
+// Software prefetch of the weight stream (into L2). The records of a task's columns are one sequential run.
+// Measured on a Zen 4 EPYC, weights from DRAM, old and new alternated in one process:
+// - one row (memory-bound): Q8 (the lm_head) streams fastest with 2 KB ahead of the loads and Q4_1 with
+//   none (the hardware prefetcher follows it alone; 1-8 KB ahead cost 5-15%, one thread).
+// - several rows compute long enough per record that the hardware prefetcher falls behind: a panel's first
+//   row tile keeps 4 KB of the stream in flight ahead of its loads (its other tiles find the panel in L1 /
+//   L2). A step's Q4_1 linears (2 threads, tasks as the native step's) took 0.72-0.89x the time at 2-6 rows
+//   (one tile) than with the hardware prefetcher alone, 0.83-0.87x at 7-16 rows (several tiles) than when
+//   each tile asked for a share of the next panel; the lm_head 0.82-0.92x at 3-6 rows.
+// - Q8 in several tiles (the lm_head from 7 rows) keeps asking for the next panel while this one computes,
+//   each tile a share of its lines: streaming ahead cost it 1.09-1.16x at 7-12 rows.
+template <int R, bool Q4>
+constexpr int64_t kAhead = R > 1 ? 4096 : (Q4 ? 0 : 2048);
 
 struct Prefetch {
-  const uint8_t* end = nullptr;   // the end of the task's stream (nothing at or past it is asked for)
-  const uint8_t* next = nullptr;  // several tiles: the next panel's first record (nullptr: none in the task)
-  int part = 0, parts = 0;        // ... this tile's share of each record's lines: [lines * part / parts, ...)
+  const uint8_t* end = nullptr;   // nothing at or past it is asked for
+  const uint8_t* next = nullptr;  // Q8 in several tiles: the next panel's first record (else: stream ahead)
+  int part = 0, parts = 1;        // ... this tile's share of each record's lines: [lines * part / parts, ...)
 };
 
 inline void prefetch_lines(const uint8_t* from, const uint8_t* to, const uint8_t* end) {
@@ -144,17 +148,16 @@ void panel_tile(const Int8Weights& w, int64_t p, const QuantRows& x, int64_t r0,
     xdsum[r] = x.dsum.data() + (r0 + r) * x.blocks;
     xsum[r] = x.sum.data() + (r0 + r) * x.blocks;
   }
-  const bool ahead = pf.parts == 1 && kAhead<Q4> > 0;
-  if (ahead) prefetch_lines(rec, rec + kAhead<Q4>, pf.end);
-  const int64_t lines = record / 64;
-  const int64_t share0 = pf.parts > 1 ? lines * pf.part / pf.parts : 0, share1 = pf.parts > 1 ? lines * (pf.part + 1) / pf.parts : 0;
-  const uint8_t* next = pf.parts > 1 ? pf.next : nullptr;
+  constexpr int64_t kBytes = kAhead<R, Q4>;
+  const bool ahead = pf.next == nullptr && pf.part == 0 && kBytes > 0;
+  if (ahead) prefetch_lines(rec, rec + kBytes, pf.end);
+  const int64_t lines = record / 64, share0 = lines * pf.part / pf.parts, share1 = lines * (pf.part + 1) / pf.parts;
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < blocks; ++b, rec += record) {
-    if (ahead) prefetch_lines(rec + kAhead<Q4>, rec + kAhead<Q4> + record, pf.end);
-    if (next != nullptr) prefetch_lines(next + b * record + 64 * share0, next + b * record + 64 * share1, pf.end);
+    if (ahead) prefetch_lines(rec + kBytes, rec + kBytes + record, pf.end);
+    if (pf.next != nullptr) prefetch_lines(pf.next + b * record + 64 * share0, pf.next + b * record + 64 * share1, pf.end);
     __m512i isum[R][2][CH];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 2; ++c)
@@ -220,22 +223,19 @@ void panel_tile(const Int8Weights& w, int64_t p, const QuantRows& x, int64_t r0,
 
 constexpr int kTileRows = 6;  // rows per tile at most: 2 x 6 integer sums + 2 x 6 accumulators in registers
 
-// Columns [n0, n1) (for_panel_tiles). A panel in several tiles asks for the next panel while it computes,
-// even past the caller's columns (a step's multi-row task is one panel; the claims hand a thread runs of
-// consecutive tasks, so the next panel is mostly its own next task).
+// Columns [n0, n1) (for_panel_tiles); what each tile asks for ahead of its loads: Prefetch.
 template <bool Q4>
 void columns_vnni(const Int8Weights& w, const QuantRows& x, int64_t M, float* out, int64_t ldo, int64_t n0, int64_t n1) {
   constexpr int64_t P = Int8Weights::kPanel;
-  const uint8_t* end = w.at((n1 + P - 1) / P, 0);  // the end of the columns' stream
+  // one row: up to the end of the columns' stream; several: on into the next panel (the claims hand a thread
+  // runs of consecutive tasks, so that is mostly its own next task)
+  const uint8_t* end = w.at(M > 1 ? w.panels : (n1 + P - 1) / P, 0);
   auto tile = [&](int64_t p, int lo, int hi, int64_t r, int64_t rows, int64_t t, int64_t tiles) {
     Prefetch pf;
     pf.end = end;
     pf.parts = static_cast<int>(tiles);
     pf.part = static_cast<int>(t);
-    if (tiles > 1 && p + 1 < w.panels) {
-      pf.next = w.at(p + 1, 0);
-      pf.end = w.at(w.panels, 0);
-    }
+    if (!Q4 && tiles > 1 && p + 1 < w.panels) pf.next = w.at(p + 1, 0);
     float* o = out + r * ldo + p * P;
     switch (rows) {
       case 1: panel_tile<1, Q4>(w, p, x, r, o, ldo, lo, hi, pf); break;
