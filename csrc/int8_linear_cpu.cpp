@@ -157,7 +157,8 @@ void panel_tile(const Int8Weights& w, int64_t p, const QuantRows& x, int64_t r0,
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < blocks; ++b, rec += record) {
     if (ahead) prefetch_lines(rec + kBytes, rec + kBytes + record, pf.end);
-    if (pf.next != nullptr) prefetch_lines(pf.next + b * record + 64 * share0, pf.next + b * record + 64 * share1, pf.end);
+    if (pf.next != nullptr)
+      prefetch_lines(pf.next + b * record + 64 * share0, pf.next + b * record + 64 * share1, pf.end);
     __m512i isum[R][2][CH];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 2; ++c)
