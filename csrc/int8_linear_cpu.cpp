@@ -106,9 +106,10 @@ void for_panel_tiles(int64_t M, int64_t n0, int64_t n1, int64_t max_rows, Tile t
 //   none (the hardware prefetcher follows it alone; 1-8 KB ahead cost 5-15%, one thread).
 // - several rows compute long enough per record that the hardware prefetcher falls behind: a panel's first
 //   row tile keeps 4 KB of the stream in flight ahead of its loads (its other tiles find the panel in L1 /
-//   L2). A step's Q4_1 linears (2 threads, tasks as the native step's) took 0.72-0.89x the time at 2-6 rows
-//   (one tile) than with the hardware prefetcher alone, 0.83-0.87x at 7-16 rows (several tiles) than when
-//   each tile asked for a share of the next panel; the lm_head 0.82-0.92x at 3-6 rows.
+//   L2). A step's Q4_1 linears (2 threads, tasks as the native step's) took 0.67-0.94x the time at 2-6 rows
+//   (one tile; the more rows, the more it saves) than with the hardware prefetcher alone, 0.80-0.90x at 7-16
+//   rows (several tiles) than when each tile asked for a share of the next panel; the lm_head 0.84-0.95x at
+//   2-6 rows (benchmarks/log/2026-12-07-c-zen4-int8-prefetch.md).
 // - Q8 in several tiles (the lm_head from 7 rows) keeps asking for the next panel while this one computes,
 //   each tile a share of its lines: streaming ahead cost it 1.09-1.16x at 7-12 rows.
 template <int R, bool Q4>
