@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import treespec
 from treespec.core.attention import tree_attention_enabled
-from treespec.core.cache import CacheCapacityError, TreeKVCache
+from treespec.core.cache import HUGE_PAGE, CacheCapacityError, TreeKVCache, huge_page_zeros
 
 
 def _forward(model, cache, ids, positions, tree_mask=None, kernel="sdpa"):
@@ -135,3 +135,23 @@ def test_a_model_that_ignores_the_cache_is_refused(monkeypatch):
     monkeypatch.undo()
     plain = treespec.generate(model, [1, 2, 3], None, max_new_tokens=4, eos_token_id=[])
     assert plain.token_ids == hf_greedy(model, [1, 2, 3], 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_cache_layers_share_one_buffer_on_huge_pages(dtype):
+    """The CPU cache's K/V (huge_page_zeros): zeroed, contiguous, of the asked shape and dtype, each on its
+    own 64-byte-aligned bytes of one buffer that starts on a 2 MB boundary; writes stay in their tensor."""
+    shape = (2, 3, 37, 8)
+    tensors = huge_page_zeros(5, shape, dtype)
+    assert tensors[0].data_ptr() % HUGE_PAGE == 0
+    for t in tensors:
+        assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and t.data_ptr() % 64 == 0
+        assert not t.any()
+    ends = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors]
+    assert all(a[1] <= b[0] for a, b in zip(ends[:-1], ends[1:], strict=True))  # in order, none overlapping
+    tensors[2].fill_(1.0)
+    assert not tensors[1].any() and not tensors[3].any()
+    cache = TreeKVCache(4, 2, 3, 8, 37, dtype)
+    keys = [layer.keys for layer in cache.layers]
+    assert all(k.shape == shape and k.dtype == dtype and not k.any() for k in keys)
+    assert len({k.data_ptr() for k in keys}) == 4

@@ -19,7 +19,10 @@ transformers as a `Cache`, so any HF decoder model writes its K/V here through `
 
 from __future__ import annotations
 
+import ctypes
 import inspect
+import math
+import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -80,9 +83,46 @@ class PreallocatedLayer(CacheLayerMixin):
         return self.owner.max_len
 
 
+HUGE_PAGE = 2 << 20  # bytes of an x86-64 / arm64 Linux huge page
+
+
+def _advise_huge_pages(address: int, length: int) -> None:
+    """Ask Linux to back [address, address + length) (2 MB aligned) with 2 MB pages (MADV_HUGEPAGE); a
+    request: where it is refused or not Linux, the memory works as it is."""
+    if sys.platform != "linux" or length <= 0:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), 14)  # 14: MADV_HUGEPAGE
+    except (OSError, AttributeError):
+        pass
+
+
+def huge_page_zeros(count: int, shape: tuple, dtype: torch.dtype) -> list[torch.Tensor]:
+    """`count` zeroed CPU tensors of `shape`, carved from one buffer on 2 MB pages where Linux grants them.
+    A step's attention reads every layer's K/V: on 4 KB pages that is thousands of pages a step, more than
+    the TLB holds, and a thread read them at about half the rate it reads 2 MB pages (measured on a Zen 4
+    EPYC, 17 vs 32 GB/s)."""
+    each = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    stride = (each + 63) // 64 * 64  # each tensor on a 64-byte line
+    buffer = torch.empty(count * stride + HUGE_PAGE, dtype=torch.uint8)
+    start = -buffer.data_ptr() % HUGE_PAGE
+    _advise_huge_pages(buffer.data_ptr() + start, (buffer.numel() - start) // HUGE_PAGE * HUGE_PAGE)
+    tensors = [
+        buffer[start + i * stride : start + i * stride + each].view(dtype).view(shape) for i in range(count)
+    ]
+    for t in tensors:
+        t.zero_()  # the first touch, after the advice: the pages come as 2 MB ones
+    return tensors
+
+
 def zeroed_layers(owner, layer_cls, num_layers: int, shape: tuple, dtype, device) -> list:
     """`num_layers` layers of `layer_cls` over zeroed K/V of `shape` ([B, Hkv, max_len, D]), owned by
-    `owner` (the cache that keeps their pointers)."""
+    `owner` (the cache that keeps their pointers); on the CPU all of them in one buffer on 2 MB pages."""
+    if torch.device(device).type == "cpu" and dtype.is_floating_point:
+        kv = huge_page_zeros(2 * num_layers, tuple(shape), dtype)
+        return [layer_cls(owner, kv[2 * i], kv[2 * i + 1]) for i in range(num_layers)]
     return [
         layer_cls(
             owner,
