@@ -120,7 +120,7 @@ def huge_page_zeros(count: int, shape: tuple, dtype: torch.dtype) -> list[torch.
 def zeroed_layers(owner, layer_cls, num_layers: int, shape: tuple, dtype, device) -> list:
     """`num_layers` layers of `layer_cls` over zeroed K/V of `shape` ([B, Hkv, max_len, D]), owned by
     `owner` (the cache that keeps their pointers); on the CPU all of them in one buffer on 2 MB pages."""
-    if torch.device(device).type == "cpu" and dtype.is_floating_point:
+    if torch.device(device).type == "cpu":
         kv = huge_page_zeros(2 * num_layers, tuple(shape), dtype)
         return [layer_cls(owner, kv[2 * i], kv[2 * i + 1]) for i in range(num_layers)]
     return [
