@@ -142,8 +142,8 @@ def test_cpu_cache_layers_share_one_buffer_on_huge_pages(dtype):
     """The CPU cache's K/V (huge_page_zeros): zeroed, contiguous, of the asked shape and dtype, each on its
     own 64-byte-aligned bytes of one buffer that starts on a 2 MB boundary; writes stay in their tensor."""
     shape = (2, 3, 37, 8)
-    tensors = huge_page_zeros(5, shape, dtype)
-    assert tensors[0].data_ptr() % HUGE_PAGE == 0
+    tensors, buffer = huge_page_zeros(5, shape, dtype)
+    assert tensors[0].data_ptr() % HUGE_PAGE == 0 and buffer.dtype == torch.uint8
     for t in tensors:
         assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and t.data_ptr() % 64 == 0
         assert not t.any()
@@ -155,3 +155,41 @@ def test_cpu_cache_layers_share_one_buffer_on_huge_pages(dtype):
     keys = [layer.keys for layer in cache.layers]
     assert all(k.shape == shape and k.dtype == dtype and not k.any() for k in keys)
     assert len({k.data_ptr() for k in keys}) == 4
+    # a spare large enough is carved again, zeroed (its old bytes gone); one too small is not used
+    tensors[4].fill_(float("nan"))
+    again, same = huge_page_zeros(5, shape, dtype, spare=buffer)
+    assert same is buffer and [t.data_ptr() for t in again] == [t.data_ptr() for t in tensors]
+    assert not any(t.any() for t in again)
+    larger, other = huge_page_zeros(2, (2, 3, 37 * 400, 8), dtype, spare=buffer)  # beyond its 2 MB of slack
+    assert other is not buffer and other.numel() > buffer.numel() and not any(t.any() for t in larger)
+
+
+def test_released_cache_serves_the_next_cache_of_its_model():
+    """`TreeKVCache.release` hands the CPU buffer to the model's runtime; the next `for_model` cache that fits
+    reuses its pages, zeroed; a larger one allocates anew; the released cache refuses forwards; the runtime
+    reports the kept buffer and `close` drops it; `generate` releases its cache (same tokens every call)."""
+    model = tiny_model("llama", num_hidden_layers=2)
+    runtime = treespec.TargetRuntime.of(model)
+    first = TreeKVCache.for_model(model, 40)
+    pointer = first.layers[0].keys.data_ptr()
+    for layer in first.layers:
+        layer.keys.fill_(float("nan"))
+    first.release()
+    assert first.released and runtime.memory_bytes()["kv_buffer"] > 0
+    with pytest.raises(RuntimeError, match="released"):
+        first.begin([0], 1)
+    second = TreeKVCache.for_model(model, 24)
+    assert second.layers[0].keys.data_ptr() == pointer and runtime.memory_bytes()["kv_buffer"] == 0
+    assert not any(layer.keys.any() or layer.values.any() for layer in second.layers)
+    assert _forward(model, second, [1, 2, 3], [0, 1, 2]).isfinite().all()
+    second.release()
+    third = TreeKVCache.for_model(model, 4000)  # larger than the kept buffer: fresh memory
+    assert third.layers[0].keys.data_ptr() != pointer
+    third.release()
+    assert runtime.memory_bytes()["kv_buffer"] >= third.max_len  # the larger buffer is the one kept
+    outs = [treespec.generate(model, [1, 2, 3], None, max_new_tokens=6, eos_token_id=[]) for _ in range(3)]
+    outs = [out.token_ids for out in outs]
+    assert outs[0] == outs[1] == outs[2] == hf_greedy(model, [1, 2, 3], 6)
+    assert runtime.memory_bytes()["kv_buffer"] > 0
+    runtime.close()
+    assert treespec.TargetRuntime.of(model).memory_bytes()["kv_buffer"] == 0

@@ -84,7 +84,10 @@ def generate(
         numerics=options.numerics,
         step=options.step,
     )
-    results = decode(decoder, prompt_ids, stopping, streamers, options.max_length, trace)
+    try:
+        results = decode(decoder, prompt_ids, stopping, streamers, options.max_length, trace)
+    finally:
+        decoder.release()  # the cache's pages serve the next call's cache
     return results if batch else results[0]
 
 

@@ -32,6 +32,7 @@ from transformers.models.llama.modeling_llama import LlamaModel
 
 from .. import ops
 from .attention import AttentionPlan
+from .runtime import TargetRuntime
 
 # The keyword under which transformers' model and decoder-layer forwards take a cache: "cache" in recent
 # 5.x releases, "past_key_values" before (there an unknown "cache=" vanishes into **kwargs and every
@@ -99,31 +100,45 @@ def _advise_huge_pages(address: int, length: int) -> None:
         pass
 
 
-def huge_page_zeros(count: int, shape: tuple, dtype: torch.dtype) -> list[torch.Tensor]:
-    """`count` zeroed CPU tensors of `shape`, carved from one buffer on 2 MB pages where Linux grants them.
-    A step's attention reads every layer's K/V: on 4 KB pages that is thousands of pages a step, more than
-    the TLB holds, and a thread read them at about half the rate it reads 2 MB pages (measured on a Zen 4
-    EPYC, 17 vs 32 GB/s)."""
+def huge_page_zeros(
+    count: int, shape: tuple, dtype: torch.dtype, spare: torch.Tensor | None = None
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """`count` zeroed CPU tensors of `shape`, carved from one uint8 buffer on 2 MB pages where Linux grants
+    them; returns (the tensors, the buffer). A step's attention reads every layer's K/V: on 4 KB pages that
+    is thousands of pages a step, more than the TLB holds, and a thread read them at about half the rate it
+    reads 2 MB pages (measured on a Zen 4 EPYC, 17 vs 32 GB/s).
+
+    spare: a buffer an earlier cache gave back (`TargetRuntime.kv_buffer`), used when it is large enough.
+    A fresh buffer's first touch costs the page faults (on 2 MB pages with Linux's default `defrag`
+    setting, compaction too: 15-85 ms for the caches of Spec-Bench prompts on that EPYC, ~3% of a run);
+    a spare's pages are already there, so only the zeroing is paid."""
     each = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     stride = (each + 63) // 64 * 64  # each tensor on a 64-byte line
-    buffer = torch.empty(count * stride + HUGE_PAGE, dtype=torch.uint8)
-    start = -buffer.data_ptr() % HUGE_PAGE
-    _advise_huge_pages(buffer.data_ptr() + start, (buffer.numel() - start) // HUGE_PAGE * HUGE_PAGE)
+    needed = count * stride
+    if spare is not None and spare.numel() - (-spare.data_ptr() % HUGE_PAGE) >= needed:
+        buffer = spare
+        start = -buffer.data_ptr() % HUGE_PAGE
+    else:
+        buffer = torch.empty(needed + HUGE_PAGE, dtype=torch.uint8)
+        start = -buffer.data_ptr() % HUGE_PAGE
+        _advise_huge_pages(buffer.data_ptr() + start, (buffer.numel() - start) // HUGE_PAGE * HUGE_PAGE)
+    buffer[start : start + needed].zero_()  # a fresh buffer's first touch, after the advice: 2 MB pages
     tensors = [
         buffer[start + i * stride : start + i * stride + each].view(dtype).view(shape) for i in range(count)
     ]
-    for t in tensors:
-        t.zero_()  # the first touch, after the advice: the pages come as 2 MB ones
-    return tensors
+    return tensors, buffer
 
 
-def zeroed_layers(owner, layer_cls, num_layers: int, shape: tuple, dtype, device) -> list:
+def zeroed_layers(
+    owner, layer_cls, num_layers: int, shape: tuple, dtype, device, spare: torch.Tensor | None = None
+) -> tuple[list, torch.Tensor | None]:
     """`num_layers` layers of `layer_cls` over zeroed K/V of `shape` ([B, Hkv, max_len, D]), owned by
-    `owner` (the cache that keeps their pointers); on the CPU all of them in one buffer on 2 MB pages."""
+    `owner` (the cache that keeps their pointers), and the buffer they live in: on the CPU all of them in
+    one buffer on 2 MB pages (`spare`: one to reuse, see `huge_page_zeros`); elsewhere None."""
     if torch.device(device).type == "cpu":
-        kv = huge_page_zeros(2 * num_layers, tuple(shape), dtype)
-        return [layer_cls(owner, kv[2 * i], kv[2 * i + 1]) for i in range(num_layers)]
-    return [
+        kv, buffer = huge_page_zeros(2 * num_layers, tuple(shape), dtype, spare)
+        return [layer_cls(owner, kv[2 * i], kv[2 * i + 1]) for i in range(num_layers)], buffer
+    layers = [
         layer_cls(
             owner,
             torch.zeros(shape, dtype=dtype, device=device),
@@ -131,6 +146,7 @@ def zeroed_layers(owner, layer_cls, num_layers: int, shape: tuple, dtype, device
         )
         for _ in range(num_layers)
     ]
+    return layers, None
 
 
 class KVCacheBase(Cache):
@@ -228,11 +244,16 @@ class TreeKVCache(KVCacheBase):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         fused_commit: bool | None = None,
+        spare: torch.Tensor | None = None,
     ):
         """fused_commit: None (default) uses the fused commit op when the extension is available,
-        True requires it, False always uses the torch reference."""
+        True requires it, False always uses the torch reference. spare: a CPU buffer to carve the K/V
+        from when it is large enough (`huge_page_zeros`; `for_model` passes the model's)."""
         shape = (batch_size, num_kv_heads, max_len, head_dim)
-        super().__init__(zeroed_layers(self, TreeKVLayer, num_layers, shape, dtype, device), max_len)
+        layers, self.buffer = zeroed_layers(self, TreeKVLayer, num_layers, shape, dtype, device, spare)
+        super().__init__(layers, max_len)
+        self.runtime = None  # the model's TargetRuntime that `release` gives the buffer to (`for_model`)
+        self.released = False
         self.num_rows = batch_size
         self.device = torch.device(device)
         self.fused_commit = fused_commit
@@ -247,16 +268,37 @@ class TreeKVCache(KVCacheBase):
 
     @classmethod
     def for_model(cls, model, max_len: int, batch_size: int = 1, spec_reserve: int = 0) -> TreeKVCache:
-        """A cache shaped for `model` (a transformers causal LM): `batch_size` rows of `max_len` tokens."""
+        """A cache shaped for `model` (a transformers causal LM): `batch_size` rows of `max_len` tokens. On
+        the CPU its K/V reuse the buffer that the model's last released cache gave back (`release`), when
+        that is large enough."""
         num_layers, num_kv_heads, head_dim, dtype, device = kv_layout(model)
-        cache = cls(num_layers, batch_size, num_kv_heads, head_dim, max_len, dtype, device)
+        runtime = TargetRuntime.of(model)
+        spare = runtime.take_kv_buffer() if torch.device(device).type == "cpu" else None
+        cache = cls(num_layers, batch_size, num_kv_heads, head_dim, max_len, dtype, device, spare=spare)
         cache.spec_reserve = spec_reserve
+        cache.runtime = runtime
         return cache
+
+    def release(self) -> None:
+        """Done with this cache: its CPU buffer goes to the model's runtime, for the next cache of the model
+        to reuse (`for_model`), and the cache holds no K/V after this (a forward on it raises)."""
+        if self.released:
+            return
+        if self.runtime is not None and self.buffer is not None:
+            self.runtime.keep_kv_buffer(self.buffer)
+        self.buffer, self.released = None, True
+        empty = torch.empty(0, dtype=self.layers[0].keys.dtype, device=self.device)
+        for layer in self.layers:
+            layer.keys = layer.values = empty
 
     # -- one forward -----------------------------------------------------------------------------
     def begin(self, rows: Sequence[int], n: int) -> None:
         """Prepare a forward over `rows` (indices into the batch) writing n tokens each at their
         committed ends; checks every row's capacity first."""
+        if self.released:
+            raise RuntimeError(
+                "this TreeKVCache was released (its memory went to the next cache): make a new one"
+            )
         rows = [int(r) for r in rows]
         if not rows or any(not 0 <= r < self.num_rows for r in rows) or len(set(rows)) != len(rows):
             raise ValueError(f"rows {rows} are not distinct rows of a batch of {self.num_rows}")

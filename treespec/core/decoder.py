@@ -506,6 +506,13 @@ class Decoder:
         stats.draft_cache_memory, stats.drafter = report.cache_memory, report.stats
         return stats
 
+    def release(self) -> None:
+        """Done decoding: the cache's memory goes to the model's runtime for the next decoder's cache
+        (`TreeKVCache.release`); a later `prefill` allocates a cache again."""
+        if self.cache is not None:
+            self.cache.release()
+            self.cache = None
+
 
 def _check_plain_above(plain_above) -> None:
     if plain_above not in ("auto", None) and (

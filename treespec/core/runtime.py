@@ -3,9 +3,10 @@
 A target model (or a drafter's module: heads, an EAGLE layer) that treespec decodes with carries state
 between calls: how many users hold it in treespec's attention mode and what its implementation was
 before, the fast copies of its linear layers (`core.packed`), the compiled verification forward and the
-keys whose guards were checked (`core.compiled`), the step pricers of batches (`core.pricing`), and the
-heads' shared output matrices (`drafters.medusa`). All of it lives here, one runtime per module, reached
-through `TargetRuntime.of(module)`; nothing is kept process-wide.
+keys whose guards were checked (`core.compiled`), the step pricers of batches (`core.pricing`), the
+heads' shared output matrices (`drafters.medusa`) and the K/V buffer of the last cache it released
+(`core.cache`). All of it lives here, one runtime per module, reached through `TargetRuntime.of(module)`;
+nothing is kept process-wide.
 
     runtime = TargetRuntime.of(model)      # made on first use, kept on the module (one attribute)
     runtime.memory_bytes()                 # what its copies hold beside the model's own weights
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 ATTRIBUTE = "_treespec_runtime"
+KEEP_KV_BUFFER_BYTES = 1 << 30  # the largest released K/V buffer a runtime keeps for the next cache
 
 
 class TargetRuntime:
@@ -47,6 +49,8 @@ class TargetRuntime:
         self.recipes: dict[Hashable, Any] = {}
         # heads -> (weight key, output rows [V', H], their fast matrix): the heads' shared output matrix
         self.outputs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # the CPU K/V buffer of the last released cache (`cache.TreeKVCache.release`), for the next cache
+        self.kv_buffer: torch.Tensor | None = None
         self.closed = False
 
     @classmethod
@@ -65,19 +69,36 @@ class TargetRuntime:
                 self.pricers[key] = make()
             return self.pricers[key]
 
+    def take_kv_buffer(self) -> torch.Tensor | None:
+        """The kept K/V buffer, now the caller's (None: none kept)."""
+        with self.lock:
+            buffer, self.kv_buffer = self.kv_buffer, None
+            return buffer
+
+    def keep_kv_buffer(self, buffer: torch.Tensor) -> None:
+        """Keep a released cache's buffer for the next cache: the larger of it and the one kept, up to
+        KEEP_KV_BUFFER_BYTES (a larger one is freed)."""
+        size = buffer.numel() * buffer.element_size()
+        with self.lock:
+            if size <= KEEP_KV_BUFFER_BYTES and size > _tensor_bytes(self.kv_buffer):
+                self.kv_buffer = buffer
+
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this runtime holds beside the module's own weights: fast linear copies, output matrices."""
+        """Bytes this runtime holds beside the module's own weights: fast linear copies, output matrices,
+        the native step's copies, the kept K/V buffer."""
         packings = [self.packing, *self.other_packings.values()]
         linears = sum(packing.memory_bytes() for packing in packings if packing is not None)
         outputs = sum(
             _tensor_bytes(matrix) + _tensor_bytes(weight) for _, weight, matrix in self.outputs.values()
         )
         native = sum(entry[2] for entry in self.native.values())
+        kv = _tensor_bytes(self.kv_buffer)
         return {
             "packed_linears": linears,
             "output_matrices": outputs,
             "native_step": native,
-            "total": linears + outputs + native,
+            "kv_buffer": kv,
+            "total": linears + outputs + native + kv,
         }
 
     def close(self) -> None:
@@ -92,6 +113,7 @@ class TargetRuntime:
             self.pricers.clear()
             self.recipes.clear()
             self.outputs.clear()
+            self.kv_buffer = None
             self.closed = True
             if self.module.__dict__.get(ATTRIBUTE) is self:
                 del self.module.__dict__[ATTRIBUTE]
