@@ -153,13 +153,47 @@ def test_a_first_source_given_no_level_to_draft_is_not_called():
     assert Counted.calls == 1
 
 
+def test_every_source_whose_levels_are_network_passes_drafts_the_step_level_count():
+    """Two such sources (EAGLE and heads in the `all` recipe): both draft the step's level count, and
+    neither is called at level 0; a later source that is not one drafts its whole tree."""
+
+    class Leveled(Scripted):
+        costly_levels = True
+
+        def __init__(self, tree, script):
+            super().__init__(tree, script)
+            self.depths = []
+
+        def propose(self, hidden, roots, max_depth=None) -> Proposal:
+            self.depths.append(max_depth)
+            return super().propose(hidden, roots, max_depth)
+
+    chain = Tree.from_choices([[0], [0, 0], [0, 0, 0]])
+    first = Leveled(chain, [{(0,): (10, 0.9), (0, 0): (11, 0.9), (0, 0, 0): (12, 0.9)}])
+    second = Leveled(chain, [{(0,): (20, 0.9), (0, 0): (21, 0.9), (0, 0, 0): (22, 0.9)}])
+    lookup = Scripted(Tree.from_choices([[0], [0, 0]]), [{(0,): (30, 0.5), (0, 0): (31, 0.5)}])
+    planner = TreePlanner([first, second, lookup], lambda n, prefix: 1.0 + 0.01 * n)
+    assert planner.leveled == [True, True, False] and planner.max_levels == 3
+    planner.levels = 0
+    proposal = planner.propose(torch.zeros(1, 4), torch.tensor([7]))
+    assert first.depths == second.depths == []  # neither asked for a tree of the root alone
+    assert set(merged_nodes(proposal, 0)) == {(30,), (30, 31)}  # the lookup chain drafted whole
+    planner.levels = 2
+    planner.propose(torch.zeros(1, 4), torch.tensor([7]))
+    assert first.depths == second.depths == [2]
+
+
 def test_the_declared_tree_places_every_source_side_by_side():
     model = tiny_model("llama", dtype=torch.float32)
     heads = treespec.make_drafter(random_heads(model), treespec.default_tree(8, 4), model)
     planner = TreePlanner([heads, PromptLookup(3)])
     assert planner.tree.num_nodes == 8 + 4 - 1 and planner.max_levels == heads.tree.max_depth
     assert planner.batched and not planner.prices_steps
-    assert TreePlanner([PromptLookup(3), heads]).max_levels == 0  # a first source drafted whole
+    # leveled: the first source, and later ones whose levels are network passes (heads, EAGLE)
+    assert TreePlanner([PromptLookup(3), heads]).max_levels == heads.tree.max_depth
+    suffix = SuffixDrafter(max_nodes=4, max_depth=3)
+    assert TreePlanner([PromptLookup(3), suffix]).max_levels == 0  # a later cheap source drafted whole
+    assert TreePlanner([suffix, PromptLookup(3)]).max_levels == 3
     assert TreePlanner([heads], cost).prices_steps  # a priced planner chooses a batch's plain steps
 
 

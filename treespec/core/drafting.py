@@ -14,6 +14,8 @@ One decoding step, seen from a drafter:
     batched                         True when it drafts for B > 1 rows (a batch of sequences)
     limits_depth                    True when propose(hidden, roots, max_depth=D) drafts depths 1..D only
                                     (deeper nodes: probability 0), so a priced planner can skip levels
+    costly_levels                   True when each level it drafts is a pass of a network (heads, EAGLE):
+                                    a planner drafts it to the step's level count wherever it stands
     target_topk                     k > 0: after each verification the decoder calls
     verified(tokens, top_tokens)    with the step's tree tokens [A, N] and the target's k most likely next
                                     tokens after every node [A, N, k] (read from logits it computed anyway)
@@ -96,6 +98,7 @@ class Drafter(Protocol):
     feature_layers: tuple[int, ...]
     batched: bool  # drafts for several rows at once (hidden [B, H], roots [B])
     limits_depth: bool  # propose takes max_depth= (drafts depths 1..max_depth only)
+    costly_levels: bool  # each drafted level is a network pass: a planner prices its levels
     target_topk: int  # > 0: `verified` receives the target's top-k next tokens after every verified node
     prices_steps: bool  # chooses a batch's plain steps itself (a priced planner): no decoder StepPricer
 
@@ -124,6 +127,7 @@ class BaseDrafter:
     feature_layers: tuple[int, ...] = ()
     batched: bool = False
     limits_depth: bool = False
+    costly_levels: bool = False
     target_topk: int = 0
     prices_steps: bool = False
 

@@ -9,8 +9,9 @@ with every source each step and verifies one tree:
    token path: a node two sources proposed is one node, and what either proposed below it merges the
    same way; a node a source did not draft (probability 0) is left out with everything below it. A
    node's probability is 1 - prod(1 - p_s) over the sources that proposed it; its drafting level is the
-   smallest of theirs (only the first source's levels count: the others draft their whole tree every
-   step, level 0); its calibration group is the set of sources that proposed it and that level.
+   smallest of theirs (levels count for the leveled sources: the first one and every one whose levels are
+   network passes, `costly_levels`; the others draft their whole tree every step, level 0); its
+   calibration group is the set of sources that proposed it and that level.
 2. value: unpriced, the product of the probabilities from the root down; priced, the probability that
    verification reaches the node: its calibrated acceptance (`AcceptanceCalibration`, per group,
    learned from every verified step) times its parent's value, so E[accepted length] of a connected set
@@ -24,12 +25,13 @@ with every source each step and verifies one tree:
    trees ran, extra nodes are priced a little optimistically, so a tree just above break-even is
    tried). The root alone is a candidate: it is a batch's plain step. When the root alone won `patience`
    steps in a row, drafting is skipped for a while (doubling up to `max_skip` steps).
-5. levels (priced, a first source that drafts level by level: heads, EAGLE): every step also prices the
-   level counts it could have drafted instead (what level d adds: log(rate_d / rate_d-1), a running
-   mean); the next step drafts the count with the largest summed gains (none: that source is not called
-   at all), and every level again every `explore_after` steps while the deepest drafted is the best
-   (each such exploration that finds no deeper count worth drafting doubles that wait, up to
-   `max_explore_after`: where the heads do not pay, drafting all their levels costs most of a plain step).
+5. levels (priced, the leveled sources, drafted level by level: heads, EAGLE): every step also prices the
+   level counts they could have drafted instead (what level d adds: log(rate_d / rate_d-1), a running
+   mean); the next step drafts the count with the largest summed gains in every leveled source (none:
+   they are not called at all), and every level again every `explore_after` steps while the deepest
+   drafted is the best (each such exploration that finds no deeper count worth drafting doubles that
+   wait, up to `max_explore_after`: where the heads do not pay, drafting all their levels costs most of
+   a plain step).
 
 What it learns (calibration, drafting and step costs, level gains) describes the drafters on this
 machine, not one prompt: it carries over to the next sequence.
@@ -145,8 +147,10 @@ class TreePlanner(BaseDrafter):
             raise ValueError(f"max_nodes must be an int in [1, {self.tree.num_nodes}], got {max_nodes!r}")
         self.max_nodes = cap
         self.trees = StepTrees(MAX_TREES)  # kept rank paths -> the step's tree
-        first = self.sources[0]
-        self.max_levels = first.tree.max_depth if first.limits_depth else 0  # level d drafts depth d
+        # the sources drafted level by level (level d drafts depth d), each to the step's level count
+        self.leveled = [s.limits_depth and (i == 0 or s.costly_levels) for i, s in enumerate(self.sources)]
+        depths = [s.tree.max_depth for s, leveled in zip(self.sources, self.leveled, strict=True) if leveled]
+        self.max_levels = max(depths, default=0)
         # learned about these drafters on this machine, kept across sequences:
         self.calibration = AcceptanceCalibration()
         self.group_ids: dict[tuple[int, int], int] = {}  # (sources bitmask, level) -> calibration group
@@ -309,12 +313,12 @@ class TreePlanner(BaseDrafter):
 
     def _draft(self, index: int, source: Drafter, hidden, roots, levels: int) -> tuple:
         """One source's proposal as lists: (parents [N], tokens [B][N], probs [B][N], levels [N])."""
-        limits = index == 0 and source.limits_depth
+        limits = self.leveled[index]
         if limits and levels == 0:  # no level to draft: the root alone, without calling the source
             return [-1], [[r] for r in roots.reshape(-1).tolist()], [[1.0]] * roots.numel(), [0]
         proposal = source.propose(hidden, roots, levels if limits else None)
         tree = source.tree if proposal.tree is None else proposal.tree
-        # level d drafts depth d; a source that does not limit depth drafts whole, whatever the count
+        # level d drafts depth d; a source that is not leveled drafts whole, whatever the count
         node_levels = tree.depth.tolist() if limits else [0] * tree.num_nodes
         probs = proposal.probs
         probs = torch.ones(proposal.tokens.shape) if probs is None else probs.float().cpu()  # [B, N]

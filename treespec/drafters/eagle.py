@@ -40,6 +40,7 @@ class EagleDrafter(BaseDrafter):
 
     batched = True
     limits_depth = True  # propose(..., max_depth=D): levels 1..D only (see `SequentialDrafter`)
+    costly_levels = True  # each level is a pass of the draft layer
 
     def __init__(
         self,

@@ -21,6 +21,7 @@ class MedusaDrafter(BaseDrafter):
 
     batched = True
     limits_depth = True
+    costly_levels = True
 
     def __init__(self, heads: MedusaHeads, tree: Tree, lm_head: torch.nn.Module):
         _check_depth(heads, tree)
@@ -74,6 +75,7 @@ class SequentialDrafter(BaseDrafter):
 
     batched = True
     limits_depth = True
+    costly_levels = True
 
     def __init__(self, heads: MedusaHeads, tree: Tree, lm_head: torch.nn.Module, embedding: torch.nn.Module):
         _check_depth(heads, tree)
