@@ -183,7 +183,7 @@ def test_released_cache_serves_the_next_cache_of_its_model():
     assert not any(layer.keys.any() or layer.values.any() for layer in second.layers)
     assert _forward(model, second, [1, 2, 3], [0, 1, 2]).isfinite().all()
     second.release()
-    third = TreeKVCache.for_model(model, 4000)  # larger than the kept buffer: fresh memory
+    third = TreeKVCache.for_model(model, 50_000)  # beyond the kept buffer and its 2 MB of slack: fresh memory
     assert third.layers[0].keys.data_ptr() != pointer
     third.release()
     assert runtime.memory_bytes()["kv_buffer"] >= third.max_len  # the larger buffer is the one kept
@@ -193,3 +193,9 @@ def test_released_cache_serves_the_next_cache_of_its_model():
     assert runtime.memory_bytes()["kv_buffer"] > 0
     runtime.close()
     assert treespec.TargetRuntime.of(model).memory_bytes()["kv_buffer"] == 0
+    # a buffer made under inference mode (as `generate` makes it) is not reused outside it
+    with torch.inference_mode():
+        TreeKVCache.for_model(model, 24).release()
+    outside = TreeKVCache.for_model(model, 24)
+    assert not outside.layers[0].keys.is_inference()
+    outside.layers[0].keys.fill_(1.0)

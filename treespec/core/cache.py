@@ -115,7 +115,9 @@ def huge_page_zeros(
     each = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     stride = (each + 63) // 64 * 64  # each tensor on a 64-byte line
     needed = count * stride
-    if spare is not None and spare.numel() - (-spare.data_ptr() % HUGE_PAGE) >= needed:
+    # (a spare made under inference mode can be written only there: outside it, a fresh buffer)
+    usable = spare is not None and (torch.is_inference_mode_enabled() or not spare.is_inference())
+    if usable and spare.numel() - (-spare.data_ptr() % HUGE_PAGE) >= needed:
         buffer = spare
         start = -buffer.data_ptr() % HUGE_PAGE
     else:
