@@ -15,6 +15,11 @@ priced on this machine + a prompt-lookup chain instead. `--compile` verifies thr
 warm-up then compiles the step (one to two minutes per size class on a small CPU, with a message; the
 code is kept on disk, the tracing is redone in each process).
 
+Where the native step runs int8 numerics (`numerics="int8"`: 8-bit activations against the GGUF blocks,
+another text than float32's, but speculation keeps its own plain loop's text bit for bit), the same recipe
+and the int8 plain loop answer the prompts too, and a line shows their speed and which answers equal what
+(`--no-int8` leaves them out).
+
 When llama.cpp's environment exists (`make llamacpp-env`: .venv-llamacpp), llama.cpp answers the same
 prompt ids too, greedy, on the same GGUF file the default model comes from, with torch's thread count, and
 its line shows its tokens/s beside HF's (`tools.peers.LlamaCppPeer`); without it nothing changes.
@@ -31,7 +36,8 @@ from pathlib import Path
 import torch
 
 import treespec
-from treespec import recipes
+from treespec import ops, recipes
+from treespec.core.native import int8_reason
 from treespec.core.tokens import eos_token_ids
 from treespec.tools.bench import hf_greedy
 from treespec.tools.drafter_options import MACHINE, pick_tree
@@ -74,12 +80,25 @@ def demo_recipe(args, model) -> recipes.Recipe:
     return recipe if args.lookup is None else replace(recipe, lookup=args.lookup)
 
 
-def make_drafter(model, recipe: recipes.Recipe, heads, tree, args):
+def make_drafter(model, recipe: recipes.Recipe, heads, tree, args, numerics: str = "fast"):
     """() -> the drafter for one prompt, from the recipes table (`treespec.recipes`): the same drafter for
-    every prompt where the recipe learns (dynamic trees, suffix caches), else a new one each time."""
+    every prompt where the recipe learns (dynamic trees, suffix caches), else a new one each time; priced
+    for the kernels of `numerics`."""
     given = {"heads": heads, "tree": tree if args.drafter == STATIC else None} if heads is not None else {}
-    parts = recipes.Parts.shipped(model, recipe, compile=args.compile, **given)
+    parts = recipes.Parts.shipped(model, recipe, compile=args.compile, numerics=numerics, **given)
     return recipes.drafter_factory(recipe, parts, compile=args.compile)
+
+
+def int8_note(model, args) -> str | None:
+    """None when the demo runs int8 numerics too, else why not."""
+    if args.no_int8:
+        return "left out (--no-int8)"
+    if args.compile:
+        return "not with --compile (int8 numerics run in the native step)"
+    if not ops.available("cpu"):
+        return "treespec's compiled CPU ops did not build here"
+    reason = int8_reason(model)
+    return None if reason is None else f"not for this model: {reason}"
 
 
 def hf_generate(model, tokenizer, prompt_ids, n, **extra) -> tuple[list[int], float]:
@@ -99,9 +118,19 @@ def start_llamacpp(model, tokenizer) -> LlamaCppPeer | None:
     return peer
 
 
-def run_all(model, tokenizer, new_drafter, prompts, args, llama=None) -> list[dict]:
-    """Every prompt through HF generate, HF prompt lookup and treespec (and llama.cpp when given):
-    tokens, seconds, accepted."""
+def timed_generate(model, tokenizer, ids, drafter, args, numerics: str = "fast"):
+    """treespec.generate on prompt ids: (tokens, seconds, result)."""
+    options = treespec.DecodeOptions(compile=args.compile, numerics=numerics)
+    t0 = time.perf_counter()
+    res = treespec.generate(
+        model, ids, drafter, tokenizer, max_new_tokens=args.max_new_tokens, options=options
+    )
+    return list(res.token_ids), time.perf_counter() - t0, res
+
+
+def run_all(model, tokenizer, new_drafter, prompts, args, llama=None, new_int8_drafter=None) -> list[dict]:
+    """Every prompt through HF generate, HF prompt lookup and treespec (and llama.cpp when given, and the
+    recipe and the plain loop in int8 numerics when new_int8_drafter is): tokens, seconds, accepted."""
     runs = []
     for prompt in prompts:
         ids = treespec.encode_prompt(prompt, tokenizer)
@@ -109,26 +138,19 @@ def run_all(model, tokenizer, new_drafter, prompts, args, llama=None) -> list[di
         lookup, t_lookup = hf_generate(
             model, tokenizer, ids, args.max_new_tokens, prompt_lookup_num_tokens=10
         )
-        drafter = new_drafter()
-        t0 = time.perf_counter()
-        res = treespec.generate(
-            model,
-            ids,
-            drafter,
-            tokenizer,
-            max_new_tokens=args.max_new_tokens,
-            options=treespec.DecodeOptions(compile=args.compile),
-        )
-        t_ts = time.perf_counter() - t0
+        tokens, seconds, res = timed_generate(model, tokenizer, ids, new_drafter(), args)
         runs.append(
             {
                 "prompt": prompt,
                 "hf": (hf, t_hf),
                 "hf_prompt_lookup": (lookup, t_lookup),
-                "treespec": (list(res.token_ids), t_ts),
+                "treespec": (tokens, seconds),
                 "result": res,
             }
         )
+        if new_int8_drafter is not None:
+            runs[-1]["int8"] = timed_generate(model, tokenizer, ids, new_int8_drafter(), args, "int8")[:2]
+            runs[-1]["int8_plain"] = timed_generate(model, tokenizer, ids, None, args, "int8")[:2]
         if llama is not None:
             t0 = time.perf_counter()
             tokens = llama.run(ids, args.max_new_tokens)["token_ids"]
@@ -136,7 +158,8 @@ def run_all(model, tokenizer, new_drafter, prompts, args, llama=None) -> list[di
     return runs
 
 
-def report(runs: list[dict], tokenizer) -> None:
+def report(runs: list[dict], tokenizer, int8: str | None = None) -> None:
+    """The first answers, a line per prompt, the totals; int8: why int8 numerics did not run (or None)."""
     first = runs[0]
     print(f"\nprompt: {first['prompt']}\n")
     print(f"--- HF generate\n{tokenizer.decode(first['hf'][0], skip_special_tokens=True)}\n")
@@ -177,6 +200,21 @@ def report(runs: list[dict], tokenizer) -> None:
             f"llama.cpp        : {total['llamacpp']:6.1f} tokens/s ({ratio:.2f}x HF generate)   "
             f"answers equal to HF's: {same}/{len(runs)} (it computes on the Q4_1 blocks)"
         )
+    if all("int8" in r for r in runs):
+        for m in ("int8", "int8_plain"):
+            total[m] = sum(len(r[m][0]) for r in runs) / sum(r[m][1] for r in runs)
+        own = sum(r["int8"][0] == r["int8_plain"][0] for r in runs)
+        same = sum(r["int8"][0] == r["hf"][0] for r in runs)
+        versus = f"{total['int8'] / total['hf']:.2f}x HF generate"
+        if "llamacpp" in total:
+            versus += f", {total['int8'] / total['llamacpp']:.2f}x llama.cpp"
+        print(
+            f"treespec int8    : {total['int8']:6.1f} tokens/s ({versus}; its plain int8 loop "
+            f"{total['int8_plain']:.1f})   answers equal to its plain int8 loop's: {own}/{len(runs)}, to "
+            f"HF's: {same}/{len(runs)} (8-bit activations: another text than float32's)"
+        )
+    elif int8 is not None:
+        print(f"treespec int8    : {int8}")
     print("same             : answers equal to HF generate's (float32 is exact; bf16 near-ties can flip)")
     print(
         "vLLM             : not in this environment; scripts/bench.py --methods ...,vllm,vllm_ngram "
@@ -204,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         "--lookup", type=int, default=None, help="lookup nodes instead of the recipe's (0: none)"
     )
     parser.add_argument(
+        "--no-int8", action="store_true", help="leave out the int8-numerics runs (recipe and plain loop)"
+    )
+    parser.add_argument(
         "--compile",
         action="store_true",
         help="verify through torch.compile (faster steps after a compile of one to two minutes per size "
@@ -222,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{heads_note}\ntree of {tree.num_nodes} nodes, depth {tree.max_depth}")
     print(f"drafter: {recipe.name} ({recipe.description}; lookup {recipe.lookup})")
     new_drafter = make_drafter(model, recipe, heads, tree, args)
+    int8 = int8_note(model, args)
+    new_int8_drafter = make_drafter(model, recipe, heads, tree, args, "int8") if int8 is None else None
     llama = start_llamacpp(model, tokenizer)
     try:
         torch.manual_seed(0)
@@ -231,8 +274,9 @@ def main(argv: list[str] | None = None) -> int:
         # prompts use is compiled here
         whole = (lambda: treespec.as_drafter(model, heads, tree)) if heads is not None else (lambda: None)
         for drafter in (lambda: None, whole, new_drafter):
-            run_all(model, tokenizer, drafter, ["Hi"], warm_up, llama)
-        report(run_all(model, tokenizer, new_drafter, prompts, args, llama), tokenizer)
+            run_all(model, tokenizer, drafter, ["Hi"], warm_up, llama, new_int8_drafter)
+        runs = run_all(model, tokenizer, new_drafter, prompts, args, llama, new_int8_drafter)
+        report(runs, tokenizer, int8)
     finally:
         if llama is not None:
             llama.close()
