@@ -84,6 +84,21 @@ def test_stats_and_memory():
     assert s.cache_memory["speculative"] > 0 and s.cache_memory["allocated"] >= s.cache_memory["committed"]
 
 
+def test_the_first_call_reports_its_one_time_setup_apart():
+    """The model's first call packs its linears (and builds the native step where it runs): that time is
+    `time_setup`, part of `time_total` but not of `tokens_per_second`; the next call has none."""
+    model = tiny_model("llama", dtype=torch.float32)
+    first, second = (
+        treespec.generate(model, [1, 2, 3], None, max_new_tokens=8, eos_token_id=[]) for _ in "ab"
+    )
+    assert 0 < first.stats.time_setup < first.stats.time_total and second.stats.time_setup == 0
+    for s in (first.stats, second.stats):
+        assert s.tokens_per_second == pytest.approx(s.new_tokens / (s.time_total - s.time_setup))
+    slow = treespec.GenerationStats(new_tokens=10, time_total=2.0, time_setup=1.5)
+    assert slow.tokens_per_second == 20.0 and "after 1.50 s of one-time setup" in slow.summary()
+    assert "setup" not in treespec.GenerationStats(new_tokens=10, time_total=2.0).summary()
+
+
 class _Recorder:
     """A minimal HF-style streamer (put/end)."""
 

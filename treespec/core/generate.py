@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .decoder import Decoder
+from .runtime import TargetRuntime
 from .stats import GenerationStats
 from .stopping import StopCondition
 from .tree import Tree
@@ -75,6 +76,8 @@ def decode(
     for ids, s in zip(prompt_ids, streamers, strict=True):
         if s is not None:
             s.put(torch.tensor([ids]))
+    runtime = TargetRuntime.of(decoder.model)
+    setup_before = runtime.setup_seconds  # one-time work this call does (the model's first call)
     started = decoder.clock()
     outs: list[list[int]] = [[] for _ in prompt_ids]
     stats: list[GenerationStats | None] = [None] * len(prompt_ids)
@@ -101,6 +104,8 @@ def decode(
                 for row, committed in zip(step.rows, step.committed, strict=True)
                 if stopping[row].extend(outs[row], committed, streamers[row])
             ]
+    for row_stats in stats:
+        row_stats.time_setup = min(runtime.setup_seconds - setup_before, row_stats.time_total)
     return [
         GenerationResult(out, stopping[r].text(out), prompt_ids[r], stats[r], decoder.tree, steps)
         for r, out in enumerate(outs)

@@ -20,6 +20,8 @@ two on fresh random models (tests/test_native.py).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .. import ops
@@ -176,7 +178,9 @@ class NativeStep:
         with runtime.lock:
             entry = runtime.native.get(self.form)
             if entry is None or entry[0] != key:
+                started = time.perf_counter()
                 entry = runtime.native[self.form] = (key, *self._build())
+                runtime.setup_seconds += time.perf_counter() - started
             self._native, self._cache = entry[1], None  # bound again on the next call
 
     def _build(self):

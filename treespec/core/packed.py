@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections.abc import Iterator
 
 import torch
@@ -252,7 +253,9 @@ def packed_linears(model, enabled: bool = True, mode: str = "auto") -> Iterator[
                 raise RuntimeError(f"the model's linears are in use in mode {packing.mode!r}, not {mode!r}")
             runtime.other_packings[packing.mode] = packing  # kept: switching back costs nothing
             packing = runtime.packing = runtime.other_packings.pop(mode, None)
-        if packing is None:
+        new = packing is None
+        started = time.perf_counter()
+        if new:
             packing = runtime.packing = _ModelPacking(model, mode)
         if packing.users == 0:
             for linear in packing.linears:
@@ -260,6 +263,8 @@ def packed_linears(model, enabled: bool = True, mode: str = "auto") -> Iterator[
                 # an instance attribute (nn.Module.__call__ uses it), set in the instance's dict directly:
                 # nn.Module.__setattr__'s checks cost more than the rest of entering the block
                 linear.module.__dict__["forward"] = linear
+        if new:  # the first packing of this mode: its blocks found, its fast copies made
+            runtime.setup_seconds += time.perf_counter() - started
         packing.users += 1
     try:
         yield

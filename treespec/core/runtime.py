@@ -51,6 +51,9 @@ class TargetRuntime:
         self.outputs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # the CPU K/V buffer of the last released cache (`cache.TreeKVCache.release`), for the next cache
         self.kv_buffer: torch.Tensor | None = None
+        # seconds spent building what is above for the first time (packing, native step): one-time work
+        # that a call's statistics report apart (`GenerationStats.time_setup`)
+        self.setup_seconds = 0.0
         self.closed = False
 
     @classmethod

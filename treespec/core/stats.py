@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+SHOWN_SETUP_SECONDS = 0.05  # `summary` names a one-time setup from this long on
+
 
 @dataclass
 class GenerationStats:
@@ -26,6 +28,9 @@ class GenerationStats:
     time_verify: float = 0.0
     time_commit: float = 0.0
     time_total: float = 0.0
+    # of time_total, the one-time work of the model's first call in this process (its linears packed, the
+    # native step built: `TargetRuntime.setup_seconds`); later calls skip it
+    time_setup: float = 0.0
     cache_memory: dict[str, int] = field(default_factory=dict)
     draft_cache_memory: dict[str, int] = field(default_factory=dict)  # the drafter's caches and tables
     drafter: dict = field(default_factory=dict)  # what the drafter measured itself (draft models)
@@ -105,8 +110,9 @@ class GenerationStats:
 
     @property
     def tokens_per_second(self) -> float:
-        """New tokens per second of wall time, prefill included."""
-        return self.new_tokens / self.time_total if self.time_total > 0 else 0.0
+        """New tokens per second of wall time, prefill included, the one-time setup (`time_setup`) not."""
+        seconds = self.time_total - self.time_setup
+        return self.new_tokens / seconds if seconds > 0 else 0.0
 
     def as_dict(self) -> dict:
         return {
@@ -125,14 +131,21 @@ class GenerationStats:
             "time_verify": self.time_verify,
             "time_commit": self.time_commit,
             "time_total": self.time_total,
+            "time_setup": self.time_setup,
             "cache_memory": self.cache_memory,
             "draft_cache_memory": self.draft_cache_memory,
             "drafter": self.drafter,
         }
 
     def summary(self) -> str:
+        setup = (
+            f" (after {self.time_setup:.2f} s of one-time setup: the model's weights prepared for this "
+            "process, which later calls skip)"
+            if self.time_setup >= SHOWN_SETUP_SECONDS
+            else ""
+        )
         return (
-            f"{self.new_tokens} tokens in {self.steps} steps, {self.tokens_per_second:.1f} tok/s, "
+            f"{self.new_tokens} tokens in {self.steps} steps, {self.tokens_per_second:.1f} tok/s{setup}, "
             f"mean accepted length {self.mean_accept_length:.2f}, "
             f"acceptance rate {self.acceptance_rate:.2f}, "
             f"draft {1e3 * self.draft_latency:.1f} ms + verify {1e3 * self.verify_latency:.1f} ms per step, "
