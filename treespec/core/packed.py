@@ -254,8 +254,8 @@ def packed_linears(model, enabled: bool = True, mode: str = "auto") -> Iterator[
             runtime.other_packings[packing.mode] = packing  # kept: switching back costs nothing
             packing = runtime.packing = runtime.other_packings.pop(mode, None)
         new = packing is None
-        started = time.perf_counter()
         if new:
+            started = time.perf_counter()
             packing = runtime.packing = _ModelPacking(model, mode)
         if packing.users == 0:
             for linear in packing.linears:

@@ -81,7 +81,7 @@ class TargetRuntime:
     def keep_kv_buffer(self, buffer: torch.Tensor) -> None:
         """Keep a released cache's buffer for the next cache: the larger of it and the one kept, up to
         KEEP_KV_BUFFER_BYTES (a larger one is freed)."""
-        size = buffer.numel() * buffer.element_size()
+        size = _tensor_bytes(buffer)
         with self.lock:
             if size <= KEEP_KV_BUFFER_BYTES and size > _tensor_bytes(self.kv_buffer):
                 self.kv_buffer = buffer
