@@ -207,9 +207,11 @@ def test_greedy_on_block_weights_with_biases_equals_hf_greedy():
         assert [r.token_ids for r in decoder_out] == expected
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_bitwise_native_nodes_get_the_bits_of_one_token_steps(dtype):
-    model = _model("qwen2", dtype, False, seed=6)
+# blocks: Q4_1 weights, the MLP's down projection 37 blocks wide (the one-row kernel converts its float16
+# scales 16 blocks at a time: two whole groups and a partial one)
+@pytest.mark.parametrize("dtype,blocks", [(dtype, False) for dtype in DTYPES] + [(torch.float32, True)])
+def test_bitwise_native_nodes_get_the_bits_of_one_token_steps(dtype, blocks):
+    model = _model("qwen2", dtype, blocks, seed=6, **({"intermediate_size": 37 * 32} if blocks else {}))
     generator = random.Random(str(dtype))
     with torch.inference_mode(), decoding_mode(model, "exact"):
         native = NativeStep(model, exact=True)
@@ -227,6 +229,25 @@ def test_bitwise_native_nodes_get_the_bits_of_one_token_steps(dtype):
                 path = tokens[row, mask[node]].tolist()  # root .. node
                 alone = one_token_logits(model, native, prompts[row], path, nodes)
                 assert torch.equal(alone, logits[row, node]), (nodes, row, node)
+
+
+def test_wide_block_weights_give_the_hf_forward_at_one_row_and_many():
+    # 37 blocks of 32 in the down projection: the one-row kernel's scale groups of 16 (two and a part)
+    model = _model("llama", torch.float32, True, seed=8, intermediate_size=37 * 32)
+    generator = random.Random(8)
+    with torch.inference_mode(), decoding_mode(model, "auto"):
+        native = NativeStep(model)
+        native.refresh()
+        for nodes in (1, 3):
+            prompts = [[generator.randrange(96) for _ in range(9)]]
+            mask = _random_tree(nodes, generator)
+            tokens = torch.randint(0, 96, (1, nodes))
+            reference = _verify(
+                model, lambda *a, **k: full_forward(model, *a, **k), prompts, [0], mask, tokens, ()
+            )
+            fast = _verify(model, native, prompts, [0], mask, tokens, ())
+            error = (fast[0] - reference[0]).abs().max().item()
+            assert error < 2e-4 * max(1.0, reference[0].abs().max().item()), (nodes, error)
 
 
 def test_auto_takes_the_native_step_where_it_covers_the_model():
