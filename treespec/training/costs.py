@@ -52,7 +52,9 @@ from . import calibrate
 # 9: AVX2 int8 tiles keep their integer sums in registers (int8 trees of 4+ nodes cost less)
 # 10: AVX2 int8 tiles of 2-4 rows a group of 16 weight rows at a time, Q8 in nibbles (int8 trees cost less)
 # 11: AVX-512 VNNI int8 tiles of several rows ask for the weight stream 4 KB ahead (int8 trees cost less)
-KERNELS_REVISION = 11
+# 12: AVX-512 float Q4_1 blocks looked up in a per-block table, one-row tiles convert float16 scales 16 blocks
+#     at a time (float32 steps and trees cost less)
+KERNELS_REVISION = 12
 NODES = (1, 4, 8, 16, 32, 64)
 PREFIXES = (128, 512, 1024)
 # name -> Decoder(linears=..., compile=...)
