@@ -420,3 +420,18 @@ def test_generate_builds_the_recipe_with_the_options_parts():
         cli.generate_drafter(_generate_args("--lookup", 2, "--drafter", "suffix"), model, "suffix", None)
     with pytest.raises(ValueError, match="--suffix-cache goes with"):
         cli.generate_drafter(_generate_args("--suffix-cache", "x.json"), model, "heads", None)
+
+
+def test_chat_keeps_the_conversation_between_lines(monkeypatch, capsys):
+    import io
+
+    monkeypatch.setattr(
+        "sys.stdin", io.StringIO("What is 2 + 2?\nAnd 3 + 3?\n/reset\nName a colour.\n\nignored\n")
+    )
+    assert main(["chat", "--max-new-tokens", "8", "--drafter", "dynamic+suffix"]) == 0
+    out, err = capsys.readouterr()
+    stats = [line for line in err.splitlines() if line.startswith("[") and " tokens in " in line]
+    assert len(stats) == 3  # three messages answered; the empty line ended the conversation
+    assert "kept in the cache from before" in stats[1]  # the second turn prefilled only its new tokens
+    assert "(a new conversation)" in err
+    assert out.strip()

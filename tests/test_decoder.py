@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 import torch
-from conftest import hf_greedy, random_heads, tiny_model
+from conftest import hf_greedy, random_eagle, random_heads, tiny_model
 
 import treespec
 from treespec.core.drafting import Drafter
@@ -366,3 +366,55 @@ def test_verified_hands_the_targets_top_k_after_every_node_through_wrappers():
         tokens, top = listener.seen[-1]
         assert tokens.tolist() == step.tokens and top.shape == (3, step.nodes, 3)
         assert top[:, 0, 0].tolist() == [committed[0] for committed in step.committed]
+
+
+# int8 numerics quantize blocks of 32: a model whose sizes are multiples of 32
+INT8_SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4)
+
+
+@pytest.mark.parametrize(
+    "numerics,step", [("fast", "hf"), ("fast", "native"), ("bitwise", "native"), ("int8", "native")]
+)
+def test_a_kept_prefix_prefills_only_the_tokens_after_it(numerics, step):
+    model = tiny_model("llama", dtype=torch.float32, **(INT8_SHAPE if numerics == "int8" else {}))
+    drafter = treespec.make_drafter(random_heads(model, seed=1), treespec.default_tree(8, 4), model)
+    decoder = treespec.Decoder(model, drafter, numerics=numerics, step=step, reuse_prefix=True)
+    fresh = treespec.Decoder(model, drafter, numerics=numerics, step=step)
+
+    def decode(decoder, prompt, n):
+        out = decoder.prefill(prompt, max_new_tokens=n)
+        while len(out) < n:
+            out += decoder.step().committed[0]
+        return out
+
+    first = [3, 17, 5, 9, 22]
+    reply = decode(decoder, first, 12)
+    assert decoder.stats[0].prompt_reused == 0
+    assert decoder.held[0] == first + reply[:-1]  # the last token has no K/V yet
+    second = first + reply + [7, 8, 9]  # the conversation goes on
+    answer = decode(decoder, second, 20)
+    assert decoder.stats[0].prompt_reused == len(first) + len(reply) - 1
+    assert answer[:20] == decode(fresh, second, 20)
+    if numerics != "int8":  # int8: another text than the float model's
+        assert answer[:20] == hf_greedy(model, second, 20)
+    # a prompt that leaves the history early keeps the common part; the whole history: all but its last
+    # token (whose forward gives the first new token)
+    third = first[:3] + [40, 41]
+    assert decode(decoder, third, 6)[:6] == decode(fresh, third, 6)[:6]
+    assert decoder.stats[0].prompt_reused == 3
+    decode(decoder, third, 6)
+    assert decoder.stats[0].prompt_reused == len(third) - 1
+    with torch.no_grad():  # the weights changed: no K/V of theirs is kept
+        model.model.norm.weight.mul_(1.0)
+    assert decode(decoder, third, 6)[:6] == decode(fresh, third, 6)[:6]
+    assert decoder.stats[0].prompt_reused == 0
+    # a batch prefills every prompt whole
+    decoder.prefill([third, first], max_new_tokens=4)
+    assert [s.prompt_reused for s in decoder.stats] == [0, 0]
+
+
+def test_a_drafter_that_reads_the_targets_features_keeps_no_prefix():
+    model = tiny_model("llama", dtype=torch.float32)
+    eagle = treespec.EagleDrafter(random_eagle(model), treespec.default_tree(8, 4), model)
+    decoder = treespec.Decoder(model, eagle, reuse_prefix=True)
+    assert decoder.reuse_prefix is False

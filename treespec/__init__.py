@@ -1,6 +1,7 @@
 """treespec: tree-speculative decoding for Hugging Face causal LMs (same output, fewer forward passes)."""
 
 from .api import as_drafter, generate, generate_baseline
+from .chat import Chat
 from .core.acceptance import SamplingConfig
 from .core.attention import (
     AttentionPlan,
@@ -50,6 +51,7 @@ __all__ = [
     "StepPricer",
     "TargetRuntime",
     "CacheCapacityError",
+    "Chat",
     "DEFAULT_TREE_SIZES",
     "DraftModelDrafter",
     "AcceptanceCalibration",

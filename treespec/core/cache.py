@@ -281,6 +281,17 @@ class TreeKVCache(KVCacheBase):
         cache.runtime = runtime
         return cache
 
+    def copy_prefix(self, other: TreeKVCache, length: int) -> None:
+        """Row 0 takes the first `length` committed tokens of `other`'s row 0 (a cache of the same model:
+        one sequence moving to a larger cache), committed here."""
+        if not 0 <= length <= min(other.lengths[0], self.max_len) or len(other.layers) != len(self.layers):
+            raise ValueError(f"cannot take {length} tokens from a cache of {other.lengths[0]} committed")
+        for mine, theirs in zip(self.layers, other.layers, strict=True):
+            mine.keys[0, :, :length] = theirs.keys[0, :, :length]  # [Hkv, length, D]
+            mine.values[0, :, :length] = theirs.values[0, :, :length]
+        self.lengths[0] = length
+        self._end_forward()
+
     def release(self) -> None:
         """Done with this cache: its CPU buffer goes to the model's runtime, for the next cache of the model
         to reuse (`for_model`), and the cache holds no K/V after this (a forward on it raises)."""

@@ -38,7 +38,7 @@ from .forward import full_forward, output_logits
 from .native import STEPS, NativeStep, int8_reason
 from .native import unsupported_reason as native_unsupported
 from .packed import MODES as LINEAR_MODES
-from .packed import packed_linears, shared_forward
+from .packed import packed_linears, shared_forward, weight_key
 from .pricing import StepPricer
 from .stats import GenerationStats
 from .tree import Tree
@@ -194,6 +194,7 @@ class Decoder:
         clock: Callable[[], float] | None = None,
         numerics: str = "fast",
         step: str = "auto",
+        reuse_prefix: bool = False,
     ):
         """sampling: how tokens are chosen (temperature, top-k/p, the acceptance rule, the seed);
         acceptance / seed override its `acceptance` / `seed`. linears: how the model's linear layers run
@@ -205,7 +206,10 @@ class Decoder:
         the one for this drafter setting in the model's `TargetRuntime`). clock: the step timer (default:
         wall time, synchronising CUDA only where a pricer reads the timings). numerics: "fast", "bitwise"
         (row-invariant kernels: the same text as the plain loop) or "int8" (row-invariant int8 activations
-        in the native step; `numerics_settings`)."""
+        in the native step; `numerics_settings`). reuse_prefix: a prompt that starts with tokens this
+        decoder's cache still holds from its last sequence (the next turn of a conversation: the history,
+        the reply, the new message) prefills only the tokens after them (`prefill`); one prompt at a time,
+        not with a drafter that reads the target's features or brings its own scorer."""
         self.sampling = sampling or SamplingConfig()
         self.acceptance = acceptance or self.sampling.acceptance
         check_settings(linears, self.acceptance, kernel)
@@ -231,6 +235,9 @@ class Decoder:
         if own_scorer is not None and self.feature_layers:
             raise ValueError("a drafter that reads the target's features cannot bring its own scorer")
         self.scorer = own_scorer or default_scorer
+        # a kept prefix needs nothing from its tokens but their K/V: not so for a drafter that reads the
+        # target's features at every prompt token, or one that verifies through its own scorer
+        self.reuse_prefix = reuse_prefix and own_scorer is None and not self.feature_layers
         if self.feature_layers:
             self.scorer = partial(self.scorer, feature_layers=self.feature_layers)
         self.plain_above, self.pricer = plain_above, None
@@ -245,6 +252,8 @@ class Decoder:
         self.hidden: torch.Tensor | None = None  # [A, H] at each live row's last committed token
         self.roots: torch.Tensor | None = None  # [A] each live row's next root token
         self.stats: list[GenerationStats] = []  # per cache row
+        self.held: list[list[int]] = []  # per cache row: the tokens whose K/V its cache holds, in order
+        self._held_weights: tuple | None = None  # the weights those K/V came from (`weight_key`s)
         self._in_mode = False  # inside `running()` (a loop holds the mode over its steps)
 
     def _step_kind(self, step: str, model, linears: str, compile: bool, own_scorer: bool) -> str:
@@ -312,19 +321,37 @@ class Decoder:
             positions_needed(self.model, len(p), max_new_tokens, self.tree.num_nodes, max_length, name)
             for p, name in zip(prompts, names, strict=True)
         )
+        weights = tuple(weight_key(p) for p in self.model.parameters()) if self.reuse_prefix else None
+        kept = self._kept_prefix(prompts, weights)
         if self.cache is None or self.cache.max_len < needed or self.cache.num_rows != B:
-            self.cache = TreeKVCache.for_model(self.model, needed, B, spec_reserve=self.tree.num_nodes)
+            capacity = needed
+            if self.reuse_prefix:  # room for the next turns: a conversation's cache grows rarely
+                limit = max_length or getattr(self.model.config, "max_position_embeddings", None) or needed
+                capacity = max(needed, min(2 * needed, limit))
+            old = self.cache
+            self.cache = TreeKVCache.for_model(self.model, capacity, B, spec_reserve=self.tree.num_nodes)
             # "compiled" and "exact": the fused commit (when the extension is there); the others: torch
             self.cache.fused_commit = None if self.kernel in ("compiled", "exact") else False
-        self.cache.reset()
+            if kept:
+                self.cache.copy_prefix(old, kept)  # a conversation outgrew its cache: its history moves
+            if old is not None:
+                old.release()
+        if kept:
+            self.cache.rollback_rows([0], [kept])  # what follows the kept prefix is dropped by pointer
+        else:
+            self.cache.reset()
+        self.held, self._held_weights = [list(p) for p in prompts], weights
         if self.native is not None:
             with self.running():  # the packing (exact blocks) the native model reads
                 self.native.refresh()
-        self.stats = [GenerationStats(prompt_tokens=len(p), max_depth=self.tree.max_depth) for p in prompts]
+        self.stats = [
+            GenerationStats(prompt_tokens=len(p), prompt_reused=kept, max_depth=self.tree.max_depth)
+            for p in prompts
+        ]
         hidden, roots = [], []
         for row, prompt in enumerate(prompts):
             t0 = self.clock()
-            state, root = self._prefill_row(row, prompt, needed)
+            state, root = self._prefill_row(row, prompt, needed, kept)
             hidden.append(state)
             roots.append(root)
             self.stats[row].time_prefill = self.clock() - t0
@@ -333,14 +360,38 @@ class Decoder:
         self.roots = torch.tensor(roots, device=self.device)  # [B]
         return roots
 
-    def _prefill_row(self, row: int, prompt: list[int], capacity: int) -> tuple[torch.Tensor, int]:
-        """One prompt into cache row `row`: (hidden [H] at its last token, its first token)."""
-        ids = torch.tensor([prompt], device=self.device)  # [1, P]
-        positions = torch.arange(len(prompt), device=self.device)[None]  # [1, P]
-        self.cache.begin([row], len(prompt))
+    def _kept_prefix(self, prompts: list[list[int]], weights: tuple | None) -> int:
+        """How many leading tokens of the one prompt the cache already holds K/V for, from this decoder's
+        last sequence (`reuse_prefix`), at most all but its last token (whose forward gives the first new
+        token); 0 when nothing can be kept (a batch, no cache, K/V of other weights)."""
+        if not (
+            self.reuse_prefix
+            and len(prompts) == 1
+            and self.cache is not None
+            and not self.cache.released
+            and self.cache.num_rows == 1
+            and self.held
+            and weights == self._held_weights
+        ):
+            return 0
+        held, prompt = self.held[0], prompts[0]
+        limit = min(len(held), len(prompt) - 1, self.cache.lengths[0])
+        kept = 0
+        while kept < limit and held[kept] == prompt[kept]:
+            kept += 1
+        return kept
+
+    def _prefill_row(
+        self, row: int, prompt: list[int], capacity: int, start: int = 0
+    ) -> tuple[torch.Tensor, int]:
+        """One prompt into cache row `row`, whose cache holds its first `start` tokens already: (hidden [H]
+        at its last token, its first token)."""
+        ids = torch.tensor([prompt[start:]], device=self.device)  # [1, P - start]
+        positions = torch.arange(start, len(prompt), device=self.device)[None]  # [1, P - start]
+        self.cache.begin([row], len(prompt) - start)
         plan = self.cache.attention_plan(AttentionPlan(self.kernel))
         features = None  # [1, P, F] for a drafter that reads the target's features
-        if self.numerics == "int8" and len(prompt) <= NATIVE_PREFILL_MAX:  # int8 numerics: the native step
+        if self.numerics == "int8" and len(prompt) - start <= NATIVE_PREFILL_MAX:  # int8: the native step
             with self.running():
                 out = self.native(ids, positions, self.cache, plan, self.feature_layers, exact=False)
                 if self.feature_layers:
@@ -392,6 +443,8 @@ class Decoder:
             paths, bonuses = [v[0] for v in verified], [v[1] for v in verified]
             t2 = self.clock()
             self.cache.commit(paths)
+            for row, row_tokens, path in zip(rows, tokens, paths, strict=True):
+                self.held[row].extend(row_tokens[i] for i in path)  # the root and its accepted branch
             self.hidden = last_hidden(hidden_tree, paths)  # [A, H]
             self.roots = torch.tensor(bonuses, device=self.device)  # [A]
             t3 = self.clock()

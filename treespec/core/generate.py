@@ -159,12 +159,15 @@ def _encode_text(prompt: str, tokenizer, chat: bool | None) -> list[int]:
         raise ValueError("a string prompt needs tokenizer=: pass the model's tokenizer, or token ids")
     use_chat = getattr(tokenizer, "chat_template", None) is not None if chat is None else chat
     if use_chat:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-        )
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-    else:
-        ids = tokenizer(prompt)["input_ids"]
+        return chat_ids(tokenizer, [{"role": "user", "content": prompt}])
+    return [int(t) for t in tokenizer(prompt)["input_ids"]]
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """A conversation ([{"role": ..., "content": ...}]) through the tokenizer's chat template, ready for
+    the assistant's next answer."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids  # transformers 5
     return [int(t) for t in ids]
 
 

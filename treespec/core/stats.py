@@ -18,6 +18,9 @@ class GenerationStats:
     (root included), so plain decoding has 1.0 and a speculative step has >= 1."""
 
     prompt_tokens: int = 0
+    # of prompt_tokens, those whose K/V the cache kept from the sequence before (`Decoder(reuse_prefix=True)`,
+    # a `Chat`'s earlier turns): the prefill ran over the rest
+    prompt_reused: int = 0
     new_tokens: int = 0
     max_depth: int = 0
     steps: int = 0
@@ -117,6 +120,7 @@ class GenerationStats:
     def as_dict(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens,
+            "prompt_reused": self.prompt_reused,
             "new_tokens": self.new_tokens,
             "steps": self.steps,
             "mean_accept_length": self.mean_accept_length,
@@ -144,8 +148,14 @@ class GenerationStats:
             if self.time_setup >= SHOWN_SETUP_SECONDS
             else ""
         )
+        kept = (
+            f", {self.prompt_reused} of {self.prompt_tokens} prompt tokens kept in the cache from before"
+            if self.prompt_reused
+            else ""
+        )
         return (
-            f"{self.new_tokens} tokens in {self.steps} steps, {self.tokens_per_second:.1f} tok/s{setup}, "
+            f"{self.new_tokens} tokens in {self.steps} steps, {self.tokens_per_second:.1f} tok/s"
+            f"{setup}{kept}, "
             f"mean accepted length {self.mean_accept_length:.2f}, "
             f"acceptance rate {self.acceptance_rate:.2f}, "
             f"draft {1e3 * self.draft_latency:.1f} ms + verify {1e3 * self.verify_latency:.1f} ms per step, "

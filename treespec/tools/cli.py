@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(commands)
+    _add_chat(commands)
     _add_viz(commands)
     _add_tune(commands)
     _add_export(commands)
@@ -431,6 +432,71 @@ def cmd_generate(args: argparse.Namespace) -> int:
             trace.save(args.trace)
             print(f"trace written to {args.trace}", file=sys.stderr)
     print(result.stats.summary())
+    return 0
+
+
+# ----- treespec chat -----
+
+
+def _add_chat(commands) -> None:
+    p = commands.add_parser(
+        "chat",
+        help="talk with the model, turn after turn (the conversation's K/V kept between turns)",
+        description="An interactive conversation on stdin / stdout: each line is a message, the reply "
+        "streams back. The history stays in the cache, so a turn prefills only its new tokens. "
+        "/reset starts a new conversation; an empty line or end of input ends.",
+    )
+    p.add_argument("--model", default=None, help="HF model id or folder (default: embedded SmolLM2-135M)")
+    p.add_argument(
+        "--drafter",
+        default=recipes.AUTO,
+        choices=[*recipes.names(), "none"],
+        metavar="RECIPE",
+        help="a recipe (treespec.recipes): auto (default), none (= plain) or any of: "
+        + ", ".join(recipes.names()),
+    )
+    p.add_argument("--system", default=None, help="a system message (default: the chat template's own)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="per reply (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=None, help="torch device (default cpu)")
+    p.add_argument("--numerics", default="fast", choices=list(NUMERICS), help="as for generate")
+    p.add_argument("--quiet", action="store_true", help="no statistics line after each reply")
+    p.set_defaults(run=cmd_chat)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    from transformers import TextStreamer
+
+    model, tokenizer = treespec.load_model(args.model, dtype=args.dtype, device=args.device)
+    drafter = None if args.drafter == "none" else args.drafter
+    sampling = treespec.SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    options = treespec.DecodeOptions(numerics=args.numerics)
+    interactive = sys.stdin.isatty()
+    with treespec.Chat(
+        model, tokenizer, drafter, system=args.system, max_new_tokens=args.max_new_tokens,
+        sampling=sampling, options=options,
+    ) as chat:  # fmt: skip
+        while True:
+            try:
+                line = input("> " if interactive else "")
+            except EOFError:
+                break
+            message = line.strip()
+            if not message:
+                break
+            if message == "/reset":
+                chat.reset()
+                print("(a new conversation)", file=sys.stderr)
+                continue
+            streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+            result = chat.send(message, streamer=streamer)
+            if not args.quiet:
+                print(f"[{result.stats.summary()}]", file=sys.stderr)
     return 0
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..core.generate import encode_prompt
+from ..core.generate import chat_ids, encode_prompt
 from ..training.distill import is_eval, load_prompts, order_hash
 from .models import default_data_file
 
@@ -74,14 +74,6 @@ def sharegpt_heldout(num_prompts: int, path: Path | None = None) -> list[dict]:
         {"question_id": p.id, "category": "sharegpt-heldout", "turns": [p.text[:MAX_PROMPT_CHARS]]}
         for p in held
     ]
-
-
-def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """A conversation through the chat template, ready for the assistant's next answer."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
 
 
 @torch.inference_mode()
