@@ -252,7 +252,8 @@ class Decoder:
         self.hidden: torch.Tensor | None = None  # [A, H] at each live row's last committed token
         self.roots: torch.Tensor | None = None  # [A] each live row's next root token
         self.stats: list[GenerationStats] = []  # per cache row
-        self.held: list[list[int]] = []  # per cache row: the tokens whose K/V its cache holds, in order
+        # per cache row: the tokens whose K/V its cache holds, in order (kept with `reuse_prefix` only)
+        self.held: list[list[int]] = []
         self._held_weights: tuple | None = None  # the weights those K/V came from (`weight_key`s)
         self._in_mode = False  # inside `running()` (a loop holds the mode over its steps)
 
@@ -340,7 +341,8 @@ class Decoder:
             self.cache.rollback_rows([0], [kept])  # what follows the kept prefix is dropped by pointer
         else:
             self.cache.reset()
-        self.held, self._held_weights = [list(p) for p in prompts], weights
+        self.held = [list(p) for p in prompts] if self.reuse_prefix else []
+        self._held_weights = weights
         if self.native is not None:
             with self.running():  # the packing (exact blocks) the native model reads
                 self.native.refresh()
@@ -443,8 +445,9 @@ class Decoder:
             paths, bonuses = [v[0] for v in verified], [v[1] for v in verified]
             t2 = self.clock()
             self.cache.commit(paths)
-            for row, row_tokens, path in zip(rows, tokens, paths, strict=True):
-                self.held[row].extend(row_tokens[i] for i in path)  # the root and its accepted branch
+            if self.reuse_prefix:
+                for row, row_tokens, path in zip(rows, tokens, paths, strict=True):
+                    self.held[row].extend(row_tokens[i] for i in path)  # the root and its accepted branch
             self.hidden = last_hidden(hidden_tree, paths)  # [A, H]
             self.roots = torch.tensor(bonuses, device=self.device)  # [A]
             t3 = self.clock()

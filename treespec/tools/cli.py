@@ -209,18 +209,8 @@ def _add_generate(commands) -> None:
     p.add_argument("prompt", help="the prompt (goes through the chat template when the model has one)")
     p.add_argument("--model", default=None, help="HF model id or folder (default: embedded SmolLM2-135M)")
     options.add_heads_arguments(p)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0)")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    _add_sampling_and_model_arguments(p)
     p.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="default auto: bfloat16 where the hardware computes it natively (CUDA, a CPU with "
-        "AVX512-BF16 / AMX), else float32 (emulated bf16 is ~3x slower); float32 gives HF's tokens exactly",
-    )
-    p.add_argument("--device", default=None, help="torch device (default cpu)")
     p.add_argument("--stream", action="store_true", help="print the text as it is generated")
     p.add_argument("--show-tree", action="store_true", help="print each step's tree, path highlighted")
     p.add_argument("--trace", metavar="OUT.json", default=None, help="save the step-by-step trace here")
@@ -247,6 +237,23 @@ def _add_generate(commands) -> None:
         help="recipes with suffix trees: earlier answers to draft from, loaded when the file exists (else "
         "the default model starts from its shipped answers) and saved back with this answer added",
     )
+    _add_chain_drafter_options(p, eagle=True)
+    p.set_defaults(run=cmd_generate)
+
+
+def _add_sampling_and_model_arguments(p) -> None:
+    """Options `generate` and `chat` share: sampling, the model's dtype and device, the numerics."""
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="default auto: bfloat16 where the hardware computes it natively (CUDA, a CPU with "
+        "AVX512-BF16 / AMX), else float32 (emulated bf16 is ~3x slower); float32 gives HF's tokens exactly",
+    )
+    p.add_argument("--device", default=None, help="torch device (default cpu)")
     p.add_argument(
         "--numerics",
         default="fast",
@@ -256,8 +263,6 @@ def _add_generate(commands) -> None:
         "fastest on a CPU with VNNI; its text is its own plain loop's, not the float model's); fast "
         "(default): the fastest float kernels (core.decoder.NUMERICS lists every value)",
     )
-    _add_chain_drafter_options(p, eagle=True)
-    p.set_defaults(run=cmd_generate)
 
 
 def _add_chain_drafter_options(p, required: bool = False, eagle: bool = False) -> None:
@@ -457,12 +462,7 @@ def _add_chat(commands) -> None:
     )
     p.add_argument("--system", default=None, help="a system message (default: the chat template's own)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="per reply (default 256)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0)")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default=None, help="torch device (default cpu)")
-    p.add_argument("--numerics", default="fast", choices=list(NUMERICS), help="as for generate")
+    _add_sampling_and_model_arguments(p)
     p.add_argument("--quiet", action="store_true", help="no statistics line after each reply")
     p.set_defaults(run=cmd_chat)
 
