@@ -65,3 +65,12 @@ def test_a_tokenizer_without_a_chat_template_is_refused(tokenizer):
         treespec.Chat(model, plain, None)
     with pytest.raises(ValueError, match="non-empty"):
         treespec.Chat(model, tokenizer, None).send("  ")
+
+
+def test_a_conversation_longer_than_the_model_says_to_start_again(tokenizer):
+    model = tiny_llama_over(tokenizer, dtype=torch.float32, max_position_embeddings=64)
+    chat = treespec.Chat(model, tokenizer, None, max_new_tokens=8)
+    chat.send("Hi")
+    with pytest.raises(treespec.CacheCapacityError, match=r"chat\.reset\(\)"):
+        chat.send("Tell me everything about the sea, the mountains, the rivers and the sky. " * 3)
+    assert [m["role"] for m in chat.messages] == ["user", "assistant"]  # the failed turn left no trace

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from .api import as_drafter
 from .core.acceptance import SamplingConfig
+from .core.cache import CacheCapacityError
 from .core.decoder import Decoder
 from .core.generate import DecodeOptions, GenerationResult, chat_ids, decode
 from .core.stopping import StopCondition
@@ -77,7 +78,13 @@ class Chat:
         messages = [*self.messages, {"role": "user", "content": message}]
         ids = chat_ids(self.tokenizer, messages)
         stopping = [StopCondition(self.eos, self.stop, self.tokenizer, limit)]
-        result = decode(self.decoder, [ids], stopping, [streamer], self.options.max_length)[0]
+        try:
+            result = decode(self.decoder, [ids], stopping, [streamer], self.options.max_length)[0]
+        except CacheCapacityError as error:
+            raise CacheCapacityError(
+                f"the conversation no longer fits the model ({error}): start a new one with chat.reset(), "
+                "or send with a lower max_new_tokens"
+            ) from error
         self.messages = [*messages, {"role": "assistant", "content": result.text}]
         return result
 

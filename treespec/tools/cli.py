@@ -494,7 +494,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 print("(a new conversation)", file=sys.stderr)
                 continue
             streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-            result = chat.send(message, streamer=streamer)
+            try:
+                result = chat.send(message, streamer=streamer)
+            except treespec.CacheCapacityError as error:  # the conversation is full: /reset goes on
+                print(f"treespec chat: {error}", file=sys.stderr)
+                continue
             if not args.quiet:
                 print(f"[{result.stats.summary()}]", file=sys.stderr)
     return 0
