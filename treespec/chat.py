@@ -9,8 +9,9 @@ would, and decodes the reply with tree speculation. The decoder's cache still ho
 earlier token (the history, the last reply), so the prefill runs only over the tokens the template adds
 after them (`Decoder(reuse_prefix=True)`): a long conversation does not pay for its history again every
 turn. Where the template renders the history differently from what was decoded (a reply whose text
-tokenizes otherwise), the kept prefix ends there and the rest is prefilled: the reply is the one a fresh
-call on the same conversation gives either way (greedy: the model's greedy reply, as `generate`'s).
+tokenizes otherwise), the kept prefix ends there and the rest is prefilled. In float32 the reply is the one
+a fresh call on the same conversation gives (greedy: the model's greedy reply); in int8 numerics the kept
+K/V came from one-token steps, not from one prefill, which can change the int8 text.
 `GenerationStats.prompt_reused` says how many prompt tokens a turn kept.
 """
 
