@@ -86,6 +86,8 @@ def test_the_llamacpp_worker_answers_greedy_and_the_same_twice(smollm2):
         peer = LlamaCppPeer(lookup=lookup, stop_token_ids=stop, python=LLAMACPP_PYTHON)
         try:
             first, again = peer.run(ids, 12), peer.run(ids, 12)
+            # a conversation's next turn: the K/V of the shared prefix kept (llama-cpp-python's prefix match)
+            turn = peer.run(ids + first["token_ids"] + short[1:], 8, keep_prefix=True)
             ended = peer.run(short, 24)
             info = peer.info
         finally:
@@ -93,6 +95,7 @@ def test_the_llamacpp_worker_answers_greedy_and_the_same_twice(smollm2):
         assert info["ready"] and info["lookup"] == lookup and info["threads"] >= 1
         assert info["model"].endswith(".gguf") and info["llama_cpp_python"]
         assert first["token_ids"] == again["token_ids"]  # greedy, nothing kept from the call before
+        assert 1 <= len(turn["token_ids"]) <= 8 and turn["seconds"] > 0
         assert len(first["token_ids"]) == 12 and first["seconds"] > 0
         vocab = model.get_output_embeddings().weight.shape[0]
         assert all(isinstance(t, int) and 0 <= t < vocab for t in first["token_ids"])

@@ -72,10 +72,13 @@ def end_tokens(llm) -> list[int]:
     return [t for t in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)]
 
 
-def greedy(llm, ids: list[int], max_new_tokens: int, stop: set[int]) -> list[int]:
+def greedy(llm, ids: list[int], max_new_tokens: int, stop: set[int], keep_prefix: bool = False) -> list[int]:
     """Greedy continuation of exactly `ids`: at most max_new_tokens tokens, ending on a stop token if one
-    comes. The context is reset first, so no prefix is reused from the request before."""
-    llm.reset()
+    comes. The context is reset first, so no prefix is reused from the request before; with keep_prefix,
+    llama-cpp-python keeps the K/V of the longest prefix `ids` shares with the tokens it evaluated last
+    (its own prefix match: a conversation's next turn)."""
+    if not keep_prefix:
+        llm.reset()
     tokens: list[int] = []
     if max_new_tokens <= 0:
         return tokens
@@ -109,7 +112,7 @@ def serve(llm, reply, default_stop: list[int]) -> None:
             reply({"error": f"prompt ({len(ids)}) + new tokens ({n}) exceed n_ctx {llm.n_ctx()}"})
             continue
         t0 = time.perf_counter()
-        tokens = greedy(llm, ids, n, stop)
+        tokens = greedy(llm, ids, n, stop, bool(request.get("keep_prefix")))
         reply({"token_ids": tokens, "seconds": time.perf_counter() - t0})
 
 

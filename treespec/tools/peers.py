@@ -253,9 +253,16 @@ class LlamaCppPeer(WorkerPeer):
         name = f"llama-cpp-python {self.info.get('llama_cpp_python', '?')}"
         return f"{name}, prompt lookup {self.info['lookup']}" if self.info.get("lookup") else name
 
-    def run(self, ids: list[int], max_new_tokens: int, stop_token_ids=None) -> dict:
+    def run(
+        self, ids: list[int], max_new_tokens: int, stop_token_ids=None, keep_prefix: bool = False
+    ) -> dict:
+        """keep_prefix: reuse the K/V of the prefix `ids` shares with the last request's tokens
+        (llama-cpp-python's own prefix match, as a chat client's next turn gets), instead of starting from an
+        empty context."""
         stop = stop_token_ids if stop_token_ids is not None else self.stop_token_ids
         request = {"ids": [int(t) for t in ids], "max_new_tokens": int(max_new_tokens)}
+        if keep_prefix:
+            request["keep_prefix"] = True
         if stop:
             request["stop_token_ids"] = [int(t) for t in stop]
         answer = self._ask(request)
