@@ -38,7 +38,7 @@ from .forward import full_forward, output_logits
 from .native import STEPS, NativeStep, int8_reason
 from .native import unsupported_reason as native_unsupported
 from .packed import MODES as LINEAR_MODES
-from .packed import packed_linears, shared_forward, weight_key
+from .packed import packed_linears, shared_forward, weights_key
 from .pricing import StepPricer
 from .stats import GenerationStats
 from .tree import Tree
@@ -96,13 +96,19 @@ def check_settings(linears: str, acceptance: str, kernel: str) -> None:
         raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {['auto', *sorted(KERNELS)]}")
 
 
+def position_limit(model, max_length: int | None) -> int | None:
+    """The most positions a sequence may take: `max_length`, else the model's max_position_embeddings
+    (None: neither says)."""
+    return max_length or getattr(model.config, "max_position_embeddings", None)
+
+
 def positions_needed(
     model, prompt_tokens: int, max_new_tokens: int, tree_nodes: int, max_length: int | None, prompt: str
 ) -> int:
     """Cache positions a sequence needs (prompt + new tokens + one tree block); refuses what the model
     cannot hold. prompt: how the error names the prompt ("the prompt", "prompt 3")."""
     config = model.config
-    limit = max_length or getattr(config, "max_position_embeddings", None) or 1 << 30
+    limit = position_limit(model, max_length) or 1 << 30
     needed = prompt_tokens + max_new_tokens + tree_nodes
     if needed > limit:
         raise CacheCapacityError(
@@ -322,13 +328,12 @@ class Decoder:
             positions_needed(self.model, len(p), max_new_tokens, self.tree.num_nodes, max_length, name)
             for p, name in zip(prompts, names, strict=True)
         )
-        weights = tuple(weight_key(p) for p in self.model.parameters()) if self.reuse_prefix else None
+        weights = weights_key(self.model) if self.reuse_prefix else None
         kept = self._kept_prefix(prompts, weights)
         if self.cache is None or self.cache.max_len < needed or self.cache.num_rows != B:
             capacity = needed
             if self.reuse_prefix:  # room for the next turns: a conversation's cache grows rarely
-                limit = max_length or getattr(self.model.config, "max_position_embeddings", None) or needed
-                capacity = max(needed, min(2 * needed, limit))
+                capacity = max(needed, min(2 * needed, position_limit(self.model, max_length) or needed))
             old = self.cache
             self.cache = TreeKVCache.for_model(self.model, capacity, B, spec_reserve=self.tree.num_nodes)
             # "compiled" and "exact": the fused commit (when the extension is there); the others: torch
@@ -370,7 +375,6 @@ class Decoder:
             self.reuse_prefix
             and len(prompts) == 1
             and self.cache is not None
-            and not self.cache.released
             and self.cache.num_rows == 1
             and self.held
             and weights == self._held_weights

@@ -26,7 +26,7 @@ import torch
 
 from .. import ops
 from .blocks import exact_bf16
-from .packed import weight_key
+from .packed import weights_key
 from .runtime import TargetRuntime
 
 MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -174,7 +174,7 @@ class NativeStep:
         """The native model over the current weights (once per prefill): the one the model's runtime
         holds, rebuilt when a weight changed since it was built (every decoder of the model shares it)."""
         runtime = TargetRuntime.of(self.model)
-        key = tuple(weight_key(p) for p in self.model.parameters())
+        key = weights_key(self.model)
         with runtime.lock:
             entry = runtime.native.get(self.form)
             if entry is None or entry[0] != key:

@@ -191,6 +191,12 @@ def weight_key(w: torch.Tensor) -> tuple:
     return (w.data_ptr(), version, tuple(w.shape), w.dtype)
 
 
+def weights_key(module: torch.nn.Module) -> tuple:
+    """`weight_key` of every parameter of `module`: what was computed from its weights is still valid while
+    this is unchanged."""
+    return tuple(weight_key(p) for p in module.parameters())
+
+
 class _PackedLinear:
     """The replacement forward of one `nn.Linear`: its weight as a `PackedMatrix`, rebuilt when the
     weight changed; inputs the fast forms do not take (autograd, other dtypes) go to `F.linear`."""
