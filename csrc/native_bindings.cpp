@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "argmax.h"
+#include "linear_slots.h"
 #include "native_step.h"
 
 namespace treespec {
@@ -32,6 +33,47 @@ const float* float_pointer(const at::Tensor& t, const char* what) {
 }
 
 }  // namespace
+
+LinearWeights linear_from_slots(const std::vector<at::Tensor>& tensors, size_t at, int64_t kind, int64_t N, int64_t K) {
+  LinearWeights w;
+  w.kind = static_cast<WeightKind>(kind);
+  w.N = N;
+  w.K = K;
+  const at::Tensor &t = tensors[at], &d = tensors[at + 1], &mm = tensors[at + 2], &bias = tensors[at + 3];
+  TORCH_CHECK(t.is_contiguous() && t.is_cpu() && t.dim() == 2 && t.size(0) == N, "treespec native step: a linear has ",
+              "weights ", t.sizes(), ", expected ", N, " rows");
+  switch (w.kind) {
+    case WeightKind::kFloat32:
+    case WeightKind::kBFloat16:
+      TORCH_CHECK(t.size(1) == K && t.scalar_type() == (w.kind == WeightKind::kFloat32 ? at::kFloat : at::kBFloat16),
+                  "treespec native step: dense weight ", t.sizes(), " ", t.scalar_type(), " does not fit [", N, ", ", K,
+                  "]");
+      break;
+    case WeightKind::kQ4_1:
+    case WeightKind::kQ8_0: {
+      const bool q4 = w.kind == WeightKind::kQ4_1;
+      TORCH_CHECK(K % 32 == 0 && t.size(1) == (q4 ? K / 2 : K) && t.scalar_type() == (q4 ? at::kByte : at::kChar) &&
+                      d.numel() == N * (K / 32) && (!q4 || mm.numel() == d.numel()),
+                  "treespec native step: blocks do not fit [", N, ", ", K, "]");
+      // float16 scales (the values a GGUF file stores, half the bytes of float32 ones) or float32
+      w.half_scales = d.scalar_type() == at::kHalf;
+      const auto scale_type = w.half_scales ? at::kHalf : at::kFloat;
+      TORCH_CHECK(d.scalar_type() == scale_type && d.is_contiguous() && (!q4 || (mm.scalar_type() == scale_type &&
+                                                                                    mm.is_contiguous())),
+                  "treespec native step: block scales must be contiguous float16 or float32 tensors");
+      w.d = d.data_ptr();
+      w.m = q4 ? mm.data_ptr() : nullptr;
+      break;
+    }
+    default: TORCH_CHECK(false, "treespec native step: unknown weight kind ", kind);
+  }
+  w.w = t.data_ptr();
+  if (present(bias)) {
+    TORCH_CHECK(bias.numel() == N, "treespec native step: a bias of ", bias.numel(), " for ", N, " outputs");
+    w.bias = float_pointer(bias, "a bias");
+  }
+  return w;
+}
 
 struct NativeModel : torch::CustomClassHolder {
   NativeModelDesc desc;
@@ -130,7 +172,7 @@ struct NativeModel : torch::CustomClassHolder {
       L.post_norm = float_pointer(tensors[at++], "a layer norm");
       LinearWeights* linears[kLinearsPerLayer] = {&L.q, &L.k, &L.v, &L.o, &L.gate, &L.up, &L.down};
       for (int j = 0; j < kLinearsPerLayer; ++j) {
-        *linears[j] = linear_of(tensors, at, kinds[l * kLinearsPerLayer + j], shapes[j][0], shapes[j][1]);
+        *linears[j] = linear_from_slots(tensors, at, kinds[l * kLinearsPerLayer + j], shapes[j][0], shapes[j][1]);
         at += kSlotsPerLinear;
       }
       if (int8) {
@@ -139,7 +181,7 @@ struct NativeModel : torch::CustomClassHolder {
       }
       m.layer.push_back(std::move(L));
     }
-    lm_head = linear_of(tensors, at, kinds.back(), lm_rows, m.hidden);
+    lm_head = linear_from_slots(tensors, at, kinds.back(), lm_rows, m.hidden);
     if (int8) lm_head_int8 = int8_form(lm_head, at);
     if (m.eagle) m.hidden_norm = float_pointer(tensors[at + kSlotsPerLinear], "the hidden norm");
   }
@@ -163,48 +205,6 @@ struct NativeModel : torch::CustomClassHolder {
 
   // Bytes of the int8 forms this model holds (0 outside int8 numerics).
   int64_t own_bytes() { return int8_used; }
-
-  // One linear's descriptor from its 4 tensor slots at `at` (w or q, d, m, bias), checked against [N, K].
-  static LinearWeights linear_of(const std::vector<at::Tensor>& tensors, size_t at, int64_t kind, int64_t N, int64_t K) {
-    LinearWeights w;
-    w.kind = static_cast<WeightKind>(kind);
-    w.N = N;
-    w.K = K;
-    const at::Tensor &t = tensors[at], &d = tensors[at + 1], &mm = tensors[at + 2], &bias = tensors[at + 3];
-    TORCH_CHECK(t.is_contiguous() && t.is_cpu() && t.dim() == 2 && t.size(0) == N, "treespec native step: a linear has ",
-                "weights ", t.sizes(), ", expected ", N, " rows");
-    switch (w.kind) {
-      case WeightKind::kFloat32:
-      case WeightKind::kBFloat16:
-        TORCH_CHECK(t.size(1) == K && t.scalar_type() == (w.kind == WeightKind::kFloat32 ? at::kFloat : at::kBFloat16),
-                    "treespec native step: dense weight ", t.sizes(), " ", t.scalar_type(), " does not fit [", N, ", ", K,
-                    "]");
-        break;
-      case WeightKind::kQ4_1:
-      case WeightKind::kQ8_0: {
-        const bool q4 = w.kind == WeightKind::kQ4_1;
-        TORCH_CHECK(K % 32 == 0 && t.size(1) == (q4 ? K / 2 : K) && t.scalar_type() == (q4 ? at::kByte : at::kChar) &&
-                        d.numel() == N * (K / 32) && (!q4 || mm.numel() == d.numel()),
-                    "treespec native step: blocks do not fit [", N, ", ", K, "]");
-        // float16 scales (the values a GGUF file stores, half the bytes of float32 ones) or float32
-        w.half_scales = d.scalar_type() == at::kHalf;
-        const auto scale_type = w.half_scales ? at::kHalf : at::kFloat;
-        TORCH_CHECK(d.scalar_type() == scale_type && d.is_contiguous() && (!q4 || (mm.scalar_type() == scale_type &&
-                                                                                      mm.is_contiguous())),
-                    "treespec native step: block scales must be contiguous float16 or float32 tensors");
-        w.d = d.data_ptr();
-        w.m = q4 ? mm.data_ptr() : nullptr;
-        break;
-      }
-      default: TORCH_CHECK(false, "treespec native step: unknown weight kind ", kind);
-    }
-    w.w = t.data_ptr();
-    if (present(bias)) {
-      TORCH_CHECK(bias.numel() == N, "treespec native step: a bias of ", bias.numel(), " for ", N, " outputs");
-      w.bias = float_pointer(bias, "a bias");
-    }
-    return w;
-  }
 
   // The lm_head over hidden states [..., hidden] in the model's dtype -> logits [..., vocab] in that dtype
   // (bf16 models: rounded to bf16, as the HF lm_head's output is).
@@ -425,7 +425,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const bool q4 = m.has_value() && m->defined();
   std::vector<at::Tensor> slots = {q.contiguous(), d.contiguous(), q4 ? m->contiguous() : at::Tensor(),
                                    bias.has_value() && bias->defined() ? bias->contiguous() : at::Tensor()};
-  const LinearWeights w = NativeModel::linear_of(slots, 0, static_cast<int64_t>(q4 ? WeightKind::kQ4_1 : WeightKind::kQ8_0),
+  const LinearWeights w = linear_from_slots(slots, 0, static_cast<int64_t>(q4 ? WeightKind::kQ4_1 : WeightKind::kQ8_0),
                                                  N, K);
   const Int8Weights iw = repack_int8(w);
   QuantRows rows;

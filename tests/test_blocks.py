@@ -9,8 +9,10 @@ from conftest import hf_greedy, random_heads, tiny_model
 
 import treespec
 from treespec import ops
-from treespec.core.blocks import BlockMatrix, exact_bf16, recover_blocks
+from treespec.core.blocks import BlockMatrix, exact_bf16, recover_blocks, round_to_q8_0
 from treespec.core.packed import linear_kinds, packed_linears
+from treespec.core.pages import HUGE_PAGE
+from treespec.core.runtime import TargetRuntime
 
 needs_ops = pytest.mark.skipif(not ops.available("cpu"), reason="treespec's compiled ops did not build here")
 
@@ -104,6 +106,32 @@ def test_a_model_with_block_weights_decodes_exactly_through_them():
     with torch.inference_mode(), packed_linears(model):
         pass
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+@needs_ops
+def test_a_packing_gathers_the_blocks_on_2_mb_pages_and_reports_their_memory():
+    model = tiny_model(
+        "llama", dtype=torch.float32, hidden_size=64, intermediate_size=128, num_attention_heads=4
+    )
+    blockify(model)
+    with torch.no_grad():  # a Q8_0 lm_head, as GGUF files store the output layer (blocks without minimums)
+        model.lm_head.weight.copy_(round_to_q8_0(model.lm_head.weight))
+    prompt = [3, 17, 5, 9]
+    result = treespec.generate(model, prompt, None, max_new_tokens=12, eos_token_id=[])
+    assert result.token_ids == hf_greedy(model, prompt, 12)
+    packing = TargetRuntime.of(model).packing
+    blocks = [linear.matrix.blocks.blocks for linear in packing.linears]
+    assert {b.kind for b in blocks} == {"q4_1", "q8_0"}
+    tensors = [t for b in blocks for t in (b.q, b.d, b.m) if t is not None]
+    start = min(t.data_ptr() for t in tensors)
+    assert start % HUGE_PAGE == 0  # one buffer, from a 2 MB boundary, in packing order
+    assert max(t.data_ptr() + t.numel() * t.element_size() for t in tensors) - start < 2 * sum(
+        t.numel() * t.element_size() for t in tensors
+    )
+    for linear, b in zip(packing.linears, blocks, strict=True):  # still the weights, bit for bit
+        assert torch.equal(b.dequantize(), linear.module.weight)
+    memory = TargetRuntime.of(model).memory_bytes()  # (a Q8_0 block weight has no minimums to count)
+    assert memory["packed_linears"] >= sum(t.numel() * t.element_size() for t in tensors)
 
 
 @needs_ops

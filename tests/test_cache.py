@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 import treespec
 from treespec.core.attention import tree_attention_enabled
-from treespec.core.cache import HUGE_PAGE, CacheCapacityError, TreeKVCache, huge_page_zeros
+from treespec.core.cache import CacheCapacityError, TreeKVCache
+from treespec.core.pages import HUGE_PAGE, huge_page_copies, huge_page_zeros
 
 
 def _forward(model, cache, ids, positions, tree_mask=None, kernel="sdpa"):
@@ -199,3 +200,20 @@ def test_released_cache_serves_the_next_cache_of_its_model():
     outside = TreeKVCache.for_model(model, 24)
     assert not outside.layers[0].keys.is_inference()
     outside.layers[0].keys.fill_(1.0)
+
+
+def test_huge_page_copies_hold_the_same_values_side_by_side():
+    gen = torch.Generator().manual_seed(3)
+    tensors = [
+        torch.randn(5, 7, generator=gen),
+        torch.randint(-127, 128, (33,), generator=gen).to(torch.int8),
+        torch.randn(3, 64, generator=gen).half(),
+        torch.randn(10, generator=gen).t(),
+    ]
+    copies = huge_page_copies(tensors)
+    assert copies[0].data_ptr() % HUGE_PAGE == 0  # the buffer starts on a 2 MB boundary
+    for t, c in zip(tensors, copies, strict=True):
+        assert c.dtype == t.dtype and c.shape == t.shape and c.is_contiguous() and torch.equal(c, t)
+        assert c.data_ptr() % 64 == 0 and c.data_ptr() != t.data_ptr()
+    ends = [c.data_ptr() + c.numel() * c.element_size() for c in copies]
+    assert all(end <= nxt.data_ptr() for end, nxt in zip(ends[:-1], copies[1:], strict=True))  # no overlap

@@ -8,6 +8,7 @@ from conftest import hf_greedy, random_eagle, tiny_model
 
 import treespec
 from treespec import ops
+from treespec.core.runtime import TargetRuntime
 
 pytestmark = pytest.mark.skipif(not ops.available("cpu"), reason="treespec's compiled CPU ops did not build")
 
@@ -157,3 +158,5 @@ def test_native_layer_follows_weights_changed_between_sequences():
     _assert_same_proposals(
         native.propose(torch.zeros(1, 8), roots), reference.propose(torch.zeros(1, 8), roots)
     )
+    memory = TargetRuntime.of(draft).memory_bytes()  # the layer's copies, counted in the drafter's runtime
+    assert memory["native_step"] > 0 and memory["total"] >= memory["native_step"]

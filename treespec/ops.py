@@ -60,6 +60,7 @@ _SOURCES_CPU = (
     "native_bindings.cpp",
     "int8_linear_cpu.cpp",
     "argmax_cpu.cpp",
+    "native_heads.cpp",
 )
 _SOURCES_CUDA = ("bindings_cuda.cpp", "tree_attention_cuda.cu")
 _HEADERS = (
@@ -71,6 +72,7 @@ _HEADERS = (
     "native_step.h",
     "argmax.h",
     "int8_linear.h",
+    "linear_slots.h",
 )
 
 _lock = threading.Lock()

@@ -54,6 +54,20 @@ class BlockWeights:
         return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m) if t is not None)
 
 
+def gather_on_huge_pages(blocks: list[BlockWeights]) -> None:
+    """Move the q, d and m of every one of `blocks` into one buffer on 2 MB pages (`core.pages`), in place:
+    a step streams all of a model's blocks, and on 4 KB pages the page walks cost a thread about half its
+    read rate (Zen 4 EPYC)."""
+    from .pages import huge_page_copies
+
+    tensors = [t for b in blocks for t in (b.q, b.d, b.m) if t is not None]
+    copies = iter(huge_page_copies(tensors))
+    for b in blocks:
+        b.q, b.d = next(copies), next(copies)
+        if b.m is not None:
+            b.m = next(copies)
+
+
 def _fp16_neighbours(d: torch.Tensor) -> list[torch.Tensor]:
     """d [..] (float16 values in float32) and its float16 neighbours up and down, as float32."""
     h = d.half()

@@ -19,10 +19,7 @@ transformers as a `Cache`, so any HF decoder model writes its K/V here through `
 
 from __future__ import annotations
 
-import ctypes
 import inspect
-import math
-import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -32,6 +29,7 @@ from transformers.models.llama.modeling_llama import LlamaModel
 
 from .. import ops
 from .attention import AttentionPlan
+from .pages import huge_page_zeros
 from .runtime import TargetRuntime
 
 # The keyword under which transformers' model and decoder-layer forwards take a cache: "cache" in recent
@@ -82,53 +80,6 @@ class PreallocatedLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return self.owner.max_len
-
-
-HUGE_PAGE = 2 << 20  # bytes of an x86-64 / arm64 Linux huge page
-
-
-def _advise_huge_pages(address: int, length: int) -> None:
-    """Ask Linux to back [address, address + length) (2 MB aligned) with 2 MB pages (MADV_HUGEPAGE); a
-    request: where it is refused or not Linux, the memory works as it is."""
-    if sys.platform != "linux" or length <= 0:
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), 14)  # 14: MADV_HUGEPAGE
-    except (OSError, AttributeError):
-        pass
-
-
-def huge_page_zeros(
-    count: int, shape: tuple, dtype: torch.dtype, spare: torch.Tensor | None = None
-) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """`count` zeroed CPU tensors of `shape`, carved from one uint8 buffer on 2 MB pages where Linux grants
-    them; returns (the tensors, the buffer). A step's attention reads every layer's K/V: on 4 KB pages that
-    is thousands of pages a step, more than the TLB holds, and a thread read them at about half the rate it
-    reads 2 MB pages (measured on a Zen 4 EPYC, 17 vs 32 GB/s).
-
-    spare: a buffer an earlier cache gave back (`TargetRuntime.kv_buffer`), used when it is large enough.
-    A fresh buffer's first touch costs the page faults (on 2 MB pages with Linux's default `defrag`
-    setting, compaction too: 15-85 ms for the caches of Spec-Bench prompts on that EPYC, ~3% of a run);
-    a spare's pages are already there, so only the zeroing is paid."""
-    each = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    stride = (each + 63) // 64 * 64  # each tensor on a 64-byte line
-    needed = count * stride
-    # (a spare made under inference mode can be written only there: outside it, a fresh buffer)
-    usable = spare is not None and (torch.is_inference_mode_enabled() or not spare.is_inference())
-    if usable and spare.numel() - (-spare.data_ptr() % HUGE_PAGE) >= needed:
-        buffer = spare
-        start = -buffer.data_ptr() % HUGE_PAGE
-    else:
-        buffer = torch.empty(needed + HUGE_PAGE, dtype=torch.uint8)
-        start = -buffer.data_ptr() % HUGE_PAGE
-        _advise_huge_pages(buffer.data_ptr() + start, (buffer.numel() - start) // HUGE_PAGE * HUGE_PAGE)
-    buffer[start : start + needed].zero_()  # a fresh buffer's first touch, after the advice: 2 MB pages
-    tensors = [
-        buffer[start + i * stride : start + i * stride + each].view(dtype).view(shape) for i in range(count)
-    ]
-    return tensors, buffer
 
 
 def zeroed_layers(

@@ -27,6 +27,7 @@ import torch
 from .. import ops
 from .blocks import exact_bf16
 from .packed import weights_key
+from .pages import huge_page_copies
 from .runtime import TargetRuntime
 
 MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -138,15 +139,20 @@ def unsupported_reason(model, kernel: str, linears: str, compile: bool, own_scor
 
 
 def linear_slots(module: torch.nn.Linear, blocks, int8: bool) -> tuple[int, list[torch.Tensor]]:
-    """(weight kind, [w or q, d, m, bias]) of one linear: its exact blocks when `blocks` has them; in int8
-    numerics a dense weight as Q8_0 blocks (`q8_blocks`); a float32 weight of bfloat16 values as its
-    bfloat16 copy (the kernel widens each weight back to the same float32 value)."""
+    """(weight kind, [w or q, d, m, bias]) of one linear (`weight_slots` of its weight and bias)."""
+    return weight_slots(module.weight.detach(), module.bias, blocks, int8)
+
+
+def weight_slots(weight: torch.Tensor, bias, blocks, int8: bool) -> tuple[int, list[torch.Tensor]]:
+    """(weight kind, [w or q, d, m, bias]) of a weight [N, K] and its bias (or None): its exact blocks when
+    `blocks` has them; in int8 numerics a dense weight as Q8_0 blocks (`q8_blocks`); a float32 weight of
+    bfloat16 values as its bfloat16 copy (the kernel widens each weight back to the same float32 value)."""
     empty = torch.empty(0)
-    bias = empty if module.bias is None else module.bias.detach().float().contiguous()
+    bias = empty if bias is None else bias.detach().float().contiguous()
     if blocks is not None:  # scales as float16 (exact: they are float16 values): half the bytes per step
         m = empty if blocks.m is None else blocks.m.half()
         return KINDS[blocks.kind], [blocks.q, blocks.d.half(), m, bias]
-    w = module.weight.detach()
+    w = weight.detach()
     if int8:
         q, d = q8_blocks(w)
         return KINDS["q8_0"], [q, d, empty, bias]
@@ -154,6 +160,16 @@ def linear_slots(module: torch.nn.Linear, blocks, int8: bool) -> tuple[int, list
     if compact is not None:
         return KINDS["bfloat16"], [compact, empty, empty, bias]
     return KINDS[str(w.dtype).removeprefix("torch.")], [w.contiguous(), empty, empty, bias]
+
+
+def on_huge_pages(tensors: list[torch.Tensor], shared: set[int]) -> list[torch.Tensor]:
+    """`tensors` with every one whose storage is not in `shared` (a copy made for the native model) moved
+    into one buffer on 2 MB pages (`core.pages`): the step streams them with the weights every time."""
+    own = [i for i, t in enumerate(tensors) if t.numel() and t.data_ptr() not in shared]
+    out = list(tensors)
+    for i, copy in zip(own, huge_page_copies([tensors[i] for i in own]), strict=True):
+        out[i] = copy
+    return out
 
 
 class NativeStep:
@@ -222,6 +238,11 @@ class NativeStep:
             inner.embed_tokens.weight.shape[0],
         ]
         eps = float(layers[0].input_layernorm.variance_epsilon)
+        shared = {p.data_ptr() for p in model.parameters()}
+        if packing is not None:
+            shared |= {t.data_ptr() for b in blocks.values() for t in (b.q, b.d, b.m) if t is not None}
+        if not self.int8:  # the copies made here (float16 scales, bf16 weights) on 2 MB pages, as the blocks
+            tensors = on_huge_pages(tensors, shared)
         native = torch.classes.treespec.NativeModel(
             dims, [eps, float(attn0.scaling)], tensors, kinds, self.int8
         )
@@ -230,9 +251,6 @@ class NativeStep:
             own = native.own_bytes()
         else:
             own = 0
-        shared = {p.data_ptr() for p in model.parameters()}
-        if packing is not None:
-            shared |= {t.data_ptr() for b in blocks.values() for t in (b.q, b.d, b.m) if t is not None}
         copies = {t.data_ptr(): t.numel() * t.element_size() for t in tensors if t.numel()}
         return native, own + sum(n for ptr, n in copies.items() if ptr not in shared)
 

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
-from .blocks import BlockMatrix, exact_bf16, recover_blocks
+from .blocks import BlockMatrix, exact_bf16, gather_on_huge_pages, recover_blocks
 from .runtime import TargetRuntime
 
 MODES = ("auto", "onednn", "torch", "exact")
@@ -127,7 +127,7 @@ class PackedMatrix:
         )
         held += [] if self.packed is None else [self.packed]
         held += [self.bf16_weight] if isinstance(self.bf16_weight, torch.Tensor) else []
-        return sum(t.numel() * t.element_size() for t in held)
+        return sum(t.numel() * t.element_size() for t in held if t is not None)  # Q8_0 blocks have no m
 
     @property
     def kind(self) -> str:
@@ -226,6 +226,9 @@ class _ModelPacking:
         self.linears = [
             _PackedLinear(m, mode, self) for m in model.modules() if isinstance(m, torch.nn.Linear)
         ]
+        # every step streams the blocks: all of them side by side on 2 MB pages (a weight changed later
+        # gets its new blocks where torch allocates them)
+        gather_on_huge_pages([b.matrix.blocks.blocks for b in self.linears if b.matrix.blocks is not None])
         self.users = 0
         self.shared = 0  # > 0 inside `shared_forward`: an "exact" packing multiplies as "auto" does
 

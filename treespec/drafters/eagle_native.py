@@ -25,7 +25,7 @@ import torch
 
 from .. import ops
 from ..core.blocks import recover_blocks
-from ..core.native import linear_slots
+from ..core.native import linear_slots, on_huge_pages
 from ..core.packed import weight_key
 from ..core.runtime import TargetRuntime
 from .eagle_model import EagleDraftModel, rotary_cos_sin
@@ -58,7 +58,8 @@ class NativeEagleLayer:
         with runtime.lock:
             entry = runtime.native.get("eagle")
             if entry is None or entry[0] != key:
-                entry = runtime.native["eagle"] = (key, cls(draft, embedding))
+                layer = cls(draft, embedding)
+                entry = runtime.native["eagle"] = (key, layer, layer.own_bytes)
             return entry[1]
 
     def __init__(self, draft: EagleDraftModel, embedding: torch.Tensor):
@@ -81,6 +82,9 @@ class NativeEagleLayer:
         tensors.append(norm(d.hidden_norm))
         dims = [1, d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate_size]
         dims += [d.draft_vocab_size, 1]  # the lm_head's rows; an EAGLE layer
+        # what it reads per call on 2 MB pages (copies; the embedding's rows are read one by one)
+        tensors = on_huge_pages(tensors, {embedding.data_ptr()})
+        self.own_bytes = sum(t.numel() * t.element_size() for t in tensors[1:])  # the copies
         self._native = torch.classes.treespec.NativeModel(
             dims, [d.rms_norm_eps, d.head_dim**-0.5], tensors, kinds, False
         )

@@ -14,6 +14,7 @@ from ..core.packed import PackedMatrix, packed_linears, weight_key
 from ..core.runtime import TargetRuntime
 from ..core.tree import Tree
 from .heads import ExitHead, MedusaHeads
+from .heads_native import NativeHeads, level_plan, native_heads_reason
 
 
 class MedusaDrafter(BaseDrafter):
@@ -71,13 +72,23 @@ class SequentialDrafter(BaseDrafter):
     that node: head d runs once per depth, batched over the nodes of depth d that have children.
     `propose(..., max_depth=D)` drafts depths 1..D only (each level reads the output rows once): the
     deeper nodes keep the root's token and probability 0.
+
+    On the CPU, float32 heads that share the target's output rows draft the whole tree in one native call
+    (`drafters.heads_native`; native=None: when it can, False: the torch path, True: insist).
     """
 
     batched = True
     limits_depth = True
     costly_levels = True
 
-    def __init__(self, heads: MedusaHeads, tree: Tree, lm_head: torch.nn.Module, embedding: torch.nn.Module):
+    def __init__(
+        self,
+        heads: MedusaHeads,
+        tree: Tree,
+        lm_head: torch.nn.Module,
+        embedding: torch.nn.Module,
+        native: bool | None = None,
+    ):
         _check_depth(heads, tree)
         if not heads.sequential:
             raise ValueError("these heads are independent: draft with MedusaDrafter (make_drafter picks it)")
@@ -90,9 +101,36 @@ class SequentialDrafter(BaseDrafter):
         self.levels = tree.levels(device)
         self.hidden_size = heads.hidden_size
         self.dtype = next(heads.parameters()).dtype
+        self.wants_native = native
+        self.native: NativeHeads | None = None
+        self.plan = level_plan(tree)  # the native call's view of the tree's levels
+        self._bind_native()
+
+    def _bind_native(self) -> None:
+        """The native heads over the current weights, or None (the torch path) where they cannot run."""
+        self.native = None
+        if self.wants_native is False:
+            return
+        reason = native_heads_reason(self.heads, self.embedding)
+        if reason is None and self.output is None:
+            reason = "no shared output rows"
+        if reason is not None:
+            if self.wants_native:
+                raise ValueError(f"native=True, but the native heads cannot draft here: {reason}")
+            return
+        blocks = self.output.blocks.blocks if self.output.blocks is not None else None
+        self.native = NativeHeads.of(self.heads, self.weight, blocks, self.embedding)
+
+    def start(self, sequence) -> None:
+        if sequence.row == 0 and self.native is not None:  # rebuilt if the weights changed since
+            self._bind_native()
 
     def propose(self, hidden: torch.Tensor, roots: torch.Tensor, max_depth: int | None = None) -> Proposal:
         hidden, roots = batch_rows(hidden, roots)  # [B, H], [B]
+        if self.native is not None and not torch.is_grad_enabled() and hidden.device.type == "cpu":
+            depth = None if max_depth is None else max(max_depth, 0)
+            tokens, probs = self.native(hidden, roots, self.plan, depth)  # [B, N] each
+            return Proposal(tokens, probs)
         B, n = hidden.shape[0], self.tree.num_nodes
         tokens = roots.to(hidden.device)[:, None].repeat(1, n)  # [B, N] undrafted nodes: the root's token
         probs = torch.zeros(B, n, device=hidden.device)  # [B, N] undrafted nodes: 0

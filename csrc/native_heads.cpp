@@ -1,0 +1,286 @@
+// Sequential Medusa heads drafting a static tree in one call (drafters/medusa.py `SequentialDrafter`): the
+// custom class `treespec.NativeHeads` holds the heads' weight descriptors and drafts every level of the tree
+// for B rows, where the torch path runs about twenty small operations per level.
+//
+// Level d expands the tree's nodes at depth d that have children (n_d of them, per row):
+//   u = before + P_d e(token)            before: the target's hidden (d = 0) or the parent node's u
+//   u = u + silu(W u + b)                 for each residual block of head d
+//   logits = out u                        [V'] over the draft vocabulary (the target's output rows)
+//   children: the top-k of softmax(logits), each child's token (through the draft vocabulary) and probability
+// Every linear runs on the block / dense kernels of block_linear.h, its columns shared among the threads of
+// one OpenMP region (a barrier after each linear); the softmax and top-k run per row.
+//
+// Numerics: float32 sums, so the drafts equal the torch path's up to float rounding (the probabilities to
+// ~1e-6; a top-k order can differ only where two logits tie to that precision). Drafts are guesses the
+// target verifies, so they never change what is generated, only how fast.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+#include <torch/custom_class.h>
+
+#include <algorithm>
+#include <cmath>
+#include <tuple>
+#include <vector>
+
+#include "block_linear.h"
+#include "linear_slots.h"
+#include "vec.h"
+
+namespace treespec {
+namespace {
+
+constexpr int kSlots = 4;  // per linear: weight (or q), d, m, bias
+
+// Columns [n0, n1) of thread t among T over N columns, in runs of 16 (whole vectors for every kernel).
+inline std::pair<int64_t, int64_t> share(int64_t N, int t, int T) {
+  const int64_t units = (N + 15) / 16;
+  return {std::min(N, units * t / T * 16), std::min(N, units * (t + 1) / T * 16)};
+}
+
+// next[j] = u[j] + silu(y[j]) for j in [0, n): silu(y) = y / (1 + e^-y), with t = e^-|y| from exp2v
+// (no overflow either way).
+void residual_silu(const float* u, const float* y, float* next, int64_t n) {
+  const vf minus_log2e = splat(-1.4426950408889634f), zero = splat(0.0f), one = splat(1.0f);
+  int64_t j = 0;
+  for (; j + VL <= n; j += VL) {
+    const vf yv = loadv(y + j);
+    const vf t = exp2v((yv < zero ? zero - yv : yv) * minus_log2e);
+    storev(next + j, loadv(u + j) + (yv < zero ? yv * t : yv) / (one + t));
+  }
+  for (; j < n; ++j) next[j] = u[j] + y[j] / (1.0f + std::exp(-y[j]));
+}
+
+// The k largest logits of one row [V] (ties: the lower index first) and their softmax probabilities.
+void top_k(const float* logits, int64_t V, int k, int64_t* index, float* prob) {
+  vf mv = splat(kNegInf);
+  int64_t j = 0;
+  for (; j + VL <= V; j += VL) mv = vmax(mv, loadv(logits + j));
+  float top = kNegInf;
+  for (int l = 0; l < VL; ++l) top = std::max(top, mv[l]);
+  for (; j < V; ++j) top = std::max(top, logits[j]);
+  const vf log2e = splat(1.4426950408889634f), mx = splat(top);
+  vf sv = splat(0.0f);
+  for (j = 0; j + VL <= V; j += VL) sv += exp2v((loadv(logits + j) - mx) * log2e);
+  double sum = lane_sum(sv);
+  for (; j < V; ++j) sum += std::exp(logits[j] - top);
+  // insertion into the k best so far: a logit enters only if it beats the k-th
+  std::vector<float> best(k, kNegInf);
+  std::vector<int64_t> at(k, -1);
+  for (j = 0; j < V; ++j) {
+    const float v = logits[j];
+    if (!(v > best[k - 1]) && at[k - 1] >= 0) continue;
+    int i = k - 1;
+    while (i > 0 && (v > best[i - 1] || at[i - 1] < 0)) {
+      best[i] = best[i - 1];
+      at[i] = at[i - 1];
+      --i;
+    }
+    best[i] = v;
+    at[i] = j;
+  }
+  for (int i = 0; i < k; ++i) {
+    index[i] = at[i];
+    prob[i] = static_cast<float>(std::exp(static_cast<double>(best[i]) - top) / sum);
+  }
+}
+
+// One level of the tree, read from the plan tensor (NativeHeads::propose says its layout).
+struct Level {
+  int64_t expanded_count = 0, child_count = 0, k = 0;
+  const int64_t *expanded = nullptr, *parents = nullptr, *children = nullptr, *row = nullptr, *rank = nullptr;
+};
+
+}  // namespace
+
+struct NativeHeads : torch::CustomClassHolder {
+  std::vector<at::Tensor> held;  // the tensors the descriptors point into
+  int64_t hidden = 0, vocab = 0, draft_vocab = 0;
+  const void* embed = nullptr;  // [vocab, hidden] float32 or bf16: the target's input embedding
+  bool embed_bf16 = false;
+  const int64_t* vocab_map = nullptr;  // [draft_vocab] token id of each draft index, or nullptr (identity)
+  std::vector<LinearWeights> proj;                 // P_k [hidden, hidden] per head
+  std::vector<std::vector<LinearWeights>> blocks;  // per head, per residual block: W [hidden, hidden] + b
+  LinearWeights out;                               // [draft_vocab, hidden]
+  // per call, reused: gathered inputs, the two u buffers, a linear's output, logits, each row's top-k
+  std::vector<float> before, emb, u0, u1, y, logits, states, top_prob;
+  std::vector<int64_t> top_index;
+
+  // dims: heads, blocks per head, hidden, vocab (the embedding's rows), draft vocabulary (the output's rows);
+  // tensors: embedding, the draft vocabulary's token ids (int64 [V'], or empty: the identity), then per head
+  // P's 4 slots and each block's 4, then the output's 4; kinds: WeightKind per linear in that order.
+  NativeHeads(std::vector<int64_t> dims, std::vector<at::Tensor> tensors, std::vector<int64_t> kinds) {
+    TORCH_CHECK(dims.size() == 5, "treespec native heads: 5 dims expected");
+    const int64_t heads = dims[0], per_head = dims[1];
+    hidden = dims[2];
+    vocab = dims[3];
+    draft_vocab = dims[4];
+    TORCH_CHECK(heads >= 1 && per_head >= 0 && hidden >= 1 && draft_vocab >= 1 && draft_vocab <= vocab,
+                "treespec native heads: bad dims");
+    const size_t linears = static_cast<size_t>(heads * (1 + per_head) + 1);
+    TORCH_CHECK(tensors.size() == 2 + linears * kSlots && kinds.size() == linears, "treespec native heads: ",
+                2 + linears * kSlots, " tensors and ", linears, " kinds expected, got ", tensors.size(), " and ",
+                kinds.size());
+    held = tensors;
+    const at::Tensor& e = tensors[0];
+    TORCH_CHECK(e.is_cpu() && e.is_contiguous() && e.dim() == 2 && e.size(0) == vocab && e.size(1) == hidden &&
+                    (e.scalar_type() == at::kFloat || e.scalar_type() == at::kBFloat16),
+                "treespec native heads: the embedding must be a contiguous float32 or bfloat16 [", vocab, ", ", hidden,
+                "] CPU tensor");
+    embed = e.data_ptr();
+    embed_bf16 = e.scalar_type() == at::kBFloat16;
+    const at::Tensor& map = tensors[1];
+    if (map.defined() && map.numel() > 0) {
+      TORCH_CHECK(map.scalar_type() == at::kLong && map.is_contiguous() && map.numel() == draft_vocab,
+                  "treespec native heads: the draft vocabulary must be int64 [", draft_vocab, "]");
+      const int64_t* ids = map.data_ptr<int64_t>();
+      for (int64_t i = 0; i < draft_vocab; ++i)
+        TORCH_CHECK(ids[i] >= 0 && ids[i] < vocab, "treespec native heads: draft token ", ids[i], " outside the vocabulary");
+      vocab_map = ids;
+    } else {
+      TORCH_CHECK(draft_vocab == vocab, "treespec native heads: no draft vocabulary, so the output needs ", vocab, " rows");
+    }
+    size_t at = 2, kind = 0;
+    for (int64_t h = 0; h < heads; ++h) {
+      proj.push_back(linear_from_slots(tensors, at, kinds[kind++], hidden, hidden));
+      at += kSlots;
+      blocks.emplace_back();
+      for (int64_t b = 0; b < per_head; ++b, at += kSlots)
+        blocks.back().push_back(linear_from_slots(tensors, at, kinds[kind++], hidden, hidden));
+    }
+    out = linear_from_slots(tensors, at, kinds[kind], draft_vocab, hidden);
+  }
+
+  // hidden [B, H] float32 (the target's last hidden state per row), roots [B] int64, plan int64:
+  //   [nodes, levels, then per level: n_d, c_d, k, expanded [n_d], parents [n_d], children [c_d],
+  //    row [c_d], rank [c_d]]   (core.tree `Tree.levels`, flattened)
+  // depth: draft levels 0..depth-1 only (< 0: all); the other nodes keep the root's token and probability 0.
+  // Returns (tokens [B, nodes] int64, probs [B, nodes] float32), what SequentialDrafter.propose returns.
+  std::tuple<at::Tensor, at::Tensor> propose(const at::Tensor& hidden_in, const at::Tensor& roots_in,
+                                             const at::Tensor& plan_in, int64_t depth) {
+    TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.size(1) == hidden && hidden_in.is_cpu(),
+                "treespec native heads: hidden must be [B, ", hidden, "] on the CPU");
+    const at::Tensor x = hidden_in.to(at::kFloat).contiguous();
+    const at::Tensor roots = roots_in.to(at::kLong).contiguous();
+    const at::Tensor plan = plan_in.contiguous();
+    const int64_t B = x.size(0);
+    TORCH_CHECK(roots.numel() == B, "treespec native heads: ", roots.numel(), " roots for ", B, " rows");
+    TORCH_CHECK(plan.scalar_type() == at::kLong && plan.dim() == 1 && plan.numel() >= 2,
+                "treespec native heads: the plan must be an int64 vector");
+    const int64_t* p = plan.data_ptr<int64_t>();
+    const int64_t* end = p + plan.numel();
+    const int64_t nodes = p[0], count = p[1];
+    TORCH_CHECK(nodes >= 1 && count >= 0 && count <= static_cast<int64_t>(proj.size()),
+                "treespec native heads: a plan of ", count, " levels for ", proj.size(), " heads");
+    std::vector<Level> levels;
+    const int64_t* q = p + 2;
+    for (int64_t d = 0; d < count; ++d) {
+      TORCH_CHECK(q + 3 <= end, "treespec native heads: the plan ends early");
+      Level L;
+      L.expanded_count = q[0];
+      L.child_count = q[1];
+      L.k = q[2];
+      q += 3;
+      TORCH_CHECK(L.expanded_count >= 1 && L.child_count >= 1 && L.k >= 1 && L.k <= draft_vocab &&
+                      q + 2 * L.expanded_count + 3 * L.child_count <= end,
+                  "treespec native heads: a bad plan level");
+      L.expanded = q;
+      L.parents = q + L.expanded_count;
+      L.children = q + 2 * L.expanded_count;
+      L.row = L.children + L.child_count;
+      L.rank = L.row + L.child_count;
+      q = L.rank + L.child_count;
+      for (int64_t i = 0; i < L.expanded_count; ++i)
+        TORCH_CHECK(L.expanded[i] >= 0 && L.expanded[i] < nodes && L.parents[i] >= 0 && L.parents[i] < nodes,
+                    "treespec native heads: a plan node outside the tree");
+      for (int64_t i = 0; i < L.child_count; ++i)
+        TORCH_CHECK(L.children[i] > 0 && L.children[i] < nodes && L.row[i] >= 0 && L.row[i] < L.expanded_count &&
+                        L.rank[i] >= 0 && L.rank[i] < L.k,
+                    "treespec native heads: a plan child outside the tree");
+      levels.push_back(L);
+    }
+    const int64_t* root = roots.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(root[b] >= 0 && root[b] < vocab, "treespec native heads: root token ", root[b], " outside the vocabulary");
+    if (depth >= 0 && depth < count) levels.resize(depth);
+
+    at::Tensor tokens = roots.reshape({B, 1}).repeat({1, nodes}).contiguous();  // [B, N] undrafted: the root
+    at::Tensor probs = at::zeros({B, nodes}, x.options());                      // [B, N] undrafted: 0
+    probs.select(1, 0).fill_(1.0f);
+    int64_t* tok = tokens.data_ptr<int64_t>();
+    float* pr = probs.data_ptr<float>();
+    const int64_t H = hidden, V = draft_vocab;
+    states.resize(B * nodes * H);  // [B, N, H] u at the expanded nodes
+    const int threads = std::max(1, at::get_num_threads());
+    for (const Level& L : levels) {
+      const int64_t M = B * L.expanded_count;  // rows of this level: (b, i) -> b * n_d + i
+      before.resize(M * H);
+      emb.resize(M * H);
+      u0.resize(M * H);
+      u1.resize(M * H);
+      y.resize(M * H);
+      logits.resize(M * V);
+      top_index.resize(M * L.k);
+      top_prob.resize(M * L.k);
+      const int64_t level = &L - levels.data();
+      for (int64_t r = 0; r < M; ++r) {  // the inputs: parents' states (the hidden at level 0) and embeddings
+        const int64_t b = r / L.expanded_count, i = r % L.expanded_count;
+        const float* src = level == 0 ? x.data_ptr<float>() + b * H : states.data() + (b * nodes + L.parents[i]) * H;
+        std::copy(src, src + H, before.data() + r * H);
+        const int64_t id = tok[b * nodes + L.expanded[i]];
+        if (embed_bf16)
+          bf16_row_to_float(static_cast<const uint16_t*>(embed) + id * H, emb.data() + r * H, static_cast<int>(H));
+        else
+          std::copy(static_cast<const float*>(embed) + id * H, static_cast<const float*>(embed) + (id + 1) * H,
+                    emb.data() + r * H);
+      }
+      const LinearWeights& P = proj[level];
+      const std::vector<LinearWeights>& W = blocks[level];
+      float* u = u0.data();
+      float* next = u1.data();
+#pragma omp parallel num_threads(threads)
+      {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const auto [h0, h1] = share(H, t, T);
+        linear_columns(P, emb.data(), M, y.data(), H, h0, h1);  // u = before + P e over this thread's columns
+        for (int64_t r = 0; r < M; ++r)
+          for (int64_t j = h0; j < h1; ++j) u[r * H + j] = before[r * H + j] + y[r * H + j];
+        float *cur = u, *nxt = next;
+        for (const LinearWeights& w : W) {
+#pragma omp barrier
+          linear_columns(w, cur, M, y.data(), H, h0, h1);  // next = u + silu(W u + b)
+          for (int64_t r = 0; r < M; ++r) residual_silu(cur + r * H + h0, y.data() + r * H + h0, nxt + r * H + h0, h1 - h0);
+          std::swap(cur, nxt);
+        }
+#pragma omp barrier
+        const auto [v0, v1] = share(V, t, T);
+        linear_columns(out, cur, M, logits.data(), V, v0, v1);
+#pragma omp barrier
+        for (int64_t r = t; r < M; r += T)
+          top_k(logits.data() + r * V, V, static_cast<int>(L.k), top_index.data() + r * L.k, top_prob.data() + r * L.k);
+      }
+      u = W.size() % 2 == 0 ? u : next;  // the level's final u (the buffers swap once per block)
+      for (int64_t r = 0; r < M; ++r) {
+        const int64_t b = r / L.expanded_count, i = r % L.expanded_count;
+        std::copy(u + r * H, u + (r + 1) * H, states.data() + (b * nodes + L.expanded[i]) * H);
+      }
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t c = 0; c < L.child_count; ++c) {
+          const int64_t r = b * L.expanded_count + L.row[c], slot = r * L.k + L.rank[c];
+          const int64_t index = top_index[slot];
+          tok[b * nodes + L.children[c]] = vocab_map != nullptr ? vocab_map[index] : index;
+          pr[b * nodes + L.children[c]] = top_prob[slot];
+        }
+    }
+    return {tokens, probs};
+  }
+};
+
+}  // namespace treespec
+
+TORCH_LIBRARY_FRAGMENT(treespec, m) {
+  m.class_<treespec::NativeHeads>("NativeHeads")
+      .def(torch::init<std::vector<int64_t>, std::vector<at::Tensor>, std::vector<int64_t>>())
+      .def("propose", &treespec::NativeHeads::propose);
+}

@@ -1,0 +1,147 @@
+"""The native heads (drafters/heads_native.py, csrc/native_heads.cpp) against the torch heads they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import hf_greedy, random_heads, tiny_model
+
+import treespec
+from treespec import ops
+from treespec.core.blocks import round_to_q8_0
+from treespec.core.drafting import SequenceStart
+from treespec.core.runtime import TargetRuntime
+from treespec.drafters.heads_native import level_plan
+from treespec.drafters.medusa import SequentialDrafter
+
+pytestmark = pytest.mark.skipif(not ops.available("cpu"), reason="treespec's CPU ops did not build")
+
+SHAPE = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _setup(seed: int, draft_vocab: int | None, layers: int, blocks: bool, bf16_heads_values: bool):
+    model = tiny_model("llama", dtype=torch.float32, seed=seed, **SHAPE)
+    if blocks:  # the output rows as exact Q8_0 blocks, as the default model's tied lm_head has them
+        with torch.no_grad():
+            model.lm_head.weight.copy_(round_to_q8_0(model.lm_head.weight))
+    vocab = None
+    if draft_vocab:
+        vocab = torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(seed))[
+            :draft_vocab
+        ]
+    # small weights: a softmax far from saturation, so no two candidates tie at probability 0 (where the
+    # torch top-k, which ranks probabilities, may order them either way)
+    heads = random_heads(
+        model, num_heads=4, seed=seed, std=0.05, sequential=True, draft_vocab=vocab, num_layers=layers
+    )
+    if bf16_heads_values:  # a bf16 checkpoint loaded in float32: the native heads read bf16 copies
+        with torch.no_grad():
+            for p in heads.parameters():
+                if p.is_floating_point():
+                    p.copy_(p.bfloat16().float())
+    return model, heads
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 40])
+@pytest.mark.parametrize("layers", [1, 2])
+@pytest.mark.parametrize("blocks,bf16_values", [(False, False), (True, True)])
+def test_native_heads_draft_what_the_torch_heads_draft(draft_vocab, layers, blocks, bf16_values):
+    model, heads = _setup(3 + layers, draft_vocab, layers, blocks, bf16_values)
+    tree = treespec.default_tree(16, 4)
+    args = (heads, tree, model.get_output_embeddings(), model.get_input_embeddings())
+    native, reference = SequentialDrafter(*args, native=True), SequentialDrafter(*args, native=False)
+    assert native.native is not None and reference.native is None
+    if blocks:
+        assert native.output.blocks is not None  # the output rows were read as their Q8_0 blocks
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for trial in range(12):
+            B = 1 + trial % 3
+            hidden = torch.randn(B, SHAPE["hidden_size"], generator=gen) * 2  # fresh inputs each trial
+            roots = torch.randint(0, model.config.vocab_size, (B,), generator=gen)
+            for depth in (None, 0, 1, 2, 3):
+                got, want = native.propose(hidden, roots, depth), reference.propose(hidden, roots, depth)
+                assert torch.equal(got.tokens, want.tokens), (trial, depth)
+                torch.testing.assert_close(got.probs, want.probs, rtol=1e-4, atol=1e-6)
+
+
+def test_native_heads_read_a_bf16_embedding_exactly():
+    model, heads = _setup(5, None, 1, False, False)
+    tree = treespec.default_tree(12, 4)
+    embedding = model.get_input_embeddings().weight.detach().bfloat16()  # a bf16 target's table
+    args = (heads, tree, model.get_output_embeddings(), embedding)
+    native, reference = SequentialDrafter(*args, native=True), SequentialDrafter(*args, native=False)
+    hidden, roots = torch.randn(2, SHAPE["hidden_size"]), torch.tensor([3, 17])
+    with torch.no_grad():
+        got, want = native.propose(hidden, roots), reference.propose(hidden, roots)
+    assert torch.equal(got.tokens, want.tokens)
+    torch.testing.assert_close(got.probs, want.probs, rtol=1e-4, atol=1e-6)
+
+
+def test_generation_with_native_heads_equals_greedy_decoding():
+    model, heads = _setup(9, 40, 2, True, True)
+    drafter = treespec.make_drafter(heads, treespec.default_tree(16, 4), model)
+    assert drafter.native is not None  # the default: native where it can
+    for prompt in ([5, 9, 2], [11, 4, 8, 1, 30]):
+        result = treespec.generate(model, prompt, drafter, max_new_tokens=16, eos_token_id=[])
+        assert result.token_ids == hf_greedy(model, prompt, 16)
+
+
+def test_native_heads_refuse_what_they_cannot_draft():
+    model = tiny_model("llama", dtype=torch.float32, **SHAPE)
+    independent = random_heads(model, sequential=False)
+    with pytest.raises(ValueError, match="independent heads"):
+        treespec.drafters.heads_native.NativeHeads(
+            independent, model.lm_head.weight, None, model.get_input_embeddings().weight
+        )
+    heads = random_heads(model, sequential=True).double()
+    args = (heads, treespec.default_tree(8, 4), model.get_output_embeddings(), model.get_input_embeddings())
+    with pytest.raises(ValueError, match="native=True, but .*float64 heads"):
+        SequentialDrafter(*args, native=True)
+    assert SequentialDrafter(*args).native is None  # native=None: the torch path, no error
+
+
+def test_native_heads_check_their_inputs():
+    model, heads = _setup(2, None, 1, False, False)
+    drafter = SequentialDrafter(
+        heads, treespec.default_tree(8, 4), model.get_output_embeddings(), model.get_input_embeddings()
+    )
+    hidden = torch.randn(1, SHAPE["hidden_size"])
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        drafter.native(hidden, torch.tensor([model.config.vocab_size]), drafter.plan)
+    with pytest.raises(RuntimeError, match="roots for"):
+        drafter.native(hidden, torch.tensor([1, 2]), drafter.plan)
+    bad = drafter.plan.clone()
+    bad[5] = 99  # an expanded node outside the tree
+    with pytest.raises(RuntimeError, match="outside the tree"):
+        drafter.native(hidden, torch.tensor([1]), bad)
+    with pytest.raises(RuntimeError, match="ends early"):
+        drafter.native(hidden, torch.tensor([1]), drafter.plan[:4])
+
+
+def test_native_heads_live_in_the_heads_runtime_and_follow_new_weights():
+    model, heads = _setup(4, None, 1, False, True)
+    tree = treespec.default_tree(8, 4)
+    args = (heads, tree, model.get_output_embeddings(), model.get_input_embeddings())
+    a, b = SequentialDrafter(*args), SequentialDrafter(*args)
+    assert a.native is b.native  # built once per heads and weights
+    runtime = TargetRuntime.of(heads)
+    assert runtime.memory_bytes()["native_step"] > 0  # the bf16 copies of the heads' weights
+    hidden, roots = torch.randn(1, SHAPE["hidden_size"]), torch.tensor([4])
+    with torch.no_grad():
+        for p in heads.parameters():
+            if p.is_floating_point():
+                p.mul_(-1.0)  # trained in between: new weights
+        a.start(SequenceStart(tokens=[1, 4], capacity=32, cache=None, kernel="exact"))
+        fresh = SequentialDrafter(*args, native=False).propose(hidden, roots)
+        got = a.propose(hidden, roots)
+    assert a.native is not b.native
+    assert torch.equal(got.tokens, fresh.tokens)
+
+
+def test_level_plan_flattens_the_tree_levels():
+    tree = treespec.Tree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    plan = level_plan(tree).tolist()
+    assert plan[:2] == [tree.num_nodes, tree.max_depth]
+    # level 0: the root expanded into ranks 0 and 1
+    assert plan[2:5] == [1, 2, 2] and plan[5:7] == [0, 0]
