@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "block_linear.h"
+#include "int8_linear.h"
 #include "linear_slots.h"
 #include "vec.h"
 
@@ -86,6 +87,8 @@ void top_k(const float* logits, int64_t V, int k, int64_t* index, float* prob) {
   }
 }
 
+const Int8Weights kNoInt8{};  // the int8 form a linear has when drafting in float (never read)
+
 // One level of the tree, read from the plan tensor (NativeHeads::propose says its layout).
 struct Level {
   int64_t expanded_count = 0, child_count = 0, k = 0;
@@ -103,6 +106,14 @@ struct NativeHeads : torch::CustomClassHolder {
   std::vector<LinearWeights> proj;                 // P_k [hidden, hidden] per head
   std::vector<std::vector<LinearWeights>> blocks;  // per head, per residual block: W [hidden, hidden] + b
   LinearWeights out;                               // [draft_vocab, hidden]
+  // int8 drafting (int8_linear.h): every linear's int8 form in one arena, the rows quantized per linear
+  bool int8 = false;
+  std::vector<Int8Weights> iproj;
+  std::vector<std::vector<Int8Weights>> iblocks;
+  Int8Weights iout;
+  AlignedBytes arena;
+  int64_t arena_used = 0;
+  QuantRows rows;
   // per call, reused: gathered inputs, the two u buffers, a linear's output, logits, each row's top-k
   std::vector<float> before, emb, u0, u1, y, logits, states, top_prob;
   std::vector<int64_t> top_index;
@@ -110,7 +121,9 @@ struct NativeHeads : torch::CustomClassHolder {
   // dims: heads, blocks per head, hidden, vocab (the embedding's rows), draft vocabulary (the output's rows);
   // tensors: embedding, the draft vocabulary's token ids (int64 [V'], or empty: the identity), then per head
   // P's 4 slots and each block's 4, then the output's 4; kinds: WeightKind per linear in that order.
-  NativeHeads(std::vector<int64_t> dims, std::vector<at::Tensor> tensors, std::vector<int64_t> kinds) {
+  // int8: every linear must come as Q4_1 / Q8_0 blocks; they are repacked into the int8 layout (held
+  // instead of the blocks) and each linear's input rows are quantized per block of 32 (int8_linear.h).
+  NativeHeads(std::vector<int64_t> dims, std::vector<at::Tensor> tensors, std::vector<int64_t> kinds, bool int8_in) {
     TORCH_CHECK(dims.size() == 5, "treespec native heads: 5 dims expected");
     const int64_t heads = dims[0], per_head = dims[1];
     hidden = dims[2];
@@ -150,7 +163,43 @@ struct NativeHeads : torch::CustomClassHolder {
         blocks.back().push_back(linear_from_slots(tensors, at, kinds[kind++], hidden, hidden));
     }
     out = linear_from_slots(tensors, at, kinds[kind], draft_vocab, hidden);
+    int8 = int8_in;
+    if (int8) to_int8();
   }
+
+  // The int8 forms of every linear, side by side in one arena; the blocks they came from are let go.
+  void to_int8() {
+    std::vector<LinearWeights*> all;
+    for (size_t h = 0; h < proj.size(); ++h) {
+      all.push_back(&proj[h]);
+      for (LinearWeights& w : blocks[h]) all.push_back(&w);
+    }
+    all.push_back(&out);
+    int64_t total = 0;
+    for (const LinearWeights* w : all) {
+      TORCH_CHECK(w->kind == WeightKind::kQ4_1 || w->kind == WeightKind::kQ8_0,
+                  "treespec native heads: int8 drafting needs every linear as Q4_1 or Q8_0 blocks");
+      total += int8_bytes(w->kind == WeightKind::kQ4_1, w->N, w->K);
+    }
+    arena = AlignedBytes(total);
+    auto form = [&](const LinearWeights& w) {
+      Int8Weights f = repack_int8(w, arena.data() + arena_used);
+      arena_used += f.bytes();
+      return f;
+    };
+    for (size_t h = 0; h < proj.size(); ++h) {
+      iproj.push_back(form(proj[h]));
+      iblocks.emplace_back();
+      for (const LinearWeights& w : blocks[h]) iblocks.back().push_back(form(w));
+    }
+    iout = form(out);
+    for (LinearWeights* w : all) w->w = w->d = w->m = nullptr;  // read through the int8 forms only
+    for (size_t i = 2; i < held.size(); ++i)  // the blocks (the biases stay: the int8 forms point to them)
+      if (held[i].defined() && held[i].dim() == 2) held[i] = at::Tensor();
+  }
+
+  // Bytes of the int8 forms (0 when drafting in float).
+  int64_t own_bytes() { return arena_used; }
 
   // hidden [B, H] float32 (the target's last hidden state per row), roots [B] int64, plan int64:
   //   [nodes, levels, then per level: n_d, c_d, k, expanded [n_d], parents [n_d], children [c_d],
@@ -235,27 +284,47 @@ struct NativeHeads : torch::CustomClassHolder {
           std::copy(static_cast<const float*>(embed) + id * H, static_cast<const float*>(embed) + (id + 1) * H,
                     emb.data() + r * H);
       }
-      const LinearWeights& P = proj[level];
-      const std::vector<LinearWeights>& W = blocks[level];
+      const size_t head = static_cast<size_t>(level);
+      const std::vector<LinearWeights>& W = blocks[head];
       float* u = u0.data();
       float* next = u1.data();
+      if (int8) rows.resize(M, H);
+      // columns [n0, n1) of the linear (w, or its int8 form iw) over the M rows of `in`; int8: the rows were
+      // quantized into `rows` by quantize_input() before
+      auto linear = [&](const LinearWeights& w, const Int8Weights& iw, const float* in, float* dst, int64_t ldo,
+                        int64_t n0, int64_t n1) {
+        if (int8)
+          int8_columns(iw, rows, M, dst, ldo, n0, n1);
+        else
+          linear_columns(w, in, M, dst, ldo, n0, n1);
+      };
 #pragma omp parallel num_threads(threads)
       {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        // int8: every row of `in` quantized once, before any thread reads them (single: a barrier after)
+        auto quantize_input = [&](const float* in) {
+          if (!int8) return;
+#pragma omp single
+          for (int64_t r = 0; r < M; ++r) quantize_row(in + r * H, rows, r);
+        };
         const auto [h0, h1] = share(H, t, T);
-        linear_columns(P, emb.data(), M, y.data(), H, h0, h1);  // u = before + P e over this thread's columns
-        for (int64_t r = 0; r < M; ++r)
+        quantize_input(emb.data());
+        linear(proj[head], int8 ? iproj[head] : kNoInt8, emb.data(), y.data(), H, h0, h1);
+        for (int64_t r = 0; r < M; ++r)  // u = before + P e over this thread's columns
           for (int64_t j = h0; j < h1; ++j) u[r * H + j] = before[r * H + j] + y[r * H + j];
         float *cur = u, *nxt = next;
-        for (const LinearWeights& w : W) {
+        for (size_t b = 0; b < W.size(); ++b) {
 #pragma omp barrier
-          linear_columns(w, cur, M, y.data(), H, h0, h1);  // next = u + silu(W u + b)
-          for (int64_t r = 0; r < M; ++r) residual_silu(cur + r * H + h0, y.data() + r * H + h0, nxt + r * H + h0, h1 - h0);
+          quantize_input(cur);
+          linear(W[b], int8 ? iblocks[head][b] : kNoInt8, cur, y.data(), H, h0, h1);
+          for (int64_t r = 0; r < M; ++r)  // next = u + silu(W u + b)
+            residual_silu(cur + r * H + h0, y.data() + r * H + h0, nxt + r * H + h0, h1 - h0);
           std::swap(cur, nxt);
         }
 #pragma omp barrier
+        quantize_input(cur);
         const auto [v0, v1] = share(V, t, T);
-        linear_columns(out, cur, M, logits.data(), V, v0, v1);
+        linear(out, iout, cur, logits.data(), V, v0, v1);
 #pragma omp barrier
         for (int64_t r = t; r < M; r += T)
           top_k(logits.data() + r * V, V, static_cast<int>(L.k), top_index.data() + r * L.k, top_prob.data() + r * L.k);
@@ -281,6 +350,7 @@ struct NativeHeads : torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(treespec, m) {
   m.class_<treespec::NativeHeads>("NativeHeads")
-      .def(torch::init<std::vector<int64_t>, std::vector<at::Tensor>, std::vector<int64_t>>())
+      .def(torch::init<std::vector<int64_t>, std::vector<at::Tensor>, std::vector<int64_t>, bool>())
+      .def("own_bytes", &treespec::NativeHeads::own_bytes)
       .def("propose", &treespec::NativeHeads::propose);
 }

@@ -11,7 +11,7 @@ from treespec import ops
 from treespec.core.blocks import round_to_q8_0
 from treespec.core.drafting import SequenceStart
 from treespec.core.runtime import TargetRuntime
-from treespec.drafters.heads_native import level_plan
+from treespec.drafters.heads_native import int8_reference, level_plan
 from treespec.drafters.medusa import SequentialDrafter
 
 pytestmark = pytest.mark.skipif(not ops.available("cpu"), reason="treespec's CPU ops did not build")
@@ -49,7 +49,8 @@ def test_native_heads_draft_what_the_torch_heads_draft(draft_vocab, layers, bloc
     model, heads = _setup(3 + layers, draft_vocab, layers, blocks, bf16_values)
     tree = treespec.default_tree(16, 4)
     args = (heads, tree, model.get_output_embeddings(), model.get_input_embeddings())
-    native, reference = SequentialDrafter(*args, native=True), SequentialDrafter(*args, native=False)
+    native = SequentialDrafter(*args, native=True, int8=False)  # float: the torch path's numerics
+    reference = SequentialDrafter(*args, native=False)
     assert native.native is not None and reference.native is None
     if blocks:
         assert native.output.blocks is not None  # the output rows were read as their Q8_0 blocks
@@ -70,7 +71,8 @@ def test_native_heads_read_a_bf16_embedding_exactly():
     tree = treespec.default_tree(12, 4)
     embedding = model.get_input_embeddings().weight.detach().bfloat16()  # a bf16 target's table
     args = (heads, tree, model.get_output_embeddings(), embedding)
-    native, reference = SequentialDrafter(*args, native=True), SequentialDrafter(*args, native=False)
+    native = SequentialDrafter(*args, native=True, int8=False)  # float: the torch path's numerics
+    reference = SequentialDrafter(*args, native=False)
     hidden, roots = torch.randn(2, SHAPE["hidden_size"]), torch.tensor([3, 17])
     with torch.no_grad():
         got, want = native.propose(hidden, roots), reference.propose(hidden, roots)
@@ -123,7 +125,7 @@ def test_native_heads_live_in_the_heads_runtime_and_follow_new_weights():
     model, heads = _setup(4, None, 1, False, True)
     tree = treespec.default_tree(8, 4)
     args = (heads, tree, model.get_output_embeddings(), model.get_input_embeddings())
-    a, b = SequentialDrafter(*args), SequentialDrafter(*args)
+    a, b = SequentialDrafter(*args, int8=False), SequentialDrafter(*args, int8=False)
     assert a.native is b.native  # built once per heads and weights
     runtime = TargetRuntime.of(heads)
     assert runtime.memory_bytes()["native_step"] > 0  # the bf16 copies of the heads' weights
@@ -145,3 +147,57 @@ def test_level_plan_flattens_the_tree_levels():
     assert plan[:2] == [tree.num_nodes, tree.max_depth]
     # level 0: the root expanded into ranks 0 and 1
     assert plan[2:5] == [1, 2, 2] and plan[5:7] == [0, 0]
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 40])
+@pytest.mark.parametrize("layers", [1, 2])
+@pytest.mark.parametrize("blocks", [False, True])
+def test_int8_native_heads_draft_what_their_reference_drafts(draft_vocab, layers, blocks):
+    model, heads = _setup(11 + layers, draft_vocab, layers, blocks, False)
+    tree = treespec.default_tree(16, 4)
+    args = (heads, tree, model.get_output_embeddings(), model.get_input_embeddings())
+    native = SequentialDrafter(*args, native=True, int8=True)
+    assert native.native.int8
+    output = native.output.blocks.blocks if native.output.blocks is not None else None
+    assert (output is not None) == blocks
+    embedding = model.get_input_embeddings().weight
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for trial in range(8):
+            B = 1 + trial % 3
+            hidden = torch.randn(B, SHAPE["hidden_size"], generator=gen) * 2
+            roots = torch.randint(0, model.config.vocab_size, (B,), generator=gen)
+            for depth in (None, 1, 2):
+                got = native.propose(hidden, roots, depth)
+                tokens, probs = int8_reference(
+                    heads, tree, native.weight, output, embedding, hidden, roots, depth
+                )
+                assert torch.equal(got.tokens, tokens), (trial, depth)
+                torch.testing.assert_close(got.probs, probs, rtol=1e-3, atol=1e-6)
+
+
+def test_int8_heads_stay_close_to_the_float_heads():
+    """int8 drafting quantizes what the float heads compute: the same top guesses nearly everywhere."""
+    model, heads = _setup(21, None, 2, True, True)
+    tree = treespec.default_tree(16, 4)
+    args = (heads, tree, model.get_output_embeddings(), model.get_input_embeddings())
+    int8, reference = SequentialDrafter(*args, int8=True), SequentialDrafter(*args, native=False)
+    hidden = torch.randn(32, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(4))
+    roots = torch.arange(32) % model.config.vocab_size
+    with torch.no_grad():
+        got, want = int8.propose(hidden, roots, 1), reference.propose(hidden, roots, 1)
+    first = [i for i, d in enumerate(tree.depth.tolist()) if d == 1]  # the root's children
+    agree = (got.tokens[:, first] == want.tokens[:, first]).float().mean().item()
+    assert agree > 0.9, agree
+    torch.testing.assert_close(got.probs[:, first], want.probs[:, first], atol=0.02, rtol=0.1)
+
+
+def test_heads_of_partial_blocks_draft_in_float():
+    model = tiny_model(
+        "llama", dtype=torch.float32, hidden_size=48, num_attention_heads=4, num_key_value_heads=2
+    )
+    heads = random_heads(model, sequential=True, std=0.05)
+    args = (heads, treespec.default_tree(8, 4), model.get_output_embeddings(), model.get_input_embeddings())
+    assert SequentialDrafter(*args).native.int8 is False  # the default: float, where int8 cannot quantize
+    with pytest.raises(ValueError, match="hidden size 48 in int8"):
+        SequentialDrafter(*args, native=True, int8=True)

@@ -14,7 +14,7 @@ from ..core.packed import PackedMatrix, packed_linears, weight_key
 from ..core.runtime import TargetRuntime
 from ..core.tree import Tree
 from .heads import ExitHead, MedusaHeads
-from .heads_native import NativeHeads, level_plan, native_heads_reason
+from .heads_native import NativeHeads, level_plan, native_heads_reason, native_int8_default
 
 
 class MedusaDrafter(BaseDrafter):
@@ -74,7 +74,8 @@ class SequentialDrafter(BaseDrafter):
     deeper nodes keep the root's token and probability 0.
 
     On the CPU, float32 heads that share the target's output rows draft the whole tree in one native call
-    (`drafters.heads_native`; native=None: when it can, False: the torch path, True: insist).
+    (`drafters.heads_native`; native=None: when it can, False: the torch path, True: insist), in int8
+    (`int8`, default where the CPU has the int8 kernels' vector instructions) or float numerics.
     """
 
     batched = True
@@ -88,6 +89,7 @@ class SequentialDrafter(BaseDrafter):
         lm_head: torch.nn.Module,
         embedding: torch.nn.Module,
         native: bool | None = None,
+        int8: bool | None = None,
     ):
         _check_depth(heads, tree)
         if not heads.sequential:
@@ -102,6 +104,9 @@ class SequentialDrafter(BaseDrafter):
         self.hidden_size = heads.hidden_size
         self.dtype = next(heads.parameters()).dtype
         self.wants_native = native
+        # the native heads' numerics (drafting only: what is generated stays the same); None: int8 where the
+        # int8 kernels have vector instructions (measured: the same acceptance, a third of the drafting time)
+        self.int8 = native_int8_default(heads) if int8 is None else int8
         self.native: NativeHeads | None = None
         self.plan = level_plan(tree)  # the native call's view of the tree's levels
         self._bind_native()
@@ -119,7 +124,7 @@ class SequentialDrafter(BaseDrafter):
                 raise ValueError(f"native=True, but the native heads cannot draft here: {reason}")
             return
         blocks = self.output.blocks.blocks if self.output.blocks is not None else None
-        self.native = NativeHeads.of(self.heads, self.weight, blocks, self.embedding)
+        self.native = NativeHeads.of(self.heads, self.weight, blocks, self.embedding, self.int8)
 
     def start(self, sequence) -> None:
         if sequence.row == 0 and self.native is not None:  # rebuilt if the weights changed since
