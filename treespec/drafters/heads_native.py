@@ -15,8 +15,9 @@ either of two numerics:
   sums: the drafts equal the torch path's (`SequentialDrafter(native=False)`) up to float rounding.
 - int8 (`int8=True`, the default where it runs): every linear as Q8_0 blocks (the output rows' own blocks;
   the heads' weights rounded to Q8_0 once) read by the int8 kernels of the native step's int8 numerics
-  (csrc/int8_linear.h), each input row quantized per block of 32: about a quarter of the arithmetic and
-  half the bytes of float. `int8_reference` computes the same in Python over the kernels' scalar engine.
+  (csrc/int8_linear.h), each input row quantized per block of 32: a quarter of float's arithmetic, and
+  half the bytes of the heads' own (bf16-valued) weights. `int8_reference` computes the same in Python
+  over the kernels' scalar engine.
 
 tests/test_heads_native.py compares both with their references on fresh random heads.
 """
