@@ -1,6 +1,8 @@
-// Sequential Medusa heads drafting a static tree in one call (drafters/medusa.py `SequentialDrafter`): the
-// custom class `treespec.NativeHeads` holds the heads' weight descriptors and drafts every level of the tree
-// for B rows, where the torch path runs about twenty small operations per level.
+// Medusa heads drafting natively (drafters/medusa.py): the custom class `treespec.NativeHeads` holds the heads'
+// weight descriptors. Sequential heads (`SequentialDrafter`) draft every level of a static tree for B rows in
+// one call (`propose`), where the torch path runs about twenty small operations per level; independent heads
+// (`MedusaDrafter`: every head reads the target's hidden state alone) give each head's top-k in one call
+// (`head_topk`), their output rows read once for every head.
 //
 // Level d expands the tree's nodes at depth d that have children (n_d of them, per row):
 //   u = before + P_d e(token)            before: the target's hidden (d = 0) or the parent node's u
@@ -103,7 +105,8 @@ struct NativeHeads : torch::CustomClassHolder {
   const void* embed = nullptr;  // [vocab, hidden] float32 or bf16: the target's input embedding
   bool embed_bf16 = false;
   const int64_t* vocab_map = nullptr;  // [draft_vocab] token id of each draft index, or nullptr (identity)
-  std::vector<LinearWeights> proj;                 // P_k [hidden, hidden] per head
+  bool sequential = true;                          // Hydra-style heads (P_k, `propose`), else independent
+  std::vector<LinearWeights> proj;                 // P_k [hidden, hidden] per sequential head
   std::vector<std::vector<LinearWeights>> blocks;  // per head, per residual block: W [hidden, hidden] + b
   LinearWeights out;                               // [draft_vocab, hidden]
   // int8 drafting (int8_linear.h): every linear's int8 form in one arena, the rows quantized per linear
@@ -118,31 +121,35 @@ struct NativeHeads : torch::CustomClassHolder {
   std::vector<float> before, emb, u0, u1, y, logits, states, top_prob;
   std::vector<int64_t> top_index;
 
-  // dims: heads, blocks per head, hidden, vocab (the embedding's rows), draft vocabulary (the output's rows);
-  // tensors: embedding, the draft vocabulary's token ids (int64 [V'], or empty: the identity), then per head
-  // P's 4 slots and each block's 4, then the output's 4; kinds: WeightKind per linear in that order.
+  // dims: heads, blocks per head, hidden, vocab (the embedding's rows), draft vocabulary (the output's rows)[,
+  // sequential (default 1)]; tensors: embedding (independent heads: may be empty), the draft vocabulary's
+  // token ids (int64 [V'], or empty: the identity), then per head P's 4 slots (sequential heads only) and each
+  // block's 4, then the output's 4; kinds: WeightKind per linear in that order.
   // int8: every linear must come as Q4_1 / Q8_0 blocks; they are repacked into the int8 layout (held
   // instead of the blocks) and each linear's input rows are quantized per block of 32 (int8_linear.h).
   NativeHeads(std::vector<int64_t> dims, std::vector<at::Tensor> tensors, std::vector<int64_t> kinds, bool int8_in) {
-    TORCH_CHECK(dims.size() == 5, "treespec native heads: 5 dims expected");
+    TORCH_CHECK(dims.size() == 5 || dims.size() == 6, "treespec native heads: 5 or 6 dims expected");
     const int64_t heads = dims[0], per_head = dims[1];
+    sequential = dims.size() == 5 || dims[5] != 0;
     hidden = dims[2];
     vocab = dims[3];
     draft_vocab = dims[4];
     TORCH_CHECK(heads >= 1 && per_head >= 0 && hidden >= 1 && draft_vocab >= 1 && draft_vocab <= vocab,
                 "treespec native heads: bad dims");
-    const size_t linears = static_cast<size_t>(heads * (1 + per_head) + 1);
+    const size_t linears = static_cast<size_t>(heads * (per_head + (sequential ? 1 : 0)) + 1);
     TORCH_CHECK(tensors.size() == 2 + linears * kSlots && kinds.size() == linears, "treespec native heads: ",
                 2 + linears * kSlots, " tensors and ", linears, " kinds expected, got ", tensors.size(), " and ",
                 kinds.size());
     held = tensors;
     const at::Tensor& e = tensors[0];
-    TORCH_CHECK(e.is_cpu() && e.is_contiguous() && e.dim() == 2 && e.size(0) == vocab && e.size(1) == hidden &&
-                    (e.scalar_type() == at::kFloat || e.scalar_type() == at::kBFloat16),
-                "treespec native heads: the embedding must be a contiguous float32 or bfloat16 [", vocab, ", ", hidden,
-                "] CPU tensor");
-    embed = e.data_ptr();
-    embed_bf16 = e.scalar_type() == at::kBFloat16;
+    if (sequential || (e.defined() && e.numel() > 0)) {  // (independent heads read no embedding)
+      TORCH_CHECK(e.is_cpu() && e.is_contiguous() && e.dim() == 2 && e.size(0) == vocab && e.size(1) == hidden &&
+                      (e.scalar_type() == at::kFloat || e.scalar_type() == at::kBFloat16),
+                  "treespec native heads: the embedding must be a contiguous float32 or bfloat16 [", vocab, ", ", hidden,
+                  "] CPU tensor");
+      embed = e.data_ptr();
+      embed_bf16 = e.scalar_type() == at::kBFloat16;
+    }
     const at::Tensor& map = tensors[1];
     if (map.defined() && map.numel() > 0) {
       TORCH_CHECK(map.scalar_type() == at::kLong && map.is_contiguous() && map.numel() == draft_vocab,
@@ -156,8 +163,10 @@ struct NativeHeads : torch::CustomClassHolder {
     }
     size_t at = 2, kind = 0;
     for (int64_t h = 0; h < heads; ++h) {
-      proj.push_back(linear_from_slots(tensors, at, kinds[kind++], hidden, hidden));
-      at += kSlots;
+      if (sequential) {
+        proj.push_back(linear_from_slots(tensors, at, kinds[kind++], hidden, hidden));
+        at += kSlots;
+      }
       blocks.emplace_back();
       for (int64_t b = 0; b < per_head; ++b, at += kSlots)
         blocks.back().push_back(linear_from_slots(tensors, at, kinds[kind++], hidden, hidden));
@@ -170,8 +179,8 @@ struct NativeHeads : torch::CustomClassHolder {
   // The int8 forms of every linear, side by side in one arena; the blocks they came from are let go.
   void to_int8() {
     std::vector<LinearWeights*> all;
-    for (size_t h = 0; h < proj.size(); ++h) {
-      all.push_back(&proj[h]);
+    for (size_t h = 0; h < blocks.size(); ++h) {
+      if (sequential) all.push_back(&proj[h]);
       for (LinearWeights& w : blocks[h]) all.push_back(&w);
     }
     all.push_back(&out);
@@ -187,8 +196,8 @@ struct NativeHeads : torch::CustomClassHolder {
       arena_used += f.bytes();
       return f;
     };
-    for (size_t h = 0; h < proj.size(); ++h) {
-      iproj.push_back(form(proj[h]));
+    for (size_t h = 0; h < blocks.size(); ++h) {
+      if (sequential) iproj.push_back(form(proj[h]));
       iblocks.emplace_back();
       for (const LinearWeights& w : blocks[h]) iblocks.back().push_back(form(w));
     }
@@ -208,6 +217,7 @@ struct NativeHeads : torch::CustomClassHolder {
   // Returns (tokens [B, nodes] int64, probs [B, nodes] float32), what SequentialDrafter.propose returns.
   std::tuple<at::Tensor, at::Tensor> propose(const at::Tensor& hidden_in, const at::Tensor& roots_in,
                                              const at::Tensor& plan_in, int64_t depth) {
+    TORCH_CHECK(sequential, "treespec native heads: independent heads draft through head_topk()");
     TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.size(1) == hidden && hidden_in.is_cpu(),
                 "treespec native heads: hidden must be [B, ", hidden, "] on the CPU");
     const at::Tensor x = hidden_in.to(at::kFloat).contiguous();
@@ -344,6 +354,73 @@ struct NativeHeads : torch::CustomClassHolder {
     }
     return {tokens, probs};
   }
+
+  // Independent heads: hidden [B, H] float32 -> (tokens [B, count, k] int64, probs [B, count, k] float32), the k
+  // most probable draft tokens of heads 0..count-1 (u = blocks_h(hidden); softmax(out u)), what MedusaDrafter's
+  // torch path takes from `logits.softmax(-1).topk(k)`. The output rows are read once for all count x B rows.
+  std::tuple<at::Tensor, at::Tensor> head_topk(const at::Tensor& hidden_in, int64_t count, int64_t k) {
+    TORCH_CHECK(!sequential, "treespec native heads: sequential heads draft through propose()");
+    TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.size(1) == hidden && hidden_in.is_cpu(),
+                "treespec native heads: hidden must be [B, ", hidden, "] on the CPU");
+    TORCH_CHECK(count >= 0 && count <= static_cast<int64_t>(blocks.size()) && k >= 1 && k <= draft_vocab,
+                "treespec native heads: ", count, " heads of ", blocks.size(), ", top ", k, " of ", draft_vocab);
+    const at::Tensor x = hidden_in.to(at::kFloat).contiguous();
+    const int64_t B = x.size(0), H = hidden, V = draft_vocab, M = count * B;  // row h * B + b: head h, row b
+    at::Tensor tokens = at::empty({B, count, k}, x.options().dtype(at::kLong));
+    at::Tensor probs = at::empty({B, count, k}, x.options());
+    if (M == 0) return {tokens, probs};
+    u0.resize(M * H);
+    u1.resize(M * H);
+    y.resize(M * H);
+    logits.resize(M * V);
+    top_index.resize(M * k);
+    top_prob.resize(M * k);
+    const int threads = std::max(1, at::get_num_threads());
+    for (int64_t h = 0; h < count; ++h) {  // each head's residual blocks over its B rows
+      float* cur = u0.data() + h * B * H;
+      float* nxt = u1.data() + h * B * H;
+      std::copy(x.data_ptr<float>(), x.data_ptr<float>() + B * H, cur);
+      for (size_t b = 0; b < blocks[h].size(); ++b) {
+        columns(blocks[h][b], int8 ? iblocks[h][b] : kNoInt8, cur, B, y.data(), H, threads);
+        for (int64_t r = 0; r < B; ++r) residual_silu(cur + r * H, y.data() + r * H, nxt + r * H, H);
+        std::swap(cur, nxt);
+      }
+      if (cur != u0.data() + h * B * H) std::copy(cur, cur + B * H, u0.data() + h * B * H);
+    }
+    columns(out, iout, u0.data(), M, logits.data(), V, threads);
+    at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        top_k(logits.data() + r * V, V, static_cast<int>(k), top_index.data() + r * k, top_prob.data() + r * k);
+    });
+    int64_t* tok = tokens.data_ptr<int64_t>();
+    float* pr = probs.data_ptr<float>();
+    for (int64_t h = 0; h < count; ++h)
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t j = 0; j < k; ++j) {
+          const int64_t from = (h * B + b) * k + j, to = (b * count + h) * k + j;
+          tok[to] = vocab_map != nullptr ? vocab_map[top_index[from]] : top_index[from];
+          pr[to] = top_prob[from];
+        }
+    return {tokens, probs};
+  }
+
+  // out [M, N] = the linear (w, or its int8 form iw) over the M rows of `in`, its columns shared among the
+  // threads (int8: the rows quantized first).
+  void columns(const LinearWeights& w, const Int8Weights& iw, const float* in, int64_t M, float* dst, int64_t N,
+               int threads) {
+    if (int8) {
+      rows.resize(M, w.K);
+      for (int64_t r = 0; r < M; ++r) quantize_row(in + r * w.K, rows, r);
+    }
+#pragma omp parallel num_threads(threads)
+    {
+      const auto [n0, n1] = share(N, omp_get_thread_num(), omp_get_num_threads());
+      if (int8)
+        int8_columns(iw, rows, M, dst, N, n0, n1);
+      else
+        linear_columns(w, in, M, dst, N, n0, n1);
+    }
+  }
 };
 
 }  // namespace treespec
@@ -352,5 +429,6 @@ TORCH_LIBRARY_FRAGMENT(treespec, m) {
   m.class_<treespec::NativeHeads>("NativeHeads")
       .def(torch::init<std::vector<int64_t>, std::vector<at::Tensor>, std::vector<int64_t>, bool>())
       .def("own_bytes", &treespec::NativeHeads::own_bytes)
-      .def("propose", &treespec::NativeHeads::propose);
+      .def("propose", &treespec::NativeHeads::propose)
+      .def("head_topk", &treespec::NativeHeads::head_topk);
 }

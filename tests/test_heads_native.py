@@ -10,6 +10,7 @@ import treespec
 from treespec import ops
 from treespec.core.blocks import round_to_q8_0
 from treespec.core.drafting import SequenceStart
+from treespec.core.native import q8_blocks
 from treespec.core.runtime import TargetRuntime
 from treespec.drafters.heads_native import int8_reference, level_plan
 from treespec.drafters.medusa import SequentialDrafter
@@ -91,10 +92,10 @@ def test_generation_with_native_heads_equals_greedy_decoding():
 
 def test_native_heads_refuse_what_they_cannot_draft():
     model = tiny_model("llama", dtype=torch.float32, **SHAPE)
-    independent = random_heads(model, sequential=False)
-    with pytest.raises(ValueError, match="independent heads"):
+    own = treespec.MedusaHeads.for_model(model, num_heads=4, own_lm_head=True, sequential=True)
+    with pytest.raises(ValueError, match="their own output layers"):
         treespec.drafters.heads_native.NativeHeads(
-            independent, model.lm_head.weight, None, model.get_input_embeddings().weight
+            own, model.lm_head.weight, None, model.get_input_embeddings().weight
         )
     heads = random_heads(model, sequential=True).double()
     args = (heads, treespec.default_tree(8, 4), model.get_output_embeddings(), model.get_input_embeddings())
@@ -201,3 +202,71 @@ def test_heads_of_partial_blocks_draft_in_float():
     assert SequentialDrafter(*args).native.int8 is False  # the default: float, where int8 cannot quantize
     with pytest.raises(ValueError, match="hidden size 48 in int8"):
         SequentialDrafter(*args, native=True, int8=True)
+
+
+def _int8_head_topk_reference(heads, weight, blocks, hidden, count, k):
+    """What NativeHeads.head_topk computes in int8, in Python over the int8 kernels' scalar engine."""
+
+    def linear(x, w, bias, found=None):
+        q, d, m = (*q8_blocks(w), None) if found is None else (found.q, found.d.half(), None)
+        return torch.ops.treespec.int8_linear(x.float().contiguous(), q, d, m, bias, 1)
+
+    tokens, probs = [], []
+    for h in range(count):
+        u = hidden.float()
+        for block in heads.blocks[h]:
+            u = u + torch.nn.functional.silu(linear(u, block.linear.weight, block.linear.bias.float()))
+        top = linear(u, weight, None, blocks).softmax(dim=-1).topk(k, dim=-1)  # [B, k]
+        tokens.append(heads.token_ids(top.indices))
+        probs.append(top.values)
+    return torch.stack(tokens, dim=1), torch.stack(probs, dim=1)  # [B, count, k]
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 40])
+@pytest.mark.parametrize("layers", [1, 2])
+@pytest.mark.parametrize("blocks", [False, True])
+def test_independent_native_heads_draft_what_their_references_draft(draft_vocab, layers, blocks):
+    model = tiny_model("llama", dtype=torch.float32, seed=layers, **SHAPE)
+    if blocks:
+        with torch.no_grad():
+            model.lm_head.weight.copy_(round_to_q8_0(model.lm_head.weight))
+    vocab = None
+    if draft_vocab:
+        vocab = torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(layers))[
+            :draft_vocab
+        ]
+    heads = random_heads(model, num_heads=4, seed=layers, std=0.05, draft_vocab=vocab, num_layers=layers)
+    tree = treespec.default_tree(16, 4)
+    float_native = treespec.drafters.medusa.MedusaDrafter(heads, tree, model.lm_head, native=True, int8=False)
+    int8_native = treespec.drafters.medusa.MedusaDrafter(heads, tree, model.lm_head, native=True, int8=True)
+    reference = treespec.drafters.medusa.MedusaDrafter(heads, tree, model.lm_head, native=False)
+    output = reference.output.blocks.blocks if reference.output.blocks is not None else None
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for trial in range(8):
+            B = 1 + trial % 3
+            hidden = torch.randn(B, SHAPE["hidden_size"], generator=gen) * 2
+            roots = torch.randint(0, model.config.vocab_size, (B,), generator=gen)
+            for depth in (None, 0, 1, 3):
+                got, want = (
+                    float_native.propose(hidden, roots, depth),
+                    reference.propose(hidden, roots, depth),
+                )
+                assert torch.equal(got.tokens, want.tokens), (trial, depth)
+                torch.testing.assert_close(got.probs, want.probs, rtol=1e-4, atol=1e-6)
+            count = 1 + trial % 4
+            tokens, probs = int8_native.native.head_topk(hidden, count, 3)
+            want_tokens, want_probs = _int8_head_topk_reference(
+                heads, reference.weight, output, hidden, count, 3
+            )
+            assert torch.equal(tokens, want_tokens), trial
+            torch.testing.assert_close(probs, want_probs, rtol=1e-3, atol=1e-6)
+
+
+def test_generation_with_independent_native_heads_equals_greedy_decoding():
+    model = tiny_model("llama", dtype=torch.float32, seed=2, **SHAPE)
+    heads = random_heads(model, num_heads=4, seed=2, std=0.05)
+    drafter = treespec.make_drafter(heads, treespec.default_tree(16, 4), model)
+    assert drafter.native is not None
+    result = treespec.generate(model, [3, 8, 1, 5], drafter, max_new_tokens=16, eos_token_id=[])
+    assert result.token_ids == hf_greedy(model, [3, 8, 1, 5], 16)

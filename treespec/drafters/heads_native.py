@@ -1,14 +1,16 @@
-"""Sequential Medusa heads drafting a whole static tree in one C++ call (csrc/native_heads.cpp), where the
-torch path (`SequentialDrafter`) runs about twenty small operations per tree level.
+"""Medusa heads drafting in one C++ call (csrc/native_heads.cpp): sequential heads a whole static tree, where
+the torch path (`SequentialDrafter`) runs about twenty small operations per tree level; independent heads
+(`MedusaDrafter`) every head's top-k, their output rows read once for all heads.
 
     heads_native = NativeHeads.of(heads, output_weight, output_blocks, embedding)
     plan = level_plan(tree)                                   # the tree's levels, flattened once
-    tokens, probs = heads_native(hidden [B, H], roots [B], plan, depth)   # -> [B, N] each
+    tokens, probs = heads_native(hidden [B, H], roots [B], plan, depth)   # sequential: -> [B, N] each
+    tokens, probs = heads_native.head_topk(hidden [B, H], count, k)       # independent: -> [B, count, k]
 
-Each level d: u = before + P_d e(token), then u + silu(W u + b) per residual block, then the top-k of the
-softmax of the shared output rows (the draft vocabulary's rows of the target's lm_head) give the children's
-tokens and probabilities. Drafts never change what is generated, only how fast, so the heads may draft in
-either of two numerics:
+Each level d: u = before + P_d e(token) (independent heads: u = hidden), then u + silu(W u + b) per residual
+block, then the top-k of the softmax of the shared output rows (the draft vocabulary's rows of the target's
+lm_head) give the children's tokens and probabilities. Drafts never change what is generated, only how fast,
+so the heads may draft in either of two numerics:
 
 - float (`int8=False`): weights as the heads hold them (a float32 weight of bfloat16 values from a
   bfloat16 copy made once; the output rows as their exact Q8_0 / Q4_1 blocks when they have them), float32
@@ -34,16 +36,19 @@ from ..core.tree import Tree
 from .heads import MedusaHeads
 
 
-def native_heads_reason(heads: MedusaHeads, embedding: torch.Tensor) -> str | None:
-    """None when `NativeHeads` can draft with `heads` over the target's `embedding`, else why not."""
-    if not heads.sequential:
-        return "independent heads (it drafts sequential ones)"
+def native_heads_reason(heads: MedusaHeads, embedding: torch.Tensor | None) -> str | None:
+    """None when `NativeHeads` can draft with `heads` over the target's `embedding` (sequential heads read it;
+    independent ones take None), else why not."""
     if heads.own_lm_head:
         return "heads with their own output layers (it reads the target's shared output rows)"
     first = next(heads.parameters())
     if first.device.type != "cpu" or first.dtype != torch.float32:
         return f"{first.device.type} {first.dtype} heads (it runs float32 heads on the CPU)"
-    if embedding.device.type != "cpu" or embedding.dtype not in (torch.float32, torch.bfloat16):
+    if heads.sequential and embedding is None:
+        return "no embedding for sequential heads"
+    if embedding is not None and (
+        embedding.device.type != "cpu" or embedding.dtype not in (torch.float32, torch.bfloat16)
+    ):
         return f"a {embedding.device.type} {embedding.dtype} embedding (it reads float32 or bfloat16)"
     if not ops.available("cpu"):
         return f"treespec's compiled CPU ops did not build ({ops.build_info()['error']})"
@@ -75,13 +80,18 @@ class NativeHeads:
 
     @classmethod
     def of(
-        cls, heads: MedusaHeads, weight: torch.Tensor, blocks, embedding: torch.Tensor, int8: bool = False
+        cls,
+        heads: MedusaHeads,
+        weight: torch.Tensor,
+        blocks,
+        embedding: torch.Tensor | None,
+        int8: bool = False,
     ) -> NativeHeads:
         """The native heads over the current weights (the heads', the output rows `weight` [V', H] with their
         exact `blocks` or None, the target's `embedding`) in float or int8 numerics, kept in the heads'
         runtime: every drafter made from the same heads shares it."""
         runtime = TargetRuntime.of(heads)
-        key = (weights_key(heads), weight_key(weight), weight_key(embedding))
+        key = (weights_key(heads), weight_key(weight), None if embedding is None else weight_key(embedding))
         form = "heads-int8" if int8 else "heads"
         with runtime.lock:
             entry = runtime.native.get(form)
@@ -91,7 +101,12 @@ class NativeHeads:
             return entry[1]
 
     def __init__(
-        self, heads: MedusaHeads, weight: torch.Tensor, blocks, embedding: torch.Tensor, int8: bool = False
+        self,
+        heads: MedusaHeads,
+        weight: torch.Tensor,
+        blocks,
+        embedding: torch.Tensor | None,
+        int8: bool = False,
     ):
         reason = native_heads_reason(heads, embedding)
         if reason is None and int8 and heads.hidden_size % 32:
@@ -99,13 +114,12 @@ class NativeHeads:
         if reason is not None:
             raise ValueError(f"the native heads cannot draft with these heads: {reason}")
         vocab = heads.draft_vocab
-        tensors = [
-            embedding.detach().contiguous(),
-            torch.empty(0) if vocab is None else vocab.long().contiguous(),
-        ]
+        table = torch.empty(0) if embedding is None else embedding.detach().contiguous()
+        tensors = [table, torch.empty(0) if vocab is None else vocab.long().contiguous()]
         kinds = []
         for k in range(heads.num_heads):
-            linears = [heads.token_proj[k], *(block.linear for block in heads.blocks[k])]
+            projection = [heads.token_proj[k]] if heads.sequential else []
+            linears = [*projection, *(block.linear for block in heads.blocks[k])]
             for linear in linears:
                 kind, slots = weight_slots(linear.weight, linear.bias, None, int8)
                 kinds.append(kind)
@@ -113,14 +127,15 @@ class NativeHeads:
         kind, slots = weight_slots(weight, None, blocks, int8)
         kinds.append(kind)
         tensors += slots
-        dims = [heads.num_heads, heads.num_layers, heads.hidden_size, embedding.shape[0], weight.shape[0]]
+        dims = [heads.num_heads, heads.num_layers, heads.hidden_size, heads.vocab_size, weight.shape[0]]
+        dims.append(int(heads.sequential))
         # every weight it reads per level, side by side on 2 MB pages (a level reads them straight after the
         # target's step has streamed ~100 MB through the caches); the embedding's rows are read one by one
         self.int8 = int8
         if not int8:  # (int8: the native heads repack every weight into an arena of their own)
-            tensors = on_huge_pages(tensors, {embedding.data_ptr()})
+            tensors = on_huge_pages(tensors, {table.data_ptr()} if table.numel() else set())
         self._native = torch.classes.treespec.NativeHeads(dims, tensors, kinds, int8)
-        shared = {t.data_ptr() for t in (*heads.parameters(), *heads.buffers(), embedding)}
+        shared = {t.data_ptr() for t in (*heads.parameters(), *heads.buffers(), table)}
         kept = [  # the copies it holds (int8: the blocks were repacked into its arena, then let go)
             t for t in tensors if t.numel() and t.data_ptr() not in shared and not (int8 and t.dim() == 2)
         ]
@@ -132,6 +147,11 @@ class NativeHeads:
         """hidden [B, H], roots [B], plan (`level_plan`), depth: levels to draft (None: all) -> tokens [B, N]
         int64, probs [B, N] float32 (undrafted nodes: the root's token, probability 0)."""
         return self._native.propose(hidden, roots, plan, -1 if depth is None else depth)
+
+    def head_topk(self, hidden: torch.Tensor, count: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Independent heads: hidden [B, H] -> the k most probable draft tokens of heads 0..count-1 and their
+        probabilities, tokens [B, count, k] int64 and probs [B, count, k] float32."""
+        return self._native.head_topk(hidden, count, k)
 
 
 @torch.no_grad()

@@ -18,13 +18,24 @@ from .heads_native import NativeHeads, level_plan, native_heads_reason, native_i
 
 
 class MedusaDrafter(BaseDrafter):
-    """Independent Medusa heads: head k's top-r tokens fill the tree nodes at depth k+1 with rank r."""
+    """Independent Medusa heads: head k's top-r tokens fill the tree nodes at depth k+1 with rank r.
+
+    On the CPU, float32 heads that share the target's output rows give every head's top-k in one native call
+    (`drafters.heads_native`, the output rows read once for all heads); `native` and `int8` as in
+    `SequentialDrafter`."""
 
     batched = True
     limits_depth = True
     costly_levels = True
 
-    def __init__(self, heads: MedusaHeads, tree: Tree, lm_head: torch.nn.Module):
+    def __init__(
+        self,
+        heads: MedusaHeads,
+        tree: Tree,
+        lm_head: torch.nn.Module,
+        native: bool | None = None,
+        int8: bool | None = None,
+    ):
         _check_depth(heads, tree)
         if heads.sequential:
             raise ValueError("these heads are sequential: use SequentialDrafter (make_drafter picks it)")
@@ -35,6 +46,17 @@ class MedusaDrafter(BaseDrafter):
         device = next(heads.parameters()).device
         self.token_index = tree.token_index(self.topk).to(device)  # [N] into [root, head0 top-k, ...]
         self.depth = tree.depth.to(device)  # [N]
+        self.embedding = None  # (independent heads read no embedding)
+        self.wants_native = native
+        self.int8 = native_int8_default(heads) if int8 is None else int8  # as in SequentialDrafter
+        self._bind_native()
+
+    def _bind_native(self) -> None:
+        bind_native(self)
+
+    def start(self, sequence) -> None:
+        if sequence.row == 0 and self.native is not None:  # rebuilt if the weights changed since
+            self._bind_native()
 
     def propose(self, hidden: torch.Tensor, roots: torch.Tensor, max_depth: int | None = None) -> Proposal:
         """max_depth=D: heads 1..D only; the deeper nodes keep the root's token and probability 0."""
@@ -48,13 +70,20 @@ class MedusaDrafter(BaseDrafter):
             probs = torch.zeros(B, n, device=hidden.device)  # [B, N]
             probs[:, 0] = 1.0
             return Proposal(roots[:, None].repeat(1, n), probs)
-        with packed_linears(self.heads):
-            states = self.heads.head_hidden(hidden[:, None], num_heads=depth)  # [K, B, 1, H]
-            logits = _logits(self, states, None)  # [K, B, 1, V']
-        top = logits[:, :, 0].float().softmax(dim=-1).topk(self.topk, dim=-1)  # values, indices: [K, B, topk]
-        guesses = self.heads.token_ids(top.indices.transpose(0, 1).reshape(B, -1))  # [B, K*topk]
+        if self.native is not None and not torch.is_grad_enabled() and hidden.device.type == "cpu":
+            tokens, values = self.native.head_topk(hidden, depth, self.topk)  # [B, K, topk] each
+            guesses, values = tokens.reshape(B, -1), values.reshape(B, -1)  # [B, K*topk]
+        else:
+            with packed_linears(self.heads):
+                states = self.heads.head_hidden(hidden[:, None], num_heads=depth)  # [K, B, 1, H]
+                logits = _logits(self, states, None)  # [K, B, 1, V']
+            top = (
+                logits[:, :, 0].float().softmax(dim=-1).topk(self.topk, dim=-1)
+            )  # values, indices: [K, B, topk]
+            guesses = self.heads.token_ids(top.indices.transpose(0, 1).reshape(B, -1))  # [B, K*topk]
+            values = top.values.transpose(0, 1).reshape(B, -1)  # [B, K*topk]
         candidates = torch.cat([roots[:, None].to(guesses.device), guesses], dim=1)  # [B, 1 + K*topk]
-        probs = torch.cat([top.values.new_ones(B, 1), top.values.transpose(0, 1).reshape(B, -1)], dim=1)
+        probs = torch.cat([values.new_ones(B, 1), values], dim=1)
         index = self.token_index  # [N] into [root, head0 top-k, ...]
         if depth < self.tree.max_depth:  # undrafted nodes read the root's slot, then get probability 0
             undrafted = self.depth > depth  # [N]
@@ -113,19 +142,7 @@ class SequentialDrafter(BaseDrafter):
         self._bind_native()
 
     def _bind_native(self) -> None:
-        """The native heads over the current weights, or None (the torch path) where they cannot run."""
-        self.native = None
-        if self.wants_native is False:
-            return
-        reason = native_heads_reason(self.heads, self.embedding)
-        if reason is None and self.output is None:
-            reason = "no shared output rows"
-        if reason is not None:
-            if self.wants_native:
-                raise ValueError(f"native=True, but the native heads cannot draft here: {reason}")
-            return
-        blocks = self.output.blocks.blocks if self.output.blocks is not None else None
-        self.native = NativeHeads.of(self.heads, self.weight, blocks, self.embedding, self.int8)
+        bind_native(self)
 
     def start(self, sequence) -> None:
         if sequence.row == 0 and self.native is not None:  # rebuilt if the weights changed since
@@ -154,6 +171,23 @@ class SequentialDrafter(BaseDrafter):
                 tokens[:, children] = self.heads.token_ids(top.indices[:, row, rank])  # [B, c_d]
                 probs[:, children] = top.values[:, row, rank]
         return Proposal(tokens, probs)  # [B, N] each
+
+
+def bind_native(drafter: MedusaDrafter | SequentialDrafter) -> None:
+    """Set `drafter.native`: the native heads over its heads' current weights, or None (the torch path) where
+    they cannot run (`drafter.wants_native`: None, False or True, which raises saying why not)."""
+    drafter.native = None
+    if drafter.wants_native is False:
+        return
+    reason = native_heads_reason(drafter.heads, drafter.embedding)
+    if reason is None and drafter.output is None:
+        reason = "no shared output rows"
+    if reason is not None:
+        if drafter.wants_native:
+            raise ValueError(f"native=True, but the native heads cannot draft here: {reason}")
+        return
+    blocks = drafter.output.blocks.blocks if drafter.output.blocks is not None else None
+    drafter.native = NativeHeads.of(drafter.heads, drafter.weight, blocks, drafter.embedding, drafter.int8)
 
 
 def shared_output(heads: MedusaHeads, lm_head) -> tuple[torch.Tensor | None, PackedMatrix | None]:
