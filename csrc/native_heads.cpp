@@ -276,12 +276,7 @@ struct NativeHeads : torch::CustomClassHolder {
       const int64_t M = B * L.expanded_count;  // rows of this level: (b, i) -> b * n_d + i
       before.resize(M * H);
       emb.resize(M * H);
-      u0.resize(M * H);
-      u1.resize(M * H);
-      y.resize(M * H);
-      logits.resize(M * V);
-      top_index.resize(M * L.k);
-      top_prob.resize(M * L.k);
+      size_buffers(M, L.k);
       const int64_t level = &L - levels.data();
       for (int64_t r = 0; r < M; ++r) {  // the inputs: parents' states (the hidden at level 0) and embeddings
         const int64_t b = r / L.expanded_count, i = r % L.expanded_count;
@@ -369,12 +364,7 @@ struct NativeHeads : torch::CustomClassHolder {
     at::Tensor tokens = at::empty({B, count, k}, x.options().dtype(at::kLong));
     at::Tensor probs = at::empty({B, count, k}, x.options());
     if (M == 0) return {tokens, probs};
-    u0.resize(M * H);
-    u1.resize(M * H);
-    y.resize(M * H);
-    logits.resize(M * V);
-    top_index.resize(M * k);
-    top_prob.resize(M * k);
+    size_buffers(M, k);
     const int threads = std::max(1, at::get_num_threads());
     for (int64_t h = 0; h < count; ++h) {  // each head's residual blocks over its B rows
       float* cur = u0.data() + h * B * H;
@@ -402,6 +392,16 @@ struct NativeHeads : torch::CustomClassHolder {
           pr[to] = top_prob[from];
         }
     return {tokens, probs};
+  }
+
+  // The per-call buffers for M rows and a top-k of k: the two u buffers, a linear's output, logits, top-k.
+  void size_buffers(int64_t M, int64_t k) {
+    u0.resize(M * hidden);
+    u1.resize(M * hidden);
+    y.resize(M * hidden);
+    logits.resize(M * draft_vocab);
+    top_index.resize(M * k);
+    top_prob.resize(M * k);
   }
 
   // out [M, N] = the linear (w, or its int8 form iw) over the M rows of `in`, its columns shared among the

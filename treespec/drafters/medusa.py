@@ -17,7 +17,21 @@ from .heads import ExitHead, MedusaHeads
 from .heads_native import NativeHeads, level_plan, native_heads_reason, native_int8_default
 
 
-class MedusaDrafter(BaseDrafter):
+class _NativeHeadsDrafter(BaseDrafter):
+    """What both heads drafters share: their native heads (`bind_native`), rebuilt at a new sequence when the
+    heads' weights changed since."""
+
+    native: NativeHeads | None = None
+
+    def _bind_native(self) -> None:
+        bind_native(self)
+
+    def start(self, sequence) -> None:
+        if sequence.row == 0 and self.native is not None:  # rebuilt if the weights changed since
+            self._bind_native()
+
+
+class MedusaDrafter(_NativeHeadsDrafter):
     """Independent Medusa heads: head k's top-r tokens fill the tree nodes at depth k+1 with rank r.
 
     On the CPU, float32 heads that share the target's output rows give every head's top-k in one native call
@@ -50,13 +64,6 @@ class MedusaDrafter(BaseDrafter):
         self.wants_native = native
         self.int8 = native_int8_default(heads) if int8 is None else int8  # as in SequentialDrafter
         self._bind_native()
-
-    def _bind_native(self) -> None:
-        bind_native(self)
-
-    def start(self, sequence) -> None:
-        if sequence.row == 0 and self.native is not None:  # rebuilt if the weights changed since
-            self._bind_native()
 
     def propose(self, hidden: torch.Tensor, roots: torch.Tensor, max_depth: int | None = None) -> Proposal:
         """max_depth=D: heads 1..D only; the deeper nodes keep the root's token and probability 0."""
@@ -94,7 +101,7 @@ class MedusaDrafter(BaseDrafter):
         return Proposal(candidates[:, index], probs[:, index])
 
 
-class SequentialDrafter(BaseDrafter):
+class SequentialDrafter(_NativeHeadsDrafter):
     """Sequential (Hydra-style) heads: the tree is drafted depth by depth.
 
     The children of a node at depth d are head d's top-ranked guesses given the tokens on the path to
@@ -137,16 +144,8 @@ class SequentialDrafter(BaseDrafter):
         # int8 kernels have vector instructions (measured: the same accepted length; the shipped heads' tree
         # drafted in 0.67 ms a step against 1.18 in float, benchmarks/log/2026-12-07-f-native-heads.md)
         self.int8 = native_int8_default(heads) if int8 is None else int8
-        self.native: NativeHeads | None = None
         self.plan = level_plan(tree)  # the native call's view of the tree's levels
         self._bind_native()
-
-    def _bind_native(self) -> None:
-        bind_native(self)
-
-    def start(self, sequence) -> None:
-        if sequence.row == 0 and self.native is not None:  # rebuilt if the weights changed since
-            self._bind_native()
 
     def propose(self, hidden: torch.Tensor, roots: torch.Tensor, max_depth: int | None = None) -> Proposal:
         hidden, roots = batch_rows(hidden, roots)  # [B, H], [B]
