@@ -9,8 +9,8 @@
 //   u = u + silu(W u + b)                 for each residual block of head d
 //   logits = out u                        [V'] over the draft vocabulary (the target's output rows)
 //   children: the top-k of softmax(logits), each child's token (through the draft vocabulary) and probability
-// Every linear runs on the block / dense kernels of block_linear.h, its columns shared among the threads of
-// one OpenMP region (a barrier after each linear); the softmax and top-k run per row.
+// Every linear runs on the block / dense kernels of block_linear.h (or the int8 ones of int8_linear.h), its
+// columns shared among the threads of one OpenMP region; the softmax and top-k run per row.
 //
 // Numerics: float32 sums, so the drafts equal the torch path's up to float rounding (the probabilities to
 // ~1e-6; a top-k order can differ only where two logits tie to that precision). Drafts are guesses the
@@ -42,16 +42,10 @@ inline std::pair<int64_t, int64_t> share(int64_t N, int t, int T) {
   return {std::min(N, units * t / T * 16), std::min(N, units * (t + 1) / T * 16)};
 }
 
-// next[j] = u[j] + silu(y[j]) for j in [0, n): silu(y) = y / (1 + e^-y), with t = e^-|y| from exp2v
-// (no overflow either way).
+// next[j] = u[j] + silu(y[j]) for j in [0, n) (vec.h `silu`; a last partial vector: y / (1 + e^-y)).
 void residual_silu(const float* u, const float* y, float* next, int64_t n) {
-  const vf minus_log2e = splat(-1.4426950408889634f), zero = splat(0.0f), one = splat(1.0f);
   int64_t j = 0;
-  for (; j + VL <= n; j += VL) {
-    const vf yv = loadv(y + j);
-    const vf t = exp2v((yv < zero ? zero - yv : yv) * minus_log2e);
-    storev(next + j, loadv(u + j) + (yv < zero ? yv * t : yv) / (one + t));
-  }
+  for (; j + VL <= n; j += VL) storev(next + j, loadv(u + j) + silu(loadv(y + j)));
   for (; j < n; ++j) next[j] = u[j] + y[j] / (1.0f + std::exp(-y[j]));
 }
 
@@ -117,8 +111,8 @@ struct NativeHeads : torch::CustomClassHolder {
   AlignedBytes arena;
   int64_t arena_used = 0;
   QuantRows rows;
-  // per call, reused: gathered inputs, the two u buffers, a linear's output, logits, each row's top-k
-  std::vector<float> before, emb, u0, u1, y, logits, states, top_prob;
+  // per call, reused: the embeddings, the two u buffers, a linear's output, logits, each row's top-k
+  std::vector<float> emb, u0, u1, y, logits, states, top_prob;
   std::vector<int64_t> top_index;
 
   // dims: heads, blocks per head, hidden, vocab (the embedding's rows), draft vocabulary (the output's rows)[,
@@ -274,14 +268,13 @@ struct NativeHeads : torch::CustomClassHolder {
     const int threads = std::max(1, at::get_num_threads());
     for (const Level& L : levels) {
       const int64_t M = B * L.expanded_count;  // rows of this level: (b, i) -> b * n_d + i
-      before.resize(M * H);
       emb.resize(M * H);
       size_buffers(M, L.k);
       const int64_t level = &L - levels.data();
-      for (int64_t r = 0; r < M; ++r) {  // the inputs: parents' states (the hidden at level 0) and embeddings
+      for (int64_t r = 0; r < M; ++r) {  // u = the parents' states (the hidden at level 0); the embeddings
         const int64_t b = r / L.expanded_count, i = r % L.expanded_count;
         const float* src = level == 0 ? x.data_ptr<float>() + b * H : states.data() + (b * nodes + L.parents[i]) * H;
-        std::copy(src, src + H, before.data() + r * H);
+        std::copy(src, src + H, u0.data() + r * H);
         const int64_t id = tok[b * nodes + L.expanded[i]];
         if (embed_bf16)
           bf16_row_to_float(static_cast<const uint16_t*>(embed) + id * H, emb.data() + r * H, static_cast<int>(H));
@@ -290,51 +283,11 @@ struct NativeHeads : torch::CustomClassHolder {
                     emb.data() + r * H);
       }
       const size_t head = static_cast<size_t>(level);
-      const std::vector<LinearWeights>& W = blocks[head];
-      float* u = u0.data();
-      float* next = u1.data();
-      if (int8) rows.resize(M, H);
-      // columns [n0, n1) of the linear (w, or its int8 form iw) over the M rows of `in`; int8: the rows were
-      // quantized into `rows` by quantize_input() before
-      auto linear = [&](const LinearWeights& w, const Int8Weights& iw, const float* in, float* dst, int64_t ldo,
-                        int64_t n0, int64_t n1) {
-        if (int8)
-          int8_columns(iw, rows, M, dst, ldo, n0, n1);
-        else
-          linear_columns(w, in, M, dst, ldo, n0, n1);
-      };
-#pragma omp parallel num_threads(threads)
-      {
-        const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        // int8: every row of `in` quantized once, before any thread reads them (single: a barrier after)
-        auto quantize_input = [&](const float* in) {
-          if (!int8) return;
-#pragma omp single
-          for (int64_t r = 0; r < M; ++r) quantize_row(in + r * H, rows, r);
-        };
-        const auto [h0, h1] = share(H, t, T);
-        quantize_input(emb.data());
-        linear(proj[head], int8 ? iproj[head] : kNoInt8, emb.data(), y.data(), H, h0, h1);
-        for (int64_t r = 0; r < M; ++r)  // u = before + P e over this thread's columns
-          for (int64_t j = h0; j < h1; ++j) u[r * H + j] = before[r * H + j] + y[r * H + j];
-        float *cur = u, *nxt = next;
-        for (size_t b = 0; b < W.size(); ++b) {
-#pragma omp barrier
-          quantize_input(cur);
-          linear(W[b], int8 ? iblocks[head][b] : kNoInt8, cur, y.data(), H, h0, h1);
-          for (int64_t r = 0; r < M; ++r)  // next = u + silu(W u + b)
-            residual_silu(cur + r * H + h0, y.data() + r * H + h0, nxt + r * H + h0, h1 - h0);
-          std::swap(cur, nxt);
-        }
-#pragma omp barrier
-        quantize_input(cur);
-        const auto [v0, v1] = share(V, t, T);
-        linear(out, iout, cur, logits.data(), V, v0, v1);
-#pragma omp barrier
-        for (int64_t r = t; r < M; r += T)
-          top_k(logits.data() + r * V, V, static_cast<int>(L.k), top_index.data() + r * L.k, top_prob.data() + r * L.k);
-      }
-      u = W.size() % 2 == 0 ? u : next;  // the level's final u (the buffers swap once per block)
+      columns(proj[head], int8 ? iproj[head] : kNoInt8, emb.data(), M, y.data(), H, threads);
+      for (int64_t j = 0; j < M * H; ++j) u0[j] += y[j];  // u = before + P e
+      const float* u = residual_blocks(head, u0.data(), u1.data(), M, threads);
+      columns(out, iout, u, M, logits.data(), V, threads);
+      row_top_k(M, L.k);
       for (int64_t r = 0; r < M; ++r) {
         const int64_t b = r / L.expanded_count, i = r % L.expanded_count;
         std::copy(u + r * H, u + (r + 1) * H, states.data() + (b * nodes + L.expanded[i]) * H);
@@ -366,22 +319,14 @@ struct NativeHeads : torch::CustomClassHolder {
     if (M == 0) return {tokens, probs};
     size_buffers(M, k);
     const int threads = std::max(1, at::get_num_threads());
-    for (int64_t h = 0; h < count; ++h) {  // each head's residual blocks over its B rows
-      float* cur = u0.data() + h * B * H;
-      float* nxt = u1.data() + h * B * H;
-      std::copy(x.data_ptr<float>(), x.data_ptr<float>() + B * H, cur);
-      for (size_t b = 0; b < blocks[h].size(); ++b) {
-        columns(blocks[h][b], int8 ? iblocks[h][b] : kNoInt8, cur, B, y.data(), H, threads);
-        for (int64_t r = 0; r < B; ++r) residual_silu(cur + r * H, y.data() + r * H, nxt + r * H, H);
-        std::swap(cur, nxt);
-      }
-      if (cur != u0.data() + h * B * H) std::copy(cur, cur + B * H, u0.data() + h * B * H);
+    for (int64_t h = 0; h < count; ++h) {  // each head's residual blocks over its B rows, into u0's rows h
+      float* rows_h = u0.data() + h * B * H;
+      std::copy(x.data_ptr<float>(), x.data_ptr<float>() + B * H, rows_h);
+      const float* u = residual_blocks(static_cast<size_t>(h), rows_h, u1.data() + h * B * H, B, threads);
+      if (u != rows_h) std::copy(u, u + B * H, rows_h);
     }
     columns(out, iout, u0.data(), M, logits.data(), V, threads);
-    at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r)
-        top_k(logits.data() + r * V, V, static_cast<int>(k), top_index.data() + r * k, top_prob.data() + r * k);
-    });
+    row_top_k(M, k);
     int64_t* tok = tokens.data_ptr<int64_t>();
     float* pr = probs.data_ptr<float>();
     for (int64_t h = 0; h < count; ++h)
@@ -402,6 +347,26 @@ struct NativeHeads : torch::CustomClassHolder {
     logits.resize(M * draft_vocab);
     top_index.resize(M * k);
     top_prob.resize(M * k);
+  }
+
+  // Head h's residual blocks over the M rows [M, hidden] of u (u = u + silu(W u + b) each), ping-ponging
+  // between u and spare; returns the buffer that holds the result.
+  const float* residual_blocks(size_t h, float* u, float* spare, int64_t M, int threads) {
+    for (size_t b = 0; b < blocks[h].size(); ++b) {
+      columns(blocks[h][b], int8 ? iblocks[h][b] : kNoInt8, u, M, y.data(), hidden, threads);
+      for (int64_t r = 0; r < M; ++r) residual_silu(u + r * hidden, y.data() + r * hidden, spare + r * hidden, hidden);
+      std::swap(u, spare);
+    }
+    return u;
+  }
+
+  // Each of the M rows of logits: its k best draft indices and probabilities into top_index / top_prob.
+  void row_top_k(int64_t M, int64_t k) {
+    at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        top_k(logits.data() + r * draft_vocab, draft_vocab, static_cast<int>(k), top_index.data() + r * k,
+              top_prob.data() + r * k);
+    });
   }
 
   // out [M, N] = the linear (w, or its int8 form iw) over the M rows of `in`, its columns shared among the

@@ -74,16 +74,10 @@ __attribute__((noinline, noclone)) void rotate(float* x, const float* cos, const
   std::memcpy(x, tmp, sizeof(float) * D);
 }
 
-// s[i] = silu(g[i]) for i < VL * vectors: silu(g) = g / (1 + e^-g), with t = e^-|g| from the exp2 polynomial
-// of vec.h: g / (1 + t) for g >= 0, g t / (1 + t) below (no overflow either way). Every caller runs this one
-// compiled body (not inlined, not cloned, like `rotate`), so a lane's result depends only on its value.
+// s[i] = silu(g[i]) for i < VL * vectors (vec.h `silu`). Every caller runs this one compiled body (not
+// inlined, not cloned, like `rotate`), so a lane's result depends only on its value.
 __attribute__((noinline, noclone)) void silu_vectors(const float* g, float* s, int64_t vectors) {
-  const vf minus_log2e = splat(-1.4426950408889634f), zero = splat(0.0f), one = splat(1.0f);
-  for (int64_t v = 0; v < vectors; ++v) {
-    const vf gv = loadv(g + VL * v);
-    const vf t = exp2v((gv < zero ? zero - gv : gv) * minus_log2e);  // e^-|g|
-    storev(s + VL * v, (gv < zero ? gv * t : gv) / (one + t));
-  }
+  for (int64_t v = 0; v < vectors; ++v) storev(s + VL * v, silu(loadv(g + VL * v)));
 }
 
 // out[j] = silu(g[j]) * u[j] for j < count (bf16 models: g, u, the silu and the product rounded to bf16, as

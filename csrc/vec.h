@@ -199,6 +199,14 @@ inline vf exp2v(vf x) {
   return tiny ? splat(0.0f) : out;
 }
 
+// silu(g) = g / (1 + e^-g) per lane, with t = e^-|g| from exp2v: g / (1 + t) for g >= 0, g t / (1 + t) below
+// (no overflow either way).
+inline vf silu(vf g) {
+  const vf zero = splat(0.0f);
+  const vf t = exp2v((g < zero ? zero - g : g) * splat(-1.4426950408889634f));  // e^-|g|
+  return (g < zero ? g * t : g) / (splat(1.0f) + t);
+}
+
 inline float bf16_to_float(uint16_t h) {
   const uint32_t u = static_cast<uint32_t>(h) << 16;
   float f;

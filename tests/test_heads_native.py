@@ -20,7 +20,14 @@ pytestmark = pytest.mark.skipif(not ops.available("cpu"), reason="treespec's CPU
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
 
 
-def _setup(seed: int, draft_vocab: int | None, layers: int, blocks: bool, bf16_heads_values: bool):
+def _setup(
+    seed: int,
+    draft_vocab: int | None,
+    layers: int,
+    blocks: bool,
+    bf16_heads_values: bool,
+    sequential: bool = True,
+):
     model = tiny_model("llama", dtype=torch.float32, seed=seed, **SHAPE)
     if blocks:  # the output rows as exact Q8_0 blocks, as the default model's tied lm_head has them
         with torch.no_grad():
@@ -33,7 +40,7 @@ def _setup(seed: int, draft_vocab: int | None, layers: int, blocks: bool, bf16_h
     # small weights: a softmax far from saturation, so no two candidates tie at probability 0 (where the
     # torch top-k, which ranks probabilities, may order them either way)
     heads = random_heads(
-        model, num_heads=4, seed=seed, std=0.05, sequential=True, draft_vocab=vocab, num_layers=layers
+        model, num_heads=4, seed=seed, std=0.05, sequential=sequential, draft_vocab=vocab, num_layers=layers
     )
     if bf16_heads_values:  # a bf16 checkpoint loaded in float32: the native heads read bf16 copies
         with torch.no_grad():
@@ -226,16 +233,7 @@ def _int8_head_topk_reference(heads, weight, blocks, hidden, count, k):
 @pytest.mark.parametrize("layers", [1, 2])
 @pytest.mark.parametrize("blocks", [False, True])
 def test_independent_native_heads_draft_what_their_references_draft(draft_vocab, layers, blocks):
-    model = tiny_model("llama", dtype=torch.float32, seed=layers, **SHAPE)
-    if blocks:
-        with torch.no_grad():
-            model.lm_head.weight.copy_(round_to_q8_0(model.lm_head.weight))
-    vocab = None
-    if draft_vocab:
-        vocab = torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(layers))[
-            :draft_vocab
-        ]
-    heads = random_heads(model, num_heads=4, seed=layers, std=0.05, draft_vocab=vocab, num_layers=layers)
+    model, heads = _setup(layers, draft_vocab, layers, blocks, False, sequential=False)
     tree = treespec.default_tree(16, 4)
     float_native = treespec.drafters.medusa.MedusaDrafter(heads, tree, model.lm_head, native=True, int8=False)
     int8_native = treespec.drafters.medusa.MedusaDrafter(heads, tree, model.lm_head, native=True, int8=True)

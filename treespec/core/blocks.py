@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .pages import huge_page_copies
+
 BLOCK = 32
 
 
@@ -58,8 +60,6 @@ def gather_on_huge_pages(blocks: list[BlockWeights]) -> None:
     """Move the q, d and m of every one of `blocks` into one buffer on 2 MB pages (`core.pages`), in place:
     a step streams all of a model's blocks, and on 4 KB pages the page walks cost a thread about half its
     read rate (Zen 4 EPYC)."""
-    from .pages import huge_page_copies
-
     tensors = [t for b in blocks for t in (b.q, b.d, b.m) if t is not None]
     copies = iter(huge_page_copies(tensors))
     for b in blocks:

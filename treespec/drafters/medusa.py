@@ -18,13 +18,39 @@ from .heads_native import NativeHeads, level_plan, native_heads_reason, native_i
 
 
 class _NativeHeadsDrafter(BaseDrafter):
-    """What both heads drafters share: their native heads (`bind_native`), rebuilt at a new sequence when the
-    heads' weights changed since."""
+    """What both heads drafters share: their native heads (`drafters.heads_native`), rebuilt at a new sequence
+    when the heads' weights changed since. Subclasses set heads, weight, output and embedding first."""
 
     native: NativeHeads | None = None
 
+    def _init_native(self, native: bool | None, int8: bool | None) -> None:
+        """native: None: where it can, False: the torch path, True: insist. int8: the native heads' numerics
+        (drafting only: what is generated stays the same); None: int8 where the int8 kernels have vector
+        instructions (measured: the same accepted length; the shipped heads' tree drafted in 0.67 ms a step
+        against 1.18 in float, benchmarks/log/2026-12-07-f-native-heads.md)."""
+        self.wants_native = native
+        self.int8 = native_int8_default(self.heads) if int8 is None else int8
+        self._bind_native()
+
     def _bind_native(self) -> None:
-        bind_native(self)
+        """The native heads over the heads' current weights, or None (the torch path) where they cannot run
+        (`wants_native` True: raise saying why not)."""
+        self.native = None
+        if self.wants_native is False:
+            return
+        reason = native_heads_reason(self.heads, self.embedding)
+        if reason is None and self.output is None:
+            reason = "no shared output rows"
+        if reason is not None:
+            if self.wants_native:
+                raise ValueError(f"native=True, but the native heads cannot draft here: {reason}")
+            return
+        blocks = self.output.blocks.blocks if self.output.blocks is not None else None
+        self.native = NativeHeads.of(self.heads, self.weight, blocks, self.embedding, self.int8)
+
+    def _drafts_natively(self, hidden: torch.Tensor) -> bool:
+        """Whether this call drafts through the native heads (CPU hidden states, no autograd)."""
+        return self.native is not None and not torch.is_grad_enabled() and hidden.device.type == "cpu"
 
     def start(self, sequence) -> None:
         if sequence.row == 0 and self.native is not None:  # rebuilt if the weights changed since
@@ -61,9 +87,7 @@ class MedusaDrafter(_NativeHeadsDrafter):
         self.token_index = tree.token_index(self.topk).to(device)  # [N] into [root, head0 top-k, ...]
         self.depth = tree.depth.to(device)  # [N]
         self.embedding = None  # (independent heads read no embedding)
-        self.wants_native = native
-        self.int8 = native_int8_default(heads) if int8 is None else int8  # as in SequentialDrafter
-        self._bind_native()
+        self._init_native(native, int8)
 
     def propose(self, hidden: torch.Tensor, roots: torch.Tensor, max_depth: int | None = None) -> Proposal:
         """max_depth=D: heads 1..D only; the deeper nodes keep the root's token and probability 0."""
@@ -77,16 +101,14 @@ class MedusaDrafter(_NativeHeadsDrafter):
             probs = torch.zeros(B, n, device=hidden.device)  # [B, N]
             probs[:, 0] = 1.0
             return Proposal(roots[:, None].repeat(1, n), probs)
-        if self.native is not None and not torch.is_grad_enabled() and hidden.device.type == "cpu":
+        if self._drafts_natively(hidden):
             tokens, values = self.native.head_topk(hidden, depth, self.topk)  # [B, K, topk] each
             guesses, values = tokens.reshape(B, -1), values.reshape(B, -1)  # [B, K*topk]
         else:
             with packed_linears(self.heads):
                 states = self.heads.head_hidden(hidden[:, None], num_heads=depth)  # [K, B, 1, H]
                 logits = _logits(self, states, None)  # [K, B, 1, V']
-            top = (
-                logits[:, :, 0].float().softmax(dim=-1).topk(self.topk, dim=-1)
-            )  # values, indices: [K, B, topk]
+            top = logits[:, :, 0].float().softmax(dim=-1).topk(self.topk, dim=-1)  # [K, B, topk] each
             guesses = self.heads.token_ids(top.indices.transpose(0, 1).reshape(B, -1))  # [B, K*topk]
             values = top.values.transpose(0, 1).reshape(B, -1)  # [B, K*topk]
         candidates = torch.cat([roots[:, None].to(guesses.device), guesses], dim=1)  # [B, 1 + K*topk]
@@ -139,17 +161,12 @@ class SequentialDrafter(_NativeHeadsDrafter):
         self.levels = tree.levels(device)
         self.hidden_size = heads.hidden_size
         self.dtype = next(heads.parameters()).dtype
-        self.wants_native = native
-        # the native heads' numerics (drafting only: what is generated stays the same); None: int8 where the
-        # int8 kernels have vector instructions (measured: the same accepted length; the shipped heads' tree
-        # drafted in 0.67 ms a step against 1.18 in float, benchmarks/log/2026-12-07-f-native-heads.md)
-        self.int8 = native_int8_default(heads) if int8 is None else int8
         self.plan = level_plan(tree)  # the native call's view of the tree's levels
-        self._bind_native()
+        self._init_native(native, int8)
 
     def propose(self, hidden: torch.Tensor, roots: torch.Tensor, max_depth: int | None = None) -> Proposal:
         hidden, roots = batch_rows(hidden, roots)  # [B, H], [B]
-        if self.native is not None and not torch.is_grad_enabled() and hidden.device.type == "cpu":
+        if self._drafts_natively(hidden):
             depth = None if max_depth is None else max(max_depth, 0)
             tokens, probs = self.native(hidden, roots, self.plan, depth)  # [B, N] each
             return Proposal(tokens, probs)
@@ -170,23 +187,6 @@ class SequentialDrafter(_NativeHeadsDrafter):
                 tokens[:, children] = self.heads.token_ids(top.indices[:, row, rank])  # [B, c_d]
                 probs[:, children] = top.values[:, row, rank]
         return Proposal(tokens, probs)  # [B, N] each
-
-
-def bind_native(drafter: MedusaDrafter | SequentialDrafter) -> None:
-    """Set `drafter.native`: the native heads over its heads' current weights, or None (the torch path) where
-    they cannot run (`drafter.wants_native`: None, False or True, which raises saying why not)."""
-    drafter.native = None
-    if drafter.wants_native is False:
-        return
-    reason = native_heads_reason(drafter.heads, drafter.embedding)
-    if reason is None and drafter.output is None:
-        reason = "no shared output rows"
-    if reason is not None:
-        if drafter.wants_native:
-            raise ValueError(f"native=True, but the native heads cannot draft here: {reason}")
-        return
-    blocks = drafter.output.blocks.blocks if drafter.output.blocks is not None else None
-    drafter.native = NativeHeads.of(drafter.heads, drafter.weight, blocks, drafter.embedding, drafter.int8)
 
 
 def shared_output(heads: MedusaHeads, lm_head) -> tuple[torch.Tensor | None, PackedMatrix | None]:
