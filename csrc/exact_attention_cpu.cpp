@@ -13,6 +13,8 @@
 // fuse or not, which differed between the tiles and the one-row code.
 // Work: one task per (batch, kv head, tile of query tokens); a K or V row loaded once serves every query
 // head of the group and every token of the tile, but each row keeps its own accumulators.
+// K / V may be bf16 under float32 queries (`kv_bf16`): widened to float32 exactly where they are read, so
+// the result equals the float32 kernel's over the same (bf16-valued) keys and values, bit for bit.
 
 #include <ATen/Parallel.h>
 
@@ -71,8 +73,9 @@ struct Scratch {
 // Scores of prefix keys for all R rows through the lane-sum network (each score the additions of `dot`:
 // one VL-wide chain of FMAs over d, then the lanes pairwise), which reduces VL vectors at once: a tile of
 // 2 rows x VL / 2 keys, each key vector loaded feeding both rows; a row left over takes VL keys at a time
-// alone. Returns the first key it did not score (the caller scores the rest with `dot`; every row the
-// same count, so a row's split into network and `dot` keys depends on c only).
+// alone. Keys run in chunks of VL, outermost: each chunk is read (bf16: widened) once for every row of the
+// task, from L1. Returns the first key it did not score (the caller scores the rest with `dot`; every row
+// the same count, so a row's split into network and `dot` keys depends on c only).
 template <typename T>
 int prefix_scores(const TreeAttentionParams& p, const T* k, int c, int R, int Tp, float scale, Scratch& w) {
 #if TREESPEC_LANE_SUMS
@@ -85,33 +88,32 @@ int prefix_scores(const TreeAttentionParams& p, const T* k, int c, int R, int Tp
   vi lane_of;  // lane_of[v]: the output lane that holds vector v's sum (v = row of the pair * kKeys + key)
   for (int l = 0; l < VL; ++l) lane_of[vector_of_lane[l]] = l;
   const vf scales = splat(scale);
-  int r = 0;
-  for (; r + 2 <= R; r += 2) {
-    const float* q0 = &w.q[r * D];
-    const float* q1 = &w.q[(r + 1) * D];
-    for (int t = 0; t < end; t += kKeys) {
-      const float* kt[kKeys];
-      for (int x = 0; x < kKeys; ++x) kt[x] = key_row<T>(k, p.k_stride_l, t + x, D, &w.rows[x * D]);
-      vf acc[VL];  // [row of the pair * kKeys + key]
-      for (int x = 0; x < kKeys; ++x) acc[x] = acc[kKeys + x] = splat(0.0f);
-      for (int d = 0; d < D; d += VL) {
-        const vf a0 = loadv(q0 + d), a1 = loadv(q1 + d);
-        for (int x = 0; x < kKeys; ++x) {
-          const vf kv = loadv(kt[x] + d);
-          acc[x] = fmadd(a0, kv, acc[x]);
-          acc[kKeys + x] = fmadd(a1, kv, acc[kKeys + x]);
+  for (int t = 0; t < end; t += VL) {
+    const float* kt[VL];  // the chunk's keys as float32 rows
+    for (int x = 0; x < VL; ++x) kt[x] = key_row<T>(k, p.k_stride_l, t + x, D, &w.rows[x * D]);
+    int r = 0;
+    for (; r + 2 <= R; r += 2) {
+      const float* q0 = &w.q[r * D];
+      const float* q1 = &w.q[(r + 1) * D];
+      for (int half = 0; half < VL; half += kKeys) {
+        vf acc[VL];  // [row of the pair * kKeys + key]
+        for (int x = 0; x < kKeys; ++x) acc[x] = acc[kKeys + x] = splat(0.0f);
+        for (int d = 0; d < D; d += VL) {
+          const vf a0 = loadv(q0 + d), a1 = loadv(q1 + d);
+          for (int x = 0; x < kKeys; ++x) {
+            const vf kv = loadv(kt[half + x] + d);
+            acc[x] = fmadd(a0, kv, acc[x]);
+            acc[kKeys + x] = fmadd(a1, kv, acc[kKeys + x]);
+          }
         }
+        const vf sums = __builtin_shuffle(lane_sums(acc), lane_of) * scales;  // [2, kKeys] in key order
+        std::memcpy(&w.s[r * Tp + t + half], &sums, kKeys * sizeof(float));
+        std::memcpy(&w.s[(r + 1) * Tp + t + half], reinterpret_cast<const float*>(&sums) + kKeys,
+                    kKeys * sizeof(float));
       }
-      const vf sums = __builtin_shuffle(lane_sums(acc), lane_of) * scales;  // [2, kKeys] in key order
-      std::memcpy(&w.s[r * Tp + t], &sums, kKeys * sizeof(float));
-      std::memcpy(&w.s[(r + 1) * Tp + t], reinterpret_cast<const float*>(&sums) + kKeys, kKeys * sizeof(float));
     }
-  }
-  for (; r < R; ++r) {  // one row, VL keys at a time
-    const float* qr = &w.q[r * D];
-    for (int t = 0; t < end; t += VL) {
-      const float* kt[VL];
-      for (int x = 0; x < VL; ++x) kt[x] = key_row<T>(k, p.k_stride_l, t + x, D, &w.rows[x * D]);
+    for (; r < R; ++r) {  // one row, the chunk's VL keys at once
+      const float* qr = &w.q[r * D];
       vf acc[VL];
       for (int x = 0; x < VL; ++x) {
         vf a = splat(0.0f);
@@ -129,23 +131,24 @@ int prefix_scores(const TreeAttentionParams& p, const T* k, int c, int R, int Tp
 #endif
 }
 
-// o[r] = sum over prefix keys t of p[r][t] v_t for the NDV output vectors from column `col`, rows RT at a
-// time with those vectors held in registers (the same multiply-adds, in the same order, as `axpy` key after
-// key): each V row loaded feeds RT rows.
-template <typename T, int NDV>
-void prefix_values_tiled(const TreeAttentionParams& p, const T* v, int c, int R, int Tp, int col, Scratch& w) {
+// o[r] += sum over keys t in [t0, t1) of p[r][t] v_t for the NDV output vectors from column `col`, rows RT
+// at a time with those vectors held in registers (the same multiply-adds, in the same order, as `axpy` key
+// after key): each V row loaded feeds RT rows. vrows: key t0's V row as float32, key t's `stride` floats on.
+// The accumulators start from (and end in) w.o, so splitting the keys into runs changes no bit.
+template <int NDV>
+void prefix_values_tiled(const float* vrows, int64_t stride, int t0, int t1, int R, int Tp, int D, int col,
+                         Scratch& w) {
   // RT x NDV accumulators, NDV values and a broadcast weight: 32 registers (VL 16) or 16 (VL 8)
   constexpr int RT = VL == 16 ? (NDV <= 2 ? 8 : 6) : (NDV == 1 ? 8 : NDV == 2 ? 6 : NDV == 3 ? 4 : 3);
-  const int D = p.head_dim;
   for (int r0 = 0; r0 < R; r0 += RT) {
     const int rows = std::min(RT, R - r0);
     vf acc[RT][NDV];
     for (int i = 0; i < RT; ++i)
-      for (int j = 0; j < NDV; ++j) acc[i][j] = splat(0.0f);
-    for (int t = 0; t < c; ++t) {
-      const T* vt = v + t * p.v_stride_l + col;
+      for (int j = 0; j < NDV; ++j) acc[i][j] = i < rows ? loadv(&w.o[(r0 + i) * D + col + j * VL]) : splat(0.0f);
+    for (int t = t0; t < t1; ++t) {
+      const float* vt = vrows + (t - t0) * stride + col;
       vf vv[NDV];
-      for (int j = 0; j < NDV; ++j) vv[j] = load_floats(vt + j * VL);
+      for (int j = 0; j < NDV; ++j) vv[j] = loadv(vt + j * VL);
       for (int i = 0; i < RT; ++i) {
         if (i >= rows) break;
         const vf pv = splat(w.s[(r0 + i) * Tp + t]);
@@ -157,16 +160,32 @@ void prefix_values_tiled(const TreeAttentionParams& p, const T* v, int c, int R,
   }
 }
 
+// Keys [t0, t1) of the prefix values (rows as prefix_values_tiled reads them), up to 4 vectors at a time.
+inline void prefix_value_columns(const float* vrows, int64_t stride, int t0, int t1, int R, int Tp, int D, Scratch& w) {
+  for (int col = 0; col < D; col += 4 * VL) {
+    switch (std::min(4, (D - col) / VL)) {
+      case 1: prefix_values_tiled<1>(vrows, stride, t0, t1, R, Tp, D, col, w); break;
+      case 2: prefix_values_tiled<2>(vrows, stride, t0, t1, R, Tp, D, col, w); break;
+      case 3: prefix_values_tiled<3>(vrows, stride, t0, t1, R, Tp, D, col, w); break;
+      default: prefix_values_tiled<4>(vrows, stride, t0, t1, R, Tp, D, col, w); break;
+    }
+  }
+}
+
+constexpr int kValueChunk = 64;  // bf16 V rows widened at a time (16 KB at D 64: L1)
+
 template <typename T>
 void prefix_values(const TreeAttentionParams& p, const T* v, int c, int R, int Tp, Scratch& w) {
   const int D = p.head_dim;
-  if (D % VL == 0) {  // up to 4 vectors of the output row at a time
-    for (int col = 0; col < D; col += 4 * VL) {
-      switch (std::min(4, (D - col) / VL)) {
-        case 1: prefix_values_tiled<T, 1>(p, v, c, R, Tp, col, w); break;
-        case 2: prefix_values_tiled<T, 2>(p, v, c, R, Tp, col, w); break;
-        case 3: prefix_values_tiled<T, 3>(p, v, c, R, Tp, col, w); break;
-        default: prefix_values_tiled<T, 4>(p, v, c, R, Tp, col, w); break;
+  if (D % VL == 0) {
+    if constexpr (std::is_same_v<T, float>) {
+      prefix_value_columns(v, p.v_stride_l, 0, c, R, Tp, D, w);
+    } else {  // bf16: each chunk of V rows widened once, then read by every row tile from L1
+      w.rows.resize(std::max<size_t>(w.rows.size(), static_cast<size_t>(kValueChunk) * D));
+      for (int t0 = 0; t0 < c; t0 += kValueChunk) {
+        const int t1 = std::min(c, t0 + kValueChunk);
+        for (int t = t0; t < t1; ++t) bf16_row_to_float(v + t * p.v_stride_l, &w.rows[(t - t0) * D], D);
+        prefix_value_columns(w.rows.data(), D, t0, t1, R, Tp, D, w);
       }
     }
     return;
@@ -177,7 +196,7 @@ void prefix_values(const TreeAttentionParams& p, const T* v, int c, int R, int T
   }
 }
 
-template <typename T>
+template <typename T, typename TKV>
 void run_task(const TreeAttentionParams& p, int64_t task, Scratch& w) {
   // n queries, tokens query_offset.. of a block of block_n tokens after c committed keys
   const int G = p.heads / p.kv_heads, n = p.n, D = p.head_dim;
@@ -187,8 +206,8 @@ void run_task(const TreeAttentionParams& p, int64_t task, Scratch& w) {
   const int kvh = static_cast<int>(task / tiles % p.kv_heads), i0 = static_cast<int>(task % tiles) * kTokens;
   const int tokens = std::min(kTokens, n - i0), R = tokens * G;  // row r = token ii * G + head g
   const T* q = static_cast<const T*>(p.q) + b * p.q_stride_b;
-  const T* k = static_cast<const T*>(p.k) + b * p.k_stride_b + kvh * p.k_stride_h;
-  const T* v = static_cast<const T*>(p.v) + b * p.v_stride_b + kvh * p.v_stride_h;
+  const TKV* k = static_cast<const TKV*>(p.k) + b * p.k_stride_b + kvh * p.k_stride_h;
+  const TKV* v = static_cast<const TKV*>(p.v) + b * p.v_stride_b + kvh * p.v_stride_h;
   int most = 0;
   w.block.resize(tokens);
   for (int ii = 0; ii < tokens; ++ii) {
@@ -211,14 +230,14 @@ void run_task(const TreeAttentionParams& p, int64_t task, Scratch& w) {
     for (int d = 0; d < D; ++d) w.q[r * D + d] = to_float<T>(qr[d]);
   }
   // scores: the prefix keys for every row, then each token's block keys
-  const int t = prefix_scores<T>(p, k, c, R, Tp, scale, w);
+  const int t = prefix_scores<TKV>(p, k, c, R, Tp, scale, w);
   for (int u = t; u < c; ++u) {
-    const float* ku = key_row<T>(k, p.k_stride_l, u, D, w.row.data());
+    const float* ku = key_row<TKV>(k, p.k_stride_l, u, D, w.row.data());
     for (int r = 0; r < R; ++r) w.s[r * Tp + u] = dot(&w.q[r * D], ku, D) * scale;
   }
   for (int ii = 0; ii < tokens; ++ii)
     for (size_t x = 0; x < w.block[ii].size(); ++x) {
-      const float* kt = key_row<T>(k, p.k_stride_l, c + w.block[ii][x], D, w.row.data());
+      const float* kt = key_row<TKV>(k, p.k_stride_l, c + w.block[ii][x], D, w.row.data());
       for (int g = 0; g < G; ++g) w.s[(ii * G + g) * Tp + c + x] = dot(&w.q[(ii * G + g) * D], kt, D) * scale;
     }
   // softmax weights, unnormalised, and their sums (padding: 2^-inf = 0 adds nothing)
@@ -241,10 +260,10 @@ void run_task(const TreeAttentionParams& p, int64_t task, Scratch& w) {
     w.sums[r] = lane_sum(sum);
   }
   // outputs: the prefix values for every row, then each token's block values, in the key order above
-  prefix_values<T>(p, v, c, R, Tp, w);
+  prefix_values<TKV>(p, v, c, R, Tp, w);
   for (int ii = 0; ii < tokens; ++ii)
     for (size_t x = 0; x < w.block[ii].size(); ++x) {
-      const float* vt = key_row<T>(v, p.v_stride_l, c + w.block[ii][x], D, w.row.data());
+      const float* vt = key_row<TKV>(v, p.v_stride_l, c + w.block[ii][x], D, w.row.data());
       for (int g = 0; g < G; ++g) axpy(&w.o[(ii * G + g) * D], w.s[(ii * G + g) * Tp + c + x], vt, D);
     }
   T* out = static_cast<T*>(p.out);
@@ -254,13 +273,13 @@ void run_task(const TreeAttentionParams& p, int64_t task, Scratch& w) {
   }
 }
 
-template <typename T>
+template <typename T, typename TKV = T>
 void run(const TreeAttentionParams& p) {
   const int tiles = (p.n + kTokens - 1) / kTokens;
   const int64_t tasks = static_cast<int64_t>(p.batch) * p.kv_heads * tiles;
   auto worker = [&](int64_t first, int64_t last) {
     static thread_local Scratch scratch;  // kept between calls: no allocation per call in steady state
-    for (int64_t task = first; task < last; ++task) run_task<T>(p, task, scratch);
+    for (int64_t task = first; task < last; ++task) run_task<T, TKV>(p, task, scratch);
   };
   if (p.serial)
     worker(0, tasks);
@@ -273,6 +292,8 @@ void run(const TreeAttentionParams& p) {
 void tree_attention_exact_cpu(const TreeAttentionParams& p) {
   if (p.dtype == DType::kBFloat16)
     run<uint16_t>(p);
+  else if (p.kv_bf16)
+    run<float, uint16_t>(p);  // bf16 K / V under float32 q: each K / V element widened exactly, same sums
   else
     run<float>(p);
 }

@@ -243,16 +243,19 @@ struct NativeModel : torch::CustomClassHolder {
     return m.bf16 ? out.to(at::kBFloat16) : out;
   }
 
-  // The cache the steps write: every layer's keys and values [rows, kv_heads, max_len, head_dim].
+  // The cache the steps write: every layer's keys and values [rows, kv_heads, max_len, head_dim], in the
+  // model's dtype or (a float32 model) in bf16.
   void bind_cache(std::vector<at::Tensor> keys, std::vector<at::Tensor> values) {
     NativeModelDesc& m = desc;
     TORCH_CHECK(keys.size() == static_cast<size_t>(m.layers) && values.size() == keys.size(),
                 "treespec native step: one keys and one values tensor per layer expected");
     const at::Tensor& first = keys[0];
     TORCH_CHECK(first.dim() == 4 && first.size(1) == m.kv_heads && first.size(3) == m.head_dim && first.stride(3) == 1 &&
-                    first.scalar_type() == (m.bf16 ? at::kBFloat16 : at::kFloat) && first.is_cpu(),
+                    (first.scalar_type() == at::kBFloat16 || (!m.bf16 && first.scalar_type() == at::kFloat)) &&
+                    first.is_cpu(),
                 "treespec native step: the cache must hold [rows, ", m.kv_heads, ", max_len, ", m.head_dim,
-                "] CPU tensors in the model's dtype, got ", first.sizes(), " ", first.scalar_type());
+                "] CPU tensors in the model's dtype (or bfloat16), got ", first.sizes(), " ", first.scalar_type());
+    m.kv_bf16 = !m.bf16 && first.scalar_type() == at::kBFloat16;
     cache_held.clear();
     for (size_t l = 0; l < keys.size(); ++l) {
       for (const at::Tensor* t : {&keys[l], &values[l]})

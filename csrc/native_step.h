@@ -39,7 +39,7 @@ struct NativeLayer {
   const float* post_norm = nullptr;   // [hidden] float32
   LinearWeights q, k, v, o, gate, up, down;
   Int8Weights iq, ik, iv, io, igate, iup, idown;  // the same linears in the int8 form (int8 numerics only)
-  void* keys = nullptr;    // cache [rows, kv_heads, max_len, head_dim] in the model's dtype
+  void* keys = nullptr;    // cache [rows, kv_heads, max_len, head_dim] in the model's dtype (or bf16: kv_bf16)
   void* values = nullptr;
 };
 
@@ -57,6 +57,9 @@ struct NativeModelDesc {
   // the cache tensors' element strides (every layer's keys and values share them), rows and capacity
   int64_t cache_stride_b = 0, cache_stride_h = 0, cache_stride_l = 0;
   int cache_rows = 0, max_len = 0;
+  // a float32 model's cache holds K / V in bf16 (each rounded to nearest even where it is written; attention
+  // widens them exactly where it reads them, through the row-invariant kernel)
+  bool kv_bf16 = false;
 };
 
 // How many threads the next step runs on. A step on T threads whose threads spent more than half their

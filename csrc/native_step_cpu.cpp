@@ -245,8 +245,9 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
   // 148 us, 6 rows 147 vs 189, 4 rows (D 64) 296 vs 394 and (D 128) 683 vs 921; 7 rows 153 vs 136, 8 rows
   // 625 vs 443. So up to VL - 2 rows. The same rule for 16 lanes: on a Zen 4 EPYC the fast kernel's one- and
   // two-token steps took 1.3-1.6x the attention time of the row-invariant one (prefix 128 and 700).
-  // (tokens past the start of their block: the row-invariant kernel, the one that takes a query offset)
-  const bool exact_attention = a.exact || n * G <= VL - 2 || a.block_offset > 0;
+  // (tokens past the start of their block, and bf16 K / V: the row-invariant kernel, the one that takes a
+  // query offset and mixed types)
+  const bool exact_attention = a.exact || n * G <= VL - 2 || a.block_offset > 0 || m.kv_bf16;
   const int block_n = a.block_offset + n;  // the block's tokens up to this call's last
   const float* qkv_input = m.eagle ? s.u.data() : x;  // [M, K] the q / k / v linears' input
   const int query_tiles = exact_attention ? (n + kQueryTile - 1) / kQueryTile : 1;
@@ -286,6 +287,13 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
     rotate(qv, a.cos + pos * D, a.sin + pos * D, D, bf16);
     store_row<T>(qv, qh + ((ai * Hq + head) * n + i) * D, D);
   };
+  // one head's k or v row into cache slot `slot`, in the cache's element type
+  auto store_kv = [&](const float* src, void* cache, int64_t slot) {
+    if (m.kv_bf16)
+      store_row<uint16_t>(src, static_cast<uint16_t*>(cache) + slot, D);
+    else
+      store_row<T>(src, static_cast<T*>(cache) + slot, D);
+  };
   // row r's kv head `kvh`: rotary on k (rotate_k), then k (store_k) and / or v (store_v) into the cache
   auto rotary_kv = [&](const NativeLayer& L, int64_t r, int kvh, bool store_k, bool store_v) {
     const int64_t ai = r / n, i = r % n, pos = a.positions[r];
@@ -295,9 +303,9 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
     if (store_k) {
       float* kv = row + qw + static_cast<int64_t>(kvh) * D;
       rotate(kv, a.cos + pos * D, a.sin + pos * D, D, bf16);
-      store_row<T>(kv, static_cast<T*>(L.keys) + slot, D);
+      store_kv(kv, L.keys, slot);
     }
-    if (store_v) store_row<T>(row + qw + kw + static_cast<int64_t>(kvh) * D, static_cast<T*>(L.values) + slot, D);
+    if (store_v) store_kv(row + qw + kw + static_cast<int64_t>(kvh) * D, L.values, slot);
   };
 
   run_stages(stages, [&](const Stage& st, int64_t t) {
@@ -366,8 +374,10 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
         TreeAttentionParams p;
         p.q = qh + ((ai * Hq + static_cast<int64_t>(kvh) * G) * n + i0) * D;
         const int64_t base = a.rows[ai] * m.cache_stride_b + kvh * m.cache_stride_h;
-        p.k = static_cast<const T*>(L.keys) + base;
-        p.v = static_cast<const T*>(L.values) + base;
+        const int64_t kv_bytes = m.kv_bf16 ? 2 : static_cast<int64_t>(sizeof(T));  // the cache's element size
+        p.k = static_cast<const char*>(L.keys) + base * kv_bytes;
+        p.v = static_cast<const char*>(L.values) + base * kv_bytes;
+        p.kv_bf16 = m.kv_bf16 && !bf16;
         T* out = oh + ((ai * Hkv + kvh) * static_cast<int64_t>(n) + i0) * G * D;  // [tokens, G, D] of [n, G, D]
         p.out = out;
         p.bits = a.bits;

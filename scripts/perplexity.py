@@ -7,7 +7,8 @@ The texts are the held-out (eval split) ShareGPT prompts of data/sharegpt_prompt
 distillation data keeps out of training (`training.distill.is_eval`, 5%); Spec-Bench is not read. Each text
 is scored teacher-forced in one causal forward per numerics through `Decoder.score`'s scorer: "hf" is
 transformers' forward (the reference), "fast" the native step in float32 and "int8" the native step with
-int8 activations (`numerics="int8"`). Prints the perplexity of each and the int8 / float32 ratio, and writes
+int8 activations (`numerics="int8"`); a "+kv-bf16" suffix ("int8+kv-bf16", "bitwise+kv-bf16") stores the
+K/V in bf16 (`kv_dtype="bfloat16"`). Prints the perplexity of each and the int8 / float32 ratio, and writes
 JSON (--out).
 """
 
@@ -40,7 +41,7 @@ EVAL_FRACTION = 0.05  # the distillation data's held-out share (data/distill/*/m
 def negative_log_likelihood(model, decoder: Decoder | None, ids: list[int]) -> tuple[float, int]:
     """(sum of -log p(token | before) over ids[1:], tokens scored) in one causal forward: `decoder`'s
     native step, or transformers' forward when None."""
-    cache = TreeKVCache.for_model(model, max_len=len(ids) + 1)
+    cache = TreeKVCache.for_model(model, max_len=len(ids) + 1, dtype=decoder.kv_dtype if decoder else None)
     cache.begin([0], len(ids))
     tokens = torch.tensor([ids])  # [1, T]
     positions = cache.positions(torch.arange(len(ids)))  # [1, T]
@@ -62,7 +63,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--texts", type=int, default=40, help="held-out prompts to score")
     p.add_argument("--max-tokens", type=int, default=512, help="tokens per text (longer ones are cut)")
     p.add_argument("--min-tokens", type=int, default=32, help="shorter texts are skipped")
-    p.add_argument("--numerics", default="hf,fast,int8", help="of hf (transformers), fast, bitwise, int8")
+    p.add_argument(
+        "--numerics",
+        default="hf,fast,int8",
+        help="of hf (transformers), fast, bitwise, int8; +kv-bf16 (e.g. int8+kv-bf16): K/V stored in bf16",
+    )
     p.add_argument("--out", default=None, help="JSON file for the results")
     args = p.parse_args(argv)
 
@@ -79,7 +84,13 @@ def main(argv: list[str] | None = None) -> dict:
     names = [x.strip() for x in args.numerics.split(",") if x.strip()]
     results = {}
     for name in names:
-        decoder = None if name == "hf" else Decoder(model, numerics=name, step="native")
+        numerics, _, kv = name.partition("+")
+        if kv not in ("", "kv-bf16"):
+            raise SystemExit(f"unknown suffix {kv!r} in {name!r}: the one suffix is +kv-bf16")
+        kv_dtype = "bfloat16" if kv else "model"
+        decoder = (
+            None if name == "hf" else Decoder(model, numerics=numerics, step="native", kv_dtype=kv_dtype)
+        )
         nll, count, t0 = 0.0, 0, time.perf_counter()
         for ids in texts:
             total, n = negative_log_likelihood(model, decoder, ids)

@@ -94,9 +94,11 @@ class ChainDrafter(BaseDrafter):
         return Proposal(tokens)
 
 
-def profile(model, prompt: list[int], n: int, steps: int, numerics: str = "fast") -> dict:
+def profile(
+    model, prompt: list[int], n: int, steps: int, numerics: str = "fast", kv_dtype: str = "model"
+) -> dict:
     drafter = ChainDrafter(n, token=prompt[-1]) if n > 1 else None
-    decoder = Decoder(model, drafter, step="native", numerics=numerics)
+    decoder = Decoder(model, drafter, step="native", numerics=numerics, kv_dtype=kv_dtype)
     decoder.prefill(prompt, max_new_tokens=steps * n + 8)
     native = decoder.native
     calls = []
@@ -146,6 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prefix", type=int, default=128, help="committed tokens before the timed steps")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--numerics", default="fast", help="fast, bitwise or int8 (`Decoder(numerics=)`)")
+    p.add_argument("--kv-dtype", default="model", help="model or bfloat16 (`Decoder(kv_dtype=)`)")
     p.add_argument("--shape", choices=sorted(MODEL_SHAPES), help="a random float32 model of this shape")
     p.add_argument("--weights", default="bf16", help="with --shape: bf16, float32 or both (bf16,float32)")
     p.add_argument("--hf-tokens", type=int, default=0, help="also time HF generate over this many tokens")
@@ -164,14 +167,17 @@ def main(argv: list[str] | None = None) -> dict:
     for values in args.weights.split(",") if args.shape else [None]:
         if values is not None:
             set_weight_values(model, values)
-        rows = [profile(model, prompt, int(n), args.steps, args.numerics) for n in args.nodes.split(",")]
+        rows = [
+            profile(model, prompt, int(n), args.steps, args.numerics, args.kv_dtype)
+            for n in args.nodes.split(",")
+        ]
         hf = hf_ms_per_token(model, prompt, args.hf_tokens) if args.hf_tokens else None
         runs.append({"weights": values, "rows": rows, "hf_generate_ms_per_token": hf})
         one = rows[0]["step_ms"]
         weights = "" if values is None else f", {values} weight values"
         print(
-            f"{label}: native step, {dtype}{weights}, numerics {args.numerics}, {threads} threads, "
-            f"prefix {args.prefix}"
+            f"{label}: native step, {dtype}{weights}, numerics {args.numerics}, K/V {args.kv_dtype}, "
+            f"{threads} threads, prefix {args.prefix}"
         )
         print("nodes  step ms  (x 1 node)  native call  linears (lm_head)  attention  other kernels  python")
         for r in rows:

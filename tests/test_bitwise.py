@@ -178,12 +178,12 @@ def test_speculative_text_equals_plain_text(dtype):
     speculative_text_equals_plain_text(model, "bitwise")
 
 
-def speculative_text_equals_plain_text(model, numerics: str) -> None:
+def speculative_text_equals_plain_text(model, numerics: str, kv_dtype: str = "model") -> None:
     """Heads, heads + lookup and suffix trees, alone and over a batch of 4, give the plain loop's text in
-    these numerics."""
+    these numerics (and K/V storage)."""
     generator = random.Random(7)
     prompts = [[generator.randrange(96) for _ in range(length)] for length in (3, 11, 6, 17)]
-    options = treespec.DecodeOptions(numerics=numerics)
+    options = treespec.DecodeOptions(numerics=numerics, kv_dtype=kv_dtype)
     plain = [r.token_ids for r in treespec.generate(model, prompts, None, max_new_tokens=24, options=options)]
     heads = random_heads(model, seed=1)
     with_lookup = treespec.TreePlanner([treespec.as_drafter(model, heads), treespec.PromptLookup(3)])

@@ -83,6 +83,7 @@ def generate(
         plain_above=options.plain_above,
         numerics=options.numerics,
         step=options.step,
+        kv_dtype=options.kv_dtype,
     )
     try:
         results = decode(decoder, prompt_ids, stopping, streamers, options.max_length, trace)

@@ -65,6 +65,7 @@ class Chat:
             numerics=self.options.numerics,
             step=self.options.step,
             reuse_prefix=True,
+            kv_dtype=self.options.kv_dtype,
         )
         self.eos = eos_token_ids(model, tokenizer)
         self.system = system

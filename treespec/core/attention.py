@@ -245,6 +245,8 @@ def treespec_attention(
     plan = tree_attention or AttentionPlan()
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if key.dtype != query.dtype:  # a cache that stores K/V in bf16 under float32 queries: widened exactly
+        key, value = key.to(query.dtype), value.to(query.dtype)
     if plan.rows is not None:
         return _rows_attention(query, key, value, plan, scaling), None
     if plan.kernel in ("compiled", "exact"):

@@ -177,8 +177,9 @@ class TreeKVLayer(PreallocatedLayer):
             self.keys[:, :, rows:dst] = key_states
             self.values[:, :, rows:dst] = value_states
         else:  # index_put with the head dim between the advanced indices: values go as [A, n, Hkv, D]
-            self.keys[rows, :, dst] = key_states.transpose(1, 2)
-            self.values[rows, :, dst] = value_states.transpose(1, 2)
+            dtype = self.keys.dtype  # (a bf16 cache under a float32 model: rounded to nearest even)
+            self.keys[rows, :, dst] = key_states.transpose(1, 2).to(dtype)
+            self.values[rows, :, dst] = value_states.transpose(1, 2).to(dtype)
         end = owner._write_end
         # [B, Hkv, end, D] views of every row (no copy); attention takes the rows it needs
         return self.keys[:, :, :end], self.values[:, :, :end]
@@ -220,11 +221,19 @@ class TreeKVCache(KVCacheBase):
         self._rows_host = self._starts_host = torch.zeros(0, dtype=torch.long)
 
     @classmethod
-    def for_model(cls, model, max_len: int, batch_size: int = 1, spec_reserve: int = 0) -> TreeKVCache:
-        """A cache shaped for `model` (a transformers causal LM): `batch_size` rows of `max_len` tokens. On
-        the CPU its K/V reuse the buffer that the model's last released cache gave back (`release`), when
-        that is large enough."""
-        num_layers, num_kv_heads, head_dim, dtype, device = kv_layout(model)
+    def for_model(
+        cls,
+        model,
+        max_len: int,
+        batch_size: int = 1,
+        spec_reserve: int = 0,
+        dtype: torch.dtype | None = None,
+    ) -> TreeKVCache:
+        """A cache shaped for `model` (a transformers causal LM): `batch_size` rows of `max_len` tokens, K/V
+        in `dtype` (default: the model's). On the CPU its K/V reuse the buffer that the model's last
+        released cache gave back (`release`), when that is large enough."""
+        num_layers, num_kv_heads, head_dim, model_dtype, device = kv_layout(model)
+        dtype = dtype or model_dtype
         runtime = TargetRuntime.of(model)
         spare = runtime.take_kv_buffer() if torch.device(device).type == "cpu" else None
         cache = cls(num_layers, batch_size, num_kv_heads, head_dim, max_len, dtype, device, spare=spare)

@@ -126,6 +126,7 @@ def positions_needed(
 
 
 NUMERICS = ("fast", "bitwise", "int8")
+KV_DTYPES = ("model", "bfloat16")
 
 
 def numerics_settings(numerics: str, kernel: str, linears: str, compile: bool, param) -> tuple[str, str]:
@@ -150,6 +151,26 @@ def numerics_settings(numerics: str, kernel: str, linears: str, compile: bool, p
         )
     require_exact_ops(param)
     return "exact", "exact"
+
+
+def kv_storage_dtype(kv_dtype: str, numerics: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the cache stores K/V in for `kv_dtype` ("model" or "bfloat16"). bf16 K/V of a float32 model
+    are each rounded once where they are written and widened exactly where attention reads them; that is
+    another text than float32 K/V give, so it takes the row-invariant numerics ("bitwise", "int8"), where
+    speculation still never changes the plain loop's text."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"unknown kv_dtype {kv_dtype!r}; choose one of {KV_DTYPES}")
+    if kv_dtype == "model" or model_dtype == torch.bfloat16:
+        return model_dtype
+    if model_dtype != torch.float32:
+        raise ValueError(f'kv_dtype="bfloat16" takes a float32 or bfloat16 model, not {model_dtype}')
+    if numerics == "fast":
+        raise ValueError(
+            'kv_dtype="bfloat16" rounds the K/V, so a float32 model no longer gives its float32 text: it '
+            'runs with numerics="int8" or "bitwise" (speculation then keeps the plain loop\'s text bit for '
+            'bit); use kv_dtype="model" with numerics="fast"'
+        )
+    return torch.bfloat16
 
 
 @contextlib.contextmanager
@@ -201,6 +222,7 @@ class Decoder:
         numerics: str = "fast",
         step: str = "auto",
         reuse_prefix: bool = False,
+        kv_dtype: str = "model",
     ):
         """sampling: how tokens are chosen (temperature, top-k/p, the acceptance rule, the seed);
         acceptance / seed override its `acceptance` / `seed`. linears: how the model's linear layers run
@@ -215,13 +237,16 @@ class Decoder:
         in the native step; `numerics_settings`). reuse_prefix: a prompt that starts with tokens this
         decoder's cache still holds from its last sequence (the next turn of a conversation: the history,
         the reply, the new message) prefills only the tokens after them (`prefill`); one prompt at a time,
-        not with a drafter that reads the target's features or brings its own scorer."""
+        not with a drafter that reads the target's features or brings its own scorer. kv_dtype: what the
+        cache stores K/V in: "model" (the model's dtype) or "bfloat16" (half a float32 model's cache bytes and
+        of what attention reads per step; `kv_storage_dtype`)."""
         self.sampling = sampling or SamplingConfig()
         self.acceptance = acceptance or self.sampling.acceptance
         check_settings(linears, self.acceptance, kernel)
         _check_plain_above(plain_above)
         param = next(model.parameters())
         kernel, linears = numerics_settings(numerics, kernel, linears, compile, param)
+        self.kv_dtype = kv_storage_dtype(kv_dtype, numerics, param.dtype)
         self.model, self.device, self.linears, self.numerics = model, param.device, linears, numerics
         self.drafter = drafter or RootOnlyDrafter()
         self.tree, self.root_tree = self.drafter.tree, Tree.from_choices([])
@@ -335,7 +360,9 @@ class Decoder:
             if self.reuse_prefix:  # room for the next turns: a conversation's cache grows rarely
                 capacity = max(needed, min(2 * needed, position_limit(self.model, max_length) or needed))
             old = self.cache
-            self.cache = TreeKVCache.for_model(self.model, capacity, B, spec_reserve=self.tree.num_nodes)
+            self.cache = TreeKVCache.for_model(
+                self.model, capacity, B, spec_reserve=self.tree.num_nodes, dtype=self.kv_dtype
+            )
             # "compiled" and "exact": the fused commit (when the extension is there); the others: torch
             self.cache.fused_commit = None if self.kernel in ("compiled", "exact") else False
             if kept:

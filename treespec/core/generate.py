@@ -52,7 +52,10 @@ class DecodeOptions:
     int8 plain loop's, which can differ from the float model's; `core.decoder.numerics_settings`).
     step: "auto" (the native step where it covers the model: Llama, Qwen2, Mistral on the CPU, no
     compile), "native" (refused with the reason where it cannot run) or "hf" (transformers' forward;
-    `core.native`)."""
+    `core.native`). kv_dtype: what the cache stores K/V in, "model" or "bfloat16" (a float32 model's cache
+    in half the bytes, and attention reads half as much a step; its K/V rounded to bf16, so with
+    numerics "int8" or "bitwise" only: another text than float32 K/V, still the plain loop's text under
+    speculation; `core.decoder.kv_storage_dtype`)."""
 
     kernel: str = "auto"
     linears: str = "auto"
@@ -62,6 +65,7 @@ class DecodeOptions:
     chat: bool | None = None
     numerics: str = "fast"
     step: str = "auto"
+    kv_dtype: str = "model"
 
 
 def decode(

@@ -39,7 +39,8 @@ Numerics and kernels (`--numerics fast,bitwise`, `--kernels auto,sdpa`; `core.de
 `core.attention.KERNELS` list the values): every treespec method runs once per numerics x kernel; a run
 other than fast / auto is named METHOD@VALUES (e.g. heads@bitwise, dynamic+suffix@sdpa, plain@int8+sdpa;
 `DecodeOptions.numerics` / `kernel`), and plain(X) counts the prompts where X's output equals treespec's
-plain loop in the same numerics and kernel.
+plain loop in the same numerics and kernel. A numerics value with "+kv-bf16" (int8+kv-bf16,
+bitwise+kv-bf16) stores the K/V in bf16 (`DecodeOptions.kv_dtype="bfloat16"`).
 
 gamma per drafter: `--gamma`, else the drafter folder's tune.json (`treespec tune`), else 4.
 Heads, tree, draft model and exit head come from the options as in `treespec generate`
@@ -154,12 +155,15 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be >= 1")
     args.numerics = [x.strip() for x in args.numerics.split(",") if x.strip()]
-    if not args.numerics or set(args.numerics) - set(NUMERICS):
-        p.error(f"--numerics takes values from {', '.join(NUMERICS)}, got {args.numerics}")
+    if not args.numerics or any(split_numerics(x) is None for x in args.numerics):
+        p.error(
+            f"--numerics takes values from {', '.join(NUMERICS)} (bitwise and int8 also with +{KV_BF16}), "
+            f"got {args.numerics}"
+        )
     args.kernels = [x.strip() for x in args.kernels.split(",") if x.strip()]
     if not args.kernels or set(args.kernels) - {"auto", *KERNELS}:
         p.error(f"--kernels takes values from auto, {', '.join(KERNELS)}, got {args.kernels}")
-    if set(args.kernels) - {"auto"} and set(args.numerics) - {"fast"}:
+    if set(args.kernels) - {"auto"} and set(args.numerics) - {"fast"}:  # (+kv-bf16: not with fast)
         p.error("--numerics other than fast choose their own kernels: leave --kernels at auto")
     if args.lookup is not None and args.lookup < 1:
         p.error("--lookup must be >= 1 (a recipe without a lookup chain: pick one, e.g. heads)")
@@ -245,7 +249,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         "--numerics",
         default="fast",
         help=f"comma list from {', '.join(NUMERICS)}: every treespec method runs once per value, the runs "
-        "other than fast named METHOD@VALUE (DecodeOptions.numerics)",
+        "other than fast named METHOD@VALUE (DecodeOptions.numerics); int8+kv-bf16 or bitwise+kv-bf16 also "
+        "store the K/V in bf16 (DecodeOptions.kv_dtype)",
     )
     p.add_argument(
         "--kernels",
@@ -300,6 +305,18 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------------------------------
 # Prompts
 # --------------------------------------------------------------------------------------------------
+
+
+KV_BF16 = "kv-bf16"  # the numerics suffix of DecodeOptions(kv_dtype="bfloat16")
+
+
+def split_numerics(value: str) -> tuple[str, str] | None:
+    """A --numerics value as (DecodeOptions.numerics, kv_dtype): "int8+kv-bf16" -> ("int8", "bfloat16");
+    None for a value that is not one."""
+    numerics, _, kv = value.partition("+")
+    if numerics not in NUMERICS or kv not in ("", KV_BF16) or (kv and numerics == "fast"):
+        return None
+    return numerics, "bfloat16" if kv else "model"
 
 
 def base_method(name: str) -> str:
@@ -430,7 +447,8 @@ def treespec_runner(
 ):
     """run(ids, max_new_tokens) through `treespec.generate` with a drafter from make_drafter() (None:
     plain decoding) for every call."""
-    options = treespec.DecodeOptions(kernel=kernel, compile=compile, numerics=numerics)
+    numerics, kv_dtype = split_numerics(numerics)
+    options = treespec.DecodeOptions(kernel=kernel, compile=compile, numerics=numerics, kv_dtype=kv_dtype)
 
     def run(ids, max_new_tokens):
         result = treespec.generate(
@@ -501,7 +519,7 @@ def recipe_runner(
         recipe = replace(recipe, lookup=lookup)
     given = {k: v for k, v in given.items() if v is not None and not (k == "tree" and recipe.dynamic)}
     parts = recipes.Parts.shipped(
-        model, recipe, compile=compile, numerics=numerics, cost_curve=cost_curve, **given
+        model, recipe, compile=compile, numerics=split_numerics(numerics)[0], cost_curve=cost_curve, **given
     )
     return ours(recipes.drafter_factory(recipe, parts, compile))
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import treespec
 
 from .. import recipes
-from ..core.decoder import NUMERICS
+from ..core.decoder import KV_DTYPES, NUMERICS
 from . import drafter_options as options
 from .models import MissingDefaultModelError, default_data_file, default_suffix_cache_file
 from .trace import Trace
@@ -263,6 +263,13 @@ def _add_sampling_and_model_arguments(p) -> None:
         "fastest on a CPU with VNNI; its text is its own plain loop's, not the float model's); fast "
         "(default): the fastest float kernels (core.decoder.NUMERICS lists every value)",
     )
+    p.add_argument(
+        "--kv-dtype",
+        default="model",
+        choices=list(KV_DTYPES),
+        help="what the KV cache stores: model (its dtype, default) or bfloat16 (a float32 model's cache in "
+        "half the bytes; with --numerics int8 or bitwise, whose text it changes a little)",
+    )
 
 
 def _add_chain_drafter_options(p, required: bool = False, eagle: bool = False) -> None:
@@ -421,7 +428,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sampling=sampling,
         streamer=streamer,
         trace=want_trace,
-        options=treespec.DecodeOptions(numerics=args.numerics),
+        options=treespec.DecodeOptions(numerics=args.numerics, kv_dtype=args.kv_dtype),
     )
     if args.suffix_cache:
         for suffix in parts.suffix_drafters:
@@ -475,7 +482,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     model, tokenizer = treespec.load_model(args.model, dtype=args.dtype, device=args.device)
     drafter = None if args.drafter == "none" else args.drafter
     sampling = treespec.SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    options = treespec.DecodeOptions(numerics=args.numerics)
+    options = treespec.DecodeOptions(numerics=args.numerics, kv_dtype=args.kv_dtype)
     interactive = sys.stdin.isatty()
     with treespec.Chat(
         model, tokenizer, drafter, system=args.system, max_new_tokens=args.max_new_tokens,
