@@ -54,7 +54,7 @@ at::Tensor tree_attention_exact_cpu_op(const at::Tensor& q, const at::Tensor& k,
                                        const std::optional<at::Tensor>& bits, double scale) {
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
               "treespec::tree_attention_exact takes float32 or bfloat16, got ", q.scalar_type());
-  AttentionArgs a = attention_args(q, k, v, bits, scale);
+  AttentionArgs a = attention_args(q, k, v, bits, scale, at::Tensor(), /*bf16_kv_ok=*/true);
   tree_attention_exact_cpu(a.p);
   return a.out;
 }
@@ -67,7 +67,7 @@ at::Tensor tree_attention_exact_rows_cpu_op(const at::Tensor& q, const at::Tenso
               "treespec::tree_attention_exact_rows takes float32 or bfloat16, got ", q.scalar_type());
   return for_each_row(q, k, v, rows, prefix_lens,
                       [&](const at::Tensor& qa, const at::Tensor& ka, const at::Tensor& va, const at::Tensor& oa) {
-                        tree_attention_exact_cpu(attention_args(qa, ka, va, bits, scale, oa).p);
+                        tree_attention_exact_cpu(attention_args(qa, ka, va, bits, scale, oa, true).p);
                       });
 }
 

@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "exact.h"
@@ -59,6 +60,20 @@ inline const float* key_row(const T* base, int64_t stride, int t, int D, float* 
   }
 }
 
+// Rows [0, count) of a K or V head from `base` as float32 rows, and their stride: in place for fp32, each
+// widened once into buf for bf16 (the block keys a task's tokens read, once per task rather than per token).
+template <typename T>
+inline std::pair<const float*, int64_t> float_rows(const T* base, int64_t stride, int count, int D,
+                                                   std::vector<float>& buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    return {base, stride};
+  } else {
+    buf.resize(static_cast<size_t>(count) * D);
+    for (int j = 0; j < count; ++j) bf16_row_to_float(base + j * stride, &buf[static_cast<size_t>(j) * D], D);
+    return {buf.data(), D};
+  }
+}
+
 // Whether query token i (of the block) sees block key j.
 inline bool visible(const TreeAttentionParams& p, int i, int j) {
   if (p.bits == nullptr) return j <= i;
@@ -66,7 +81,7 @@ inline bool visible(const TreeAttentionParams& p, int i, int j) {
 }
 
 struct Scratch {
-  std::vector<float> q, s, o, row, rows, sums;
+  std::vector<float> q, s, o, row, rows, sums, block_k, block_v;
   std::vector<std::vector<int>> block;  // per token of the tile: the block keys it sees, ascending
 };
 
@@ -235,9 +250,13 @@ void run_task(const TreeAttentionParams& p, int64_t task, Scratch& w) {
     const float* ku = key_row<TKV>(k, p.k_stride_l, u, D, w.row.data());
     for (int r = 0; r < R; ++r) w.s[r * Tp + u] = dot(&w.q[r * D], ku, D) * scale;
   }
+  int seen = 0;  // block keys [0, seen) hold every one the tile's tokens see
+  for (int ii = 0; ii < tokens; ++ii)
+    if (!w.block[ii].empty()) seen = std::max(seen, w.block[ii].back() + 1);
+  const auto [block_k, k_stride] = float_rows<TKV>(k + c * p.k_stride_l, p.k_stride_l, seen, D, w.block_k);
   for (int ii = 0; ii < tokens; ++ii)
     for (size_t x = 0; x < w.block[ii].size(); ++x) {
-      const float* kt = key_row<TKV>(k, p.k_stride_l, c + w.block[ii][x], D, w.row.data());
+      const float* kt = block_k + w.block[ii][x] * k_stride;
       for (int g = 0; g < G; ++g) w.s[(ii * G + g) * Tp + c + x] = dot(&w.q[(ii * G + g) * D], kt, D) * scale;
     }
   // softmax weights, unnormalised, and their sums (padding: 2^-inf = 0 adds nothing)
@@ -261,9 +280,10 @@ void run_task(const TreeAttentionParams& p, int64_t task, Scratch& w) {
   }
   // outputs: the prefix values for every row, then each token's block values, in the key order above
   prefix_values<TKV>(p, v, c, R, Tp, w);
+  const auto [block_v, v_stride] = float_rows<TKV>(v + c * p.v_stride_l, p.v_stride_l, seen, D, w.block_v);
   for (int ii = 0; ii < tokens; ++ii)
     for (size_t x = 0; x < w.block[ii].size(); ++x) {
-      const float* vt = key_row<TKV>(v, p.v_stride_l, c + w.block[ii][x], D, w.row.data());
+      const float* vt = block_v + w.block[ii][x] * v_stride;
       for (int g = 0; g < G; ++g) axpy(&w.o[(ii * G + g) * D], w.s[(ii * G + g) * Tp + c + x], vt, D);
     }
   T* out = static_cast<T*>(p.out);

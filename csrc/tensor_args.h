@@ -30,7 +30,7 @@ inline at::Tensor last_dim_contiguous(const at::Tensor& t) { return t.stride(-1)
 // out: a caller's [B, n, H, D] contiguous buffer of q's dtype and device, or undefined (allocate one).
 inline AttentionArgs attention_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const std::optional<at::Tensor>& bits, double scale,
-                                    const at::Tensor& out = at::Tensor()) {
+                                    const at::Tensor& out = at::Tensor(), bool bf16_kv_ok = false) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
               "treespec::tree_attention: q [B, H, n, D], k and v [B, Hkv, L, D] expected; got ", q.sizes(), ", ",
               k.sizes(), ", ", v.sizes());
@@ -42,7 +42,9 @@ inline AttentionArgs attention_args(const at::Tensor& q, const at::Tensor& k, co
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "treespec::tree_attention: ", H, " query heads are not a multiple of ", Hkv,
               " kv heads");
   TORCH_CHECK(n >= 1 && L >= n, "treespec::tree_attention: need 1 <= n <= L, got n = ", n, ", L = ", L);
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+  const bool bf16_kv = bf16_kv_ok && q.scalar_type() == at::kFloat && k.scalar_type() == at::kBFloat16 &&
+                       v.scalar_type() == at::kBFloat16;  // the row-invariant kernel: bf16 K/V under float32 q
+  TORCH_CHECK((q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type()) || bf16_kv,
               "treespec::tree_attention: q, k, v dtypes differ");
   TORCH_CHECK(q.device() == k.device() && q.device() == v.device(), "treespec::tree_attention: q, k, v devices differ");
   TORCH_CHECK(B * H * n * D < (int64_t{1} << 31) && L < (int64_t{1} << 31), "treespec::tree_attention: too large");
@@ -73,6 +75,7 @@ inline AttentionArgs attention_args(const at::Tensor& q, const at::Tensor& k, co
   p.k = a.k.data_ptr();
   p.v = a.v.data_ptr();
   p.out = a.out.data_ptr();
+  p.kv_bf16 = bf16_kv;
   p.bits = a.bits.defined() ? reinterpret_cast<const uint64_t*>(a.bits.data_ptr<int64_t>()) : nullptr;
   p.q_stride_b = a.q.stride(0);
   p.q_stride_h = a.q.stride(1);

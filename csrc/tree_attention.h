@@ -43,8 +43,8 @@ struct TreeAttentionParams {
   int block_n = 0, query_offset = 0;
   float scale = 1.0f;            // softmax scale applied to q.k
   DType dtype = DType::kFloat32;
-  // The row-invariant CPU kernel only: K / V held in bf16 under float32 q and out (a cache that stores
-  // K / V in half the bytes); false: K / V in `dtype`.
+  // The CPU kernels only: K / V held in bf16 under float32 q and out (a cache that stores K / V in half the
+  // bytes); false: K / V in `dtype`.
   bool kv_bf16 = false;
   // CPU: run every task on the calling thread (a caller that is itself one thread of a parallel region,
   // e.g. the native step, must not open a nested one)

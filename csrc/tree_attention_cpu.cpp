@@ -287,7 +287,8 @@ struct RowState {
 
 // ---- the portable engine: fp32 FMA micro-kernels (fp32 and bf16 inputs) ------------------------------
 
-template <typename T>
+// T: q (and out); TKV: K and V (bf16 K / V under fp32 q: a cache that stores them in half the bytes)
+template <typename T, typename TKV = T>
 struct FmaEngine {
   static constexpr int kT = kTile;  // keys per prefix tile
   const TreeAttentionParams& p;
@@ -299,8 +300,8 @@ struct FmaEngine {
   Task t{};
   int Rp = 0, nrv = 0;
   int64_t qs = 0;
-  const T* kbase = nullptr;
-  const T* vbase = nullptr;
+  const TKV* kbase = nullptr;
+  const TKV* vbase = nullptr;
 
   FmaEngine(const TreeAttentionParams& p_, const Plan& pl_, std::vector<float>& qt_, std::vector<float>& st_,
             std::vector<float>& kf_, std::vector<float>& vt_)
@@ -327,8 +328,8 @@ struct FmaEngine {
     }
     for (int d = 0; d < D; ++d)
       for (int r = t.R; r < Rp; ++r) qtp[d * qs + r] = 0.0f;
-    kbase = static_cast<const T*>(p.k) + t.b * p.k_stride_b + t.kvh * p.k_stride_h;
-    vbase = static_cast<const T*>(p.v) + t.b * p.v_stride_b + t.kvh * p.v_stride_h;
+    kbase = static_cast<const TKV*>(p.k) + t.b * p.k_stride_b + t.kvh * p.k_stride_h;
+    vbase = static_cast<const TKV*>(p.v) + t.b * p.v_stride_b + t.kvh * p.v_stride_h;
   }
 
   void run(const std::vector<KeyTile>& tiles, RowState& rs) {
@@ -340,7 +341,7 @@ struct FmaEngine {
     const int G = pl.G, D = pl.D, Dp = pl.Dp;
     const float* K;
     int64_t ks;
-    if constexpr (std::is_same<T, float>::value) {
+    if constexpr (std::is_same<TKV, float>::value) {
       K = reinterpret_cast<const float*>(kbase) + static_cast<int64_t>(k0) * p.k_stride_l;
       ks = p.k_stride_l;
     } else {
@@ -352,14 +353,14 @@ struct FmaEngine {
     }
     const float* V;
     int64_t vs;
-    if (std::is_same<T, float>::value && D % VL == 0) {
+    if (std::is_same<TKV, float>::value && D % VL == 0) {
       V = reinterpret_cast<const float*>(vbase) + static_cast<int64_t>(k0) * p.v_stride_l;
       vs = p.v_stride_l;
     } else {
       for (int i = 0; i < nk; ++i) {
-        const T* src = vbase + static_cast<int64_t>(k0 + i) * p.v_stride_l;
+        const TKV* src = vbase + static_cast<int64_t>(k0 + i) * p.v_stride_l;
         float* dst = vt.data() + static_cast<int64_t>(i) * Dp;
-        if constexpr (std::is_same<T, float>::value) {
+        if constexpr (std::is_same<TKV, float>::value) {
           std::memcpy(dst, src, sizeof(float) * D);
         } else {
           bf16_row_to_float(reinterpret_cast<const uint16_t*>(src), dst, D);
@@ -853,7 +854,7 @@ struct ThreadBuffers {
   std::vector<uint32_t> u0, u1;
 };
 
-template <typename T>
+template <typename T, typename TKV = T>
 void run(const TreeAttentionParams& p) {
   const int threads = p.serial ? 1 : at::get_num_threads();
   const Plan pl = make_plan(p, threads, std::is_same<T, uint16_t>::value && amx_enabled(p));
@@ -882,7 +883,7 @@ void run(const TreeAttentionParams& p) {
       }
     }
 #endif
-    FmaEngine<T> e(p, pl, buf.f0, buf.f1, buf.f2, buf.f3);
+    FmaEngine<T, TKV> e(p, pl, buf.f0, buf.f1, buf.f2, buf.f3);
     for (int64_t task = next.fetch_add(1); task < pl.tasks; task = next.fetch_add(1))
       run_task<T>(p, pl, task, e, buf.rs, buf.tiles, part, buf.acc);
   };
@@ -896,7 +897,12 @@ void run(const TreeAttentionParams& p) {
 
 void tree_attention_cpu(const TreeAttentionParams& p) {
   switch (p.dtype) {
-    case DType::kFloat32: run<float>(p); break;
+    case DType::kFloat32:
+      if (p.kv_bf16)
+        run<float, uint16_t>(p);
+      else
+        run<float>(p);
+      break;
     case DType::kBFloat16: run<uint16_t>(p); break;
     default: break;  // the binding rejects other dtypes
   }

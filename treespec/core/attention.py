@@ -179,10 +179,11 @@ def tree_attention_exact(
     scaling: float,
     bits: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as `tree_attention_compiled`, through the row-invariant op (CPU, float32/bfloat16)."""
+    """Same contract as `tree_attention_compiled`, through the row-invariant op (CPU, float32/bfloat16; K/V
+    may be bf16 under float32 queries, widened exactly as the op reads them)."""
     n, L = query.shape[2], key.shape[2]
-    if tree_mask is None and n == L and n > 1:
-        return tree_attention_sdpa(query, key, value, None, scaling)  # prefill from an empty cache
+    if tree_mask is None and n == L and n > 1:  # prefill from an empty cache
+        return tree_attention_sdpa(query, key.to(query.dtype), value.to(query.dtype), None, scaling)
     require_exact_ops(query)
     if tree_mask is not None and bits is None:
         bits = pack_bits(tree_mask.cpu())
@@ -245,8 +246,8 @@ def treespec_attention(
     plan = tree_attention or AttentionPlan()
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    if key.dtype != query.dtype:  # a cache that stores K/V in bf16 under float32 queries: widened exactly
-        key, value = key.to(query.dtype), value.to(query.dtype)
+    if key.dtype != query.dtype and plan.kernel != "exact":  # bf16 K/V under float32 queries: widened
+        key, value = key.to(query.dtype), value.to(query.dtype)  # (the row-invariant op reads them as is)
     if plan.rows is not None:
         return _rows_attention(query, key, value, plan, scaling), None
     if plan.kernel in ("compiled", "exact"):
