@@ -250,6 +250,31 @@ def test_wide_block_weights_give_the_hf_forward_at_one_row_and_many():
             assert error < 2e-4 * max(1.0, reference[0].abs().max().item()), (nodes, error)
 
 
+@pytest.mark.parametrize("kept", [0, 40])
+def test_a_long_causal_block_gives_the_hf_forward(kept):
+    """A prompt's prefill (a causal block of 150 tokens, after `kept` cached ones) runs the fast attention
+    kernel in query tiles of 64 tokens, each over the keys up to its last token."""
+    model = _model("qwen2", torch.float32, True, seed=9)
+    generator = random.Random(kept)
+    tokens = torch.tensor([[generator.randrange(96) for _ in range(kept + 150)]])  # [1, kept + 150]
+    outs = []
+    with torch.inference_mode(), decoding_mode(model, "auto"):
+        native = NativeStep(model)
+        native.refresh()
+        for scorer in (lambda *a: full_forward(model, *a), native):
+            cache = TreeKVCache.for_model(model, max_len=kept + 151)
+            for start, end in ((0, kept), (kept, kept + 150)):
+                if end > start:
+                    cache.begin([0], end - start)
+                    positions = cache.positions(torch.arange(end - start))
+                    plan = cache.attention_plan(AttentionPlan())  # causal
+                    out = scorer(tokens[:, start:end], positions, cache, plan)
+                    cache.commit_all()
+            outs.append(out)  # [1, 150, H]
+    error = (outs[1] - outs[0]).abs().max().item()
+    assert error < 2e-4 * max(1.0, outs[0].abs().max().item()), error
+
+
 def test_auto_takes_the_native_step_where_it_covers_the_model():
     model = tiny_model("mistral", dtype=torch.float32)
     assert Decoder(model).step_kind == "native"
