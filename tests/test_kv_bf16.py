@@ -17,7 +17,7 @@ import torch
 from conftest import ARCHS, tiny_model
 from test_bitwise import speculative_text_equals_plain_text
 from test_int8 import _model as int8_model
-from test_native import _model, _random_tree
+from test_native import _filled_cache, _model, _random_tree
 
 import treespec
 from treespec import ops
@@ -33,17 +33,7 @@ pytestmark = pytest.mark.skipif(not ops.available("cpu"), reason="treespec's com
 
 def _bf16_cache(model, prompts: list[list[int]], nodes: int) -> TreeKVCache:
     """A bf16 cache with each prompt prefilled into its own row through the HF forward (exact attention)."""
-    cache = TreeKVCache.for_model(
-        model, max_len=max(map(len, prompts)) + nodes + 1, batch_size=len(prompts), dtype=torch.bfloat16
-    )
-    for row, prompt in enumerate(prompts):
-        cache.begin([row], len(prompt))
-        positions = cache.positions(torch.arange(len(prompt)))
-        full_forward(
-            model, torch.tensor([prompt]), positions, cache, cache.attention_plan(AttentionPlan("exact"))
-        )
-        cache.commit_all()
-    return cache
+    return _filled_cache(model, prompts, nodes, torch.bfloat16, "exact")
 
 
 def _tree_forward(model, scorer, prompts, mask, tokens):

@@ -36,14 +36,18 @@ def _random_tree(n: int, generator: random.Random) -> torch.Tensor:
     return _ancestors(_random_parents(n, generator))
 
 
-def _filled_cache(model, prompts: list[list[int]], nodes: int) -> TreeKVCache:
-    """A cache with each prompt prefilled (HF forward) into its own row."""
-    cache = TreeKVCache.for_model(model, max_len=max(map(len, prompts)) + nodes + 1, batch_size=len(prompts))
+def _filled_cache(
+    model, prompts: list[list[int]], nodes: int, dtype: torch.dtype | None = None, kernel: str = "compiled"
+) -> TreeKVCache:
+    """A cache (K/V in `dtype`, default the model's) with each prompt prefilled (HF forward, attention
+    through `kernel`) into its own row."""
+    size = max(map(len, prompts)) + nodes + 1
+    cache = TreeKVCache.for_model(model, max_len=size, batch_size=len(prompts), dtype=dtype)
     for row, prompt in enumerate(prompts):
         cache.begin([row], len(prompt))
         positions = cache.positions(torch.arange(len(prompt)))
         full_forward(
-            model, torch.tensor([prompt]), positions, cache, cache.attention_plan(AttentionPlan("compiled"))
+            model, torch.tensor([prompt]), positions, cache, cache.attention_plan(AttentionPlan(kernel))
         )
         cache.commit_all()
     return cache
