@@ -16,14 +16,14 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(treespec.tools.models.default_model_folder())
 
 
-@pytest.mark.parametrize("numerics", ["fast", "int8"])
-def test_each_turn_keeps_the_history_and_replies_as_a_fresh_call(tokenizer, numerics):
+@pytest.mark.parametrize("numerics,kv_dtype", [("fast", "model"), ("int8", "model"), ("int8", "bfloat16")])
+def test_each_turn_keeps_the_history_and_replies_as_a_fresh_call(tokenizer, numerics, kv_dtype):
     # SmolLM2's vocabulary and chat template over a tiny random Llama (int8: sizes in 32s)
     sizes = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2) if numerics == "int8" else {}
     model = tiny_llama_over(tokenizer, dtype=torch.float32, eos_token_id=2, **sizes)
     heads = random_heads(model, seed=3)
     drafter = treespec.make_drafter(heads, treespec.default_tree(8, 4), model)
-    options = treespec.DecodeOptions(numerics=numerics)
+    options = treespec.DecodeOptions(numerics=numerics, kv_dtype=kv_dtype)
     with treespec.Chat(model, tokenizer, drafter, max_new_tokens=12, options=options) as chat:
         turns = [
             "Write a haiku about the sea.",  # its reply: 4 tokens, so the cache is sized for a short talk
@@ -48,6 +48,8 @@ def test_each_turn_keeps_the_history_and_replies_as_a_fresh_call(tokenizer, nume
             history.append({"role": "assistant", "content": reply.text})
             assert chat.messages == history
         assert len(capacities) > 1  # the conversation outgrew its first cache and its history moved along
+        stored = torch.float32 if kv_dtype == "model" else torch.bfloat16
+        assert chat.decoder.cache.layers[0].keys.dtype == stored
         chat.reset()
         assert chat.messages == []
         again = chat.send("Name a colour.")  # a new conversation: the template's opening is kept
