@@ -235,7 +235,8 @@ def _one_token_at_a_time(model, native: NativeStep, prompt: list[int]):
 def test_int8_prefill_runs_the_prompt_in_int8_numerics(arch, monkeypatch):
     """A prompt runs through the native step in int8 numerics too (one call of P rows): its hidden state
     and K/V are those of P one-token int8 steps up to the attention kernel's rounding (far closer than the
-    HF forward's float32 ones); a prompt over NATIVE_PREFILL_MAX tokens runs the HF forward."""
+    HF forward's float32 ones); a long prompt runs in calls of NATIVE_PREFILL_CHUNK tokens, each after the
+    ones before it: chunks of whole 64-key tiles give one call's bits, others stay as near."""
     model = _model(arch, torch.float32, True, seed=13)
     prompts = [[random.Random(f"{arch}{row}").randrange(96) for _ in range(5 + 6 * row)] for row in range(2)]
     hf = Decoder(model)  # fast numerics: the HF forward's prefill
@@ -252,7 +253,15 @@ def test_int8_prefill_runs_the_prompt_in_int8_numerics(arch, monkeypatch):
             assert near < 1e-4 and near < (hf.hidden[row] - hidden).abs().max() / 10
             last = decoder.cache.layers[-1].keys[row, :, : len(prompt)]
             torch.testing.assert_close(last, cache.layers[-1].keys[0, :, : len(prompt)], atol=1e-4, rtol=1e-4)
-    monkeypatch.setattr(decoder_module, "NATIVE_PREFILL_MAX", 4)
-    long = Decoder(model, numerics="int8")
-    long.prefill(prompts, max_new_tokens=4)
-    assert torch.equal(long.hidden, hf.hidden)
+    long_prompts = [[random.Random(f"{arch}{row}+").randrange(96) for _ in range(150)] for row in range(2)]
+    whole = Decoder(model, numerics="int8")
+    whole.prefill(long_prompts, max_new_tokens=4)
+    monkeypatch.setattr(decoder_module, "NATIVE_PREFILL_CHUNK", 64)
+    chunked = Decoder(model, numerics="int8")
+    chunked.prefill(long_prompts, max_new_tokens=4)
+    assert torch.equal(chunked.hidden, whole.hidden)
+    assert torch.equal(chunked.cache.layers[-1].keys[:, :, :150], whole.cache.layers[-1].keys[:, :, :150])
+    monkeypatch.setattr(decoder_module, "NATIVE_PREFILL_CHUNK", 4)
+    small = Decoder(model, numerics="int8")
+    small.prefill(prompts, max_new_tokens=4)
+    assert (small.hidden - decoder.hidden).abs().max() < 1e-4

@@ -43,11 +43,15 @@ from .pricing import StepPricer
 from .stats import GenerationStats
 from .tree import Tree
 
-# Prompts up to this many tokens prefill through the native step in int8 numerics (its linears, the fast
-# attention kernel); longer ones through the HF forward, whose SDPA attention is faster at that length
-# (2-core AVX2 EPYC, SmolLM2, ms against the HF forward: 60 tokens 100-118 / 175-228, 400: 623-661 / 788-906,
-# 1000: about even, 1500: 3466-3525 / 3194-3222; benchmarks/log/2026-12-06-i-int8-prefill.md).
-NATIVE_PREFILL_MAX = 1024
+# In int8 numerics a prompt prefills through the native step (its linears, the fast attention kernel in
+# query tiles), in calls of at most this many tokens, each after the ones before it (a whole number of the
+# attention's 64-key tiles, so from an empty cache the chunks give the bits of one call; the step's buffers
+# stay those of 1024 rows). Above 1024 tokens it used to take the HF forward, whose attention had been
+# faster there on the AVX2 EPYC (benchmarks/log/2026-12-06-i-int8-prefill.md) before the native step's
+# attention ran in query tiles; on the Zen 4 EPYC the chunks took 907-971 / 1842-1853 / 5285-5593 ms for
+# 1200 / 2000 / 4000 tokens against 1737-1815 / 3226-3469 / 9073-9492 through the HF forward
+# (benchmarks/log/2026-12-07-g-kv-bf16.md).
+NATIVE_PREFILL_CHUNK = 1024
 
 
 @dataclass
@@ -86,8 +90,12 @@ class DecodeStep:
         return entry
 
 
-def check_settings(linears: str, acceptance: str, kernel: str) -> None:
-    """Refuse an unknown linear mode, acceptance rule or attention kernel."""
+def check_settings(linears: str, acceptance: str, kernel: str, plain_above="auto") -> None:
+    """Refuse an unknown linear mode, acceptance rule or attention kernel, and a bad `plain_above`."""
+    if plain_above not in ("auto", None) and (
+        isinstance(plain_above, bool) or not isinstance(plain_above, int) or plain_above < 0
+    ):
+        raise ValueError(f'plain_above must be a row count >= 0, None or "auto", got {plain_above!r}')
     if linears not in LINEAR_MODES:
         raise ValueError(f"unknown linears mode {linears!r}; choose one of {LINEAR_MODES}")
     if acceptance not in RULES:
@@ -237,13 +245,11 @@ class Decoder:
         in the native step; `numerics_settings`). reuse_prefix: a prompt that starts with tokens this
         decoder's cache still holds from its last sequence (the next turn of a conversation: the history,
         the reply, the new message) prefills only the tokens after them (`prefill`); one prompt at a time,
-        not with a drafter that reads the target's features or brings its own scorer. kv_dtype: what the
-        cache stores K/V in: "model" (the model's dtype) or "bfloat16" (half a float32 model's cache bytes and
-        of what attention reads per step; `kv_storage_dtype`)."""
+        not with a drafter that reads the target's features or brings its own scorer. kv_dtype: the cache's
+        K/V dtype, "model" or "bfloat16" (`kv_storage_dtype`)."""
         self.sampling = sampling or SamplingConfig()
         self.acceptance = acceptance or self.sampling.acceptance
-        check_settings(linears, self.acceptance, kernel)
-        _check_plain_above(plain_above)
+        check_settings(linears, self.acceptance, kernel, plain_above)
         param = next(model.parameters())
         kernel, linears = numerics_settings(numerics, kernel, linears, compile, param)
         self.kv_dtype = kv_storage_dtype(kv_dtype, numerics, param.dtype)
@@ -419,25 +425,37 @@ class Decoder:
     ) -> tuple[torch.Tensor, int]:
         """One prompt into cache row `row`, whose cache holds its first `start` tokens already: (hidden [H]
         at its last token, its first token)."""
-        ids = torch.tensor([prompt[start:]], device=self.device)  # [1, P - start]
-        positions = torch.arange(start, len(prompt), device=self.device)[None]  # [1, P - start]
-        self.cache.begin([row], len(prompt) - start)
-        plan = self.cache.attention_plan(AttentionPlan(self.kernel))
         features = None  # [1, P, F] for a drafter that reads the target's features
-        if self.numerics == "int8" and len(prompt) - start <= NATIVE_PREFILL_MAX:  # int8: the native step
-            with self.running():
-                out = self.native(ids, positions, self.cache, plan, self.feature_layers, exact=False)
+        if self.numerics == "int8":  # the native step, NATIVE_PREFILL_CHUNK tokens a call
+            parts = []
+            for begin in range(start, len(prompt), NATIVE_PREFILL_CHUNK):
+                end = min(len(prompt), begin + NATIVE_PREFILL_CHUNK)
+                ids = torch.tensor([prompt[begin:end]], device=self.device)  # [1, n]
+                positions = torch.arange(begin, end, device=self.device)[None]  # [1, n]
+                self.cache.begin([row], end - begin)
+                plan = self.cache.attention_plan(AttentionPlan(self.kernel))
+                with self.running():
+                    out = self.native(ids, positions, self.cache, plan, self.feature_layers, exact=False)
+                self.cache.check_written()
+                self.cache.commit_all()
                 if self.feature_layers:
-                    out, features = out
-                logits = self.logits(out[0, -1])  # out [1, P, H] -> [V]
+                    out, chunk_features = out
+                    parts.append(chunk_features)  # [1, n, F]
+            features = torch.cat(parts, dim=1) if parts else None  # [1, P - start, F]
+            with self.running():
+                logits = self.logits(out[0, -1])  # out [1, n, H] -> [V]
         else:  # the HF forward, its linears in their fastest form per row count (plain and trees share it)
+            ids = torch.tensor([prompt[start:]], device=self.device)  # [1, P - start]
+            positions = torch.arange(start, len(prompt), device=self.device)[None]  # [1, P - start]
+            self.cache.begin([row], len(prompt) - start)
+            plan = self.cache.attention_plan(AttentionPlan(self.kernel))
             with self.running(), shared_forward(self.model):
                 out = full_forward(self.model, ids, positions, self.cache, plan, self.feature_layers)
                 if self.feature_layers:
                     out, features = out
                 logits = output_logits(self.model, out[0, -1])  # out [1, P, H] -> [V]
-        self.cache.check_written()
-        self.cache.commit_all()
+            self.cache.check_written()
+            self.cache.commit_all()
         root = self.sampling.sample(logits, self.generator)
         rows = self.cache.num_rows
         self.drafter.start(
@@ -599,10 +617,3 @@ class Decoder:
         if self.cache is not None:
             self.cache.release()
             self.cache = None
-
-
-def _check_plain_above(plain_above) -> None:
-    if plain_above not in ("auto", None) and (
-        isinstance(plain_above, bool) or not isinstance(plain_above, int) or plain_above < 0
-    ):
-        raise ValueError(f'plain_above must be a row count >= 0, None or "auto", got {plain_above!r}')
