@@ -387,7 +387,7 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
         const int64_t kv_bytes = m.kv_bf16 ? 2 : static_cast<int64_t>(sizeof(T));  // the cache's element size
         p.k = static_cast<const char*>(L.keys) + base * kv_bytes;
         p.v = static_cast<const char*>(L.values) + base * kv_bytes;
-        p.kv_bf16 = m.kv_bf16 && !bf16;
+        p.kv_bf16 = m.kv_bf16;  // (a float32 model's only: bind_cache)
         T* out = oh + ((ai * Hkv + kvh) * static_cast<int64_t>(n) + i0) * G * D;  // [tokens, G, D] of [n, G, D]
         p.out = out;
         p.bits = a.bits;

@@ -31,6 +31,7 @@ except ModuleNotFoundError:  # a checkout without `pip install -e .`
 from treespec.core.attention import AttentionPlan
 from treespec.core.cache import TreeKVCache
 from treespec.core.decoder import Decoder, full_forward, output_logits
+from treespec.tools.bench import split_numerics
 from treespec.training.distill import is_eval, load_prompts
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "sharegpt_prompts.json"
@@ -84,13 +85,13 @@ def main(argv: list[str] | None = None) -> dict:
     names = [x.strip() for x in args.numerics.split(",") if x.strip()]
     results = {}
     for name in names:
-        numerics, _, kv = name.partition("+")
-        if kv not in ("", "kv-bf16"):
-            raise SystemExit(f"unknown suffix {kv!r} in {name!r}: the one suffix is +kv-bf16")
-        kv_dtype = "bfloat16" if kv else "model"
-        decoder = (
-            None if name == "hf" else Decoder(model, numerics=numerics, step="native", kv_dtype=kv_dtype)
-        )
+        decoder = None
+        if name != "hf":
+            settings = split_numerics(name)  # (numerics, kv_dtype), as `treespec bench --numerics` reads them
+            if settings is None:
+                known = "hf, fast, bitwise, int8, bitwise+kv-bf16, int8+kv-bf16"
+                raise SystemExit(f"unknown numerics {name!r}: {known}")
+            decoder = Decoder(model, numerics=settings[0], step="native", kv_dtype=settings[1])
         nll, count, t0 = 0.0, 0, time.perf_counter()
         for ids in texts:
             total, n = negative_log_likelihood(model, decoder, ids)

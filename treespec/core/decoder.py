@@ -425,43 +425,36 @@ class Decoder:
     ) -> tuple[torch.Tensor, int]:
         """One prompt into cache row `row`, whose cache holds its first `start` tokens already: (hidden [H]
         at its last token, its first token)."""
-        features = None  # [1, P, F] for a drafter that reads the target's features
-        if self.numerics == "int8":  # the native step, NATIVE_PREFILL_CHUNK tokens a call
-            parts = []
-            for begin in range(start, len(prompt), NATIVE_PREFILL_CHUNK):
-                end = min(len(prompt), begin + NATIVE_PREFILL_CHUNK)
+        # int8: the native step, NATIVE_PREFILL_CHUNK tokens a call; otherwise the HF forward in one call, its
+        # linears in their fastest form per row count (plain and trees share it)
+        int8 = self.numerics == "int8"
+        chunk = NATIVE_PREFILL_CHUNK if int8 else len(prompt) - start
+        parts = []  # [1, n, F] per call, for a drafter that reads the target's features
+        with self.running(), contextlib.nullcontext() if int8 else shared_forward(self.model):
+            for begin in range(start, len(prompt), chunk):
+                end = min(len(prompt), begin + chunk)
                 ids = torch.tensor([prompt[begin:end]], device=self.device)  # [1, n]
                 positions = torch.arange(begin, end, device=self.device)[None]  # [1, n]
                 self.cache.begin([row], end - begin)
                 plan = self.cache.attention_plan(AttentionPlan(self.kernel))
-                with self.running():
+                if int8:
                     out = self.native(ids, positions, self.cache, plan, self.feature_layers, exact=False)
-                self.cache.check_written()
-                self.cache.commit_all()
+                else:
+                    out = full_forward(self.model, ids, positions, self.cache, plan, self.feature_layers)
                 if self.feature_layers:
                     out, chunk_features = out
-                    parts.append(chunk_features)  # [1, n, F]
-            features = torch.cat(parts, dim=1) if parts else None  # [1, P - start, F]
-            with self.running():
-                logits = self.logits(out[0, -1])  # out [1, n, H] -> [V]
-        else:  # the HF forward, its linears in their fastest form per row count (plain and trees share it)
-            ids = torch.tensor([prompt[start:]], device=self.device)  # [1, P - start]
-            positions = torch.arange(start, len(prompt), device=self.device)[None]  # [1, P - start]
-            self.cache.begin([row], len(prompt) - start)
-            plan = self.cache.attention_plan(AttentionPlan(self.kernel))
-            with self.running(), shared_forward(self.model):
-                out = full_forward(self.model, ids, positions, self.cache, plan, self.feature_layers)
-                if self.feature_layers:
-                    out, features = out
-                logits = output_logits(self.model, out[0, -1])  # out [1, P, H] -> [V]
-            self.cache.check_written()
-            self.cache.commit_all()
+                    parts.append(chunk_features)
+                self.cache.check_written()
+                self.cache.commit_all()
+            last = out[0, -1]  # out [1, n, H] -> [H]
+            logits = self.logits(last) if int8 else output_logits(self.model, last)  # [V]
+        features = torch.cat(parts, dim=1) if parts else None  # [1, P - start, F]
         root = self.sampling.sample(logits, self.generator)
         rows = self.cache.num_rows
         self.drafter.start(
             SequenceStart(list(prompt) + [root], capacity, self.cache, self.kernel, features, row, rows)
         )
-        return out[0, -1], root
+        return last, root
 
     def _speculate(self, rows: int) -> bool:
         """Whether the next step over `rows` live rows verifies a tree (else the root alone)."""

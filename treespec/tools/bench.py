@@ -163,7 +163,7 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
     args.kernels = [x.strip() for x in args.kernels.split(",") if x.strip()]
     if not args.kernels or set(args.kernels) - {"auto", *KERNELS}:
         p.error(f"--kernels takes values from auto, {', '.join(KERNELS)}, got {args.kernels}")
-    if set(args.kernels) - {"auto"} and set(args.numerics) - {"fast"}:  # (+kv-bf16: not with fast)
+    if set(args.kernels) - {"auto"} and set(args.numerics) - {"fast"}:
         p.error("--numerics other than fast choose their own kernels: leave --kernels at auto")
     if args.lookup is not None and args.lookup < 1:
         p.error("--lookup must be >= 1 (a recipe without a lookup chain: pick one, e.g. heads)")
