@@ -78,7 +78,9 @@ def _ancestors(parents: list[int]) -> torch.Tensor:
 def test_exact_attention_node_equals_one_token_step(dtype, heads, kv_heads, head_dim):
     generator = random.Random(heads * head_dim)
     torch.manual_seed(heads * head_dim)
-    for n, c in [(1, 5), (2, 0), (5, 17), (16, 130), (70, 33)]:
+    # and long prefixes (a decoding step's, a prompt's block after one): hundreds of the prefix's 16-key
+    # score chunks, then the keys after the last whole chunk and the block's own
+    for n, c in [(1, 5), (2, 0), (5, 17), (16, 130), (70, 33), (16, 505), (1, 513), (9, 1020), (40, 1000)]:
         mask = _ancestors(_random_parents(n, generator))
         L = c + n
         k = torch.randn(1, kv_heads, L + 3, head_dim).to(dtype)[:, :, :L]  # a view of a larger cache

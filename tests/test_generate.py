@@ -7,6 +7,9 @@ import torch
 from conftest import ARCHS, hf_greedy, random_heads, tiny_model
 
 import treespec
+from treespec.core.decoder import Decoder
+from treespec.core.generate import decode
+from treespec.core.stopping import StopCondition
 
 
 def _trees():
@@ -170,6 +173,55 @@ def test_prompt_too_long_is_refused():
     heads = random_heads(model)
     with pytest.raises(treespec.CacheCapacityError, match="shorten the prompt or lower max_new_tokens"):
         treespec.generate(model, list(range(50)), heads, max_new_tokens=20)
+
+
+@pytest.mark.parametrize("numerics", ["fast", "int8"])
+def test_a_sequence_that_fills_the_model_gets_its_last_position(numerics):
+    """prompt + max_new_tokens = max_position_embeddings: a tree block's room past the limit is the cache's
+    storage, not positions (near the limit the decoder verifies the root alone), so speculation decodes
+    what plain decoding does, and no node gets a position the model does not have."""
+    model = tiny_model(
+        "llama",
+        dtype=torch.float32,
+        max_position_embeddings=64,
+        hidden_size=64,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    heads = random_heads(model)
+    prompt = [(7 * i) % 90 + 3 for i in range(44)]  # 44 + 20 = 64 positions
+    options = treespec.DecodeOptions(numerics=numerics)
+    plain = treespec.generate(model, prompt, None, max_new_tokens=20, eos_token_id=[], options=options)
+    if numerics == "fast":
+        assert plain.token_ids == hf_greedy(model, prompt, 20)
+    decoder = Decoder(model, treespec.as_drafter(model, heads), numerics=numerics)
+    deepest = []
+    scorer = decoder.scorer
+
+    def recording(tokens, positions, *args, **kwargs):
+        deepest.append(int(positions.max()))
+        return scorer(tokens, positions, *args, **kwargs)
+
+    decoder.scorer = recording
+    stop = StopCondition([], None, None, 20)
+    assert decode(decoder, [prompt], [stop], [None])[0].token_ids == plain.token_ids
+    assert decoder.tree.max_depth > 1 and max(deepest) < 64, deepest  # (trees to the end would reach 66)
+    with pytest.raises(treespec.CacheCapacityError, match="needs 65 positions but the limit is 64"):
+        treespec.generate(model, prompt + [5], heads, max_new_tokens=20)
+
+
+def test_a_sliding_window_model_decodes_up_to_its_window():
+    """treespec attends to the whole prefix, which is the model's attention while the sequence fits its
+    window: up to there speculation gives HF's greedy tokens (a tree block's room is not counted); past it,
+    a refusal that says so."""
+    model = tiny_model("mistral", dtype=torch.float32, max_position_embeddings=256, sliding_window=32)
+    heads = random_heads(model)
+    prompt = list(range(3, 23))  # 20 + 12 = 32 positions
+    result = treespec.generate(model, prompt, heads, max_new_tokens=12, eos_token_id=[])
+    assert result.token_ids == hf_greedy(model, prompt, 12)
+    with pytest.raises(ValueError, match="sliding-window attention .32 tokens.*at most 32"):
+        treespec.generate(model, prompt, heads, max_new_tokens=13)
 
 
 def test_heads_for_another_model_are_refused():

@@ -235,6 +235,27 @@ def test_bitwise_native_nodes_get_the_bits_of_one_token_steps(dtype, blocks):
                 assert torch.equal(alone, logits[row, node]), (nodes, row, node)
 
 
+def test_bitwise_native_nodes_after_long_prompts_get_the_bits_of_one_token_steps():
+    """Rows of one call with prompts of 40-1030 tokens (a long context's score and value loops, rows of
+    different lengths in one step) against one-token steps."""
+    model = _model("llama", torch.float32, True, seed=12)
+    generator = random.Random(12)
+    with torch.inference_mode(), decoding_mode(model, "exact"):
+        native = NativeStep(model, exact=True)
+        native.refresh()
+        for nodes, lengths in [(16, (500, 1030)), (1, (513, 40)), (6, (1021, 511))]:
+            prompts = [[generator.randrange(96) for _ in range(length)] for length in lengths]
+            mask = _random_tree(nodes, generator)
+            tokens = torch.randint(0, 96, (len(prompts), nodes))
+            hidden, _, _ = _verify(model, native, prompts, list(range(len(prompts))), mask, tokens, ())
+            logits = native.logits(hidden)  # [B, N, V]
+            for row in range(len(prompts)):
+                for node in {0, nodes - 1, generator.randrange(nodes)}:
+                    path = tokens[row, mask[node]].tolist()  # root .. node
+                    alone = one_token_logits(model, native, prompts[row], path, nodes)
+                    assert torch.equal(alone, logits[row, node]), (nodes, row, node)
+
+
 def test_wide_block_weights_give_the_hf_forward_at_one_row_and_many():
     # 37 blocks of 32 in the down projection: the one-row kernel's scale groups of 16 (two and a part)
     model = _model("llama", torch.float32, True, seed=8, intermediate_size=37 * 32)

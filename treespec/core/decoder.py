@@ -113,24 +113,25 @@ def position_limit(model, max_length: int | None) -> int | None:
 def positions_needed(
     model, prompt_tokens: int, max_new_tokens: int, tree_nodes: int, max_length: int | None, prompt: str
 ) -> int:
-    """Cache positions a sequence needs (prompt + new tokens + one tree block); refuses what the model
-    cannot hold. prompt: how the error names the prompt ("the prompt", "prompt 3")."""
+    """Cache slots a sequence needs: its prompt and new tokens, plus one tree block (storage only: near the
+    model's position limit the decoder verifies the root alone, `Decoder._speculate`, so no node takes a
+    position past it). Refuses a prompt + max_new_tokens the model cannot hold, as plain decoding would.
+    prompt: how the error names the prompt ("the prompt", "prompt 3")."""
     config = model.config
     limit = position_limit(model, max_length) or 1 << 30
-    needed = prompt_tokens + max_new_tokens + tree_nodes
-    if needed > limit:
+    sequence = prompt_tokens + max_new_tokens
+    if sequence > limit:
         raise CacheCapacityError(
-            f"{prompt} has {prompt_tokens} tokens; with max_new_tokens={max_new_tokens} and a "
-            f"{tree_nodes}-node tree the cache needs {needed} positions but the limit is "
-            f"{limit}: shorten {prompt} or lower max_new_tokens"
+            f"{prompt} has {prompt_tokens} tokens; with max_new_tokens={max_new_tokens} the sequence needs "
+            f"{sequence} positions but the limit is {limit}: shorten {prompt} or lower max_new_tokens"
         )
     sliding = getattr(config, "sliding_window", None)
-    if sliding and getattr(config, "use_sliding_window", True) and needed > sliding:
+    if sliding and getattr(config, "use_sliding_window", True) and sequence > sliding:
         raise ValueError(
             f"this model uses sliding-window attention ({sliding} tokens) and treespec attends to the "
-            f"whole prefix; keep prompt + max_new_tokens under {sliding - tree_nodes}"
+            f"whole prefix; keep prompt + max_new_tokens at most {sliding}"
         )
-    return needed
+    return sequence + tree_nodes
 
 
 NUMERICS = ("fast", "bitwise", "int8")
@@ -212,6 +213,8 @@ def last_hidden(hidden: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
 
 class Decoder:
     """Tree-speculative decoding of B sequences at once (B = 1: one) over one preallocated cache."""
+
+    position_limit: int | None = None  # the most positions a sequence takes (set by `prefill`)
 
     def __init__(
         self,
@@ -359,6 +362,7 @@ class Decoder:
             positions_needed(self.model, len(p), max_new_tokens, self.tree.num_nodes, max_length, name)
             for p, name in zip(prompts, names, strict=True)
         )
+        self.position_limit = position_limit(self.model, max_length)
         weights = weights_key(self.model) if self.reuse_prefix else None
         kept = self._kept_prefix(prompts, weights)
         if self.cache is None or self.cache.max_len < needed or self.cache.num_rows != B:
@@ -457,7 +461,11 @@ class Decoder:
         return last, root
 
     def _speculate(self, rows: int) -> bool:
-        """Whether the next step over `rows` live rows verifies a tree (else the root alone)."""
+        """Whether the next step over `rows` live rows verifies a tree (else the root alone). Near the
+        position limit the root alone: a tree node never takes a position the model does not have."""
+        longest = max(self.cache.lengths[row] for row in self.live)
+        if self.position_limit is not None and longest + self.tree.max_depth >= self.position_limit:
+            return False
         if self.pricer is not None and self.cache.num_rows > 1:
             return self.pricer.speculate(rows)
         return not isinstance(self.plain_above, int) or rows <= self.plain_above
