@@ -198,6 +198,18 @@ def test_every_drafter_answers_the_protocol_and_decodes_exactly_through_the_one_
         assert out[:16] == want, name
 
 
+def test_every_drafter_decodes_a_sequence_that_fills_the_model():
+    """prompt + max_new_tokens = max_position_embeddings: the last steps verify the root alone (a node
+    would take a position past the limit), so every drafter also meets a step it did not draft for."""
+    model = tiny_model("llama", dtype=torch.float32)
+    limit = model.config.max_position_embeddings
+    prompt = [(11 * i) % 90 + 3 for i in range(limit - 12)]
+    want = hf_greedy(model, prompt, 12)
+    for name, drafter in _made_drafters(model).items():
+        result = treespec.generate(model, prompt, drafter, max_new_tokens=12, eos_token_id=[])
+        assert result.token_ids == want, name
+
+
 def test_steps_reproduce_generate_and_hf_greedy():
     model = tiny_model("llama", dtype=torch.float32)
     heads = random_heads(model, seed=1)

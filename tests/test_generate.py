@@ -197,16 +197,18 @@ def test_a_sequence_that_fills_the_model_gets_its_last_position(numerics):
         assert plain.token_ids == hf_greedy(model, prompt, 20)
     decoder = Decoder(model, treespec.as_drafter(model, heads), numerics=numerics)
     deepest = []
-    scorer = decoder.scorer
 
-    def recording(tokens, positions, *args, **kwargs):
-        deepest.append(int(positions.max()))
-        return scorer(tokens, positions, *args, **kwargs)
+    def recording(scorer):
+        def call(tokens, positions, *args, **kwargs):
+            deepest.append(int(positions.max()))
+            return scorer(tokens, positions, *args, **kwargs)
 
-    decoder.scorer = recording
+        return call
+
+    decoder.scorer, decoder.plain_scorer = recording(decoder.scorer), recording(decoder.plain_scorer)
     stop = StopCondition([], None, None, 20)
     assert decode(decoder, [prompt], [stop], [None])[0].token_ids == plain.token_ids
-    assert decoder.tree.max_depth > 1 and max(deepest) < 64, deepest  # (trees to the end would reach 66)
+    assert decoder.tree.max_depth > 1 and max(deepest) == 62, deepest  # (trees to the end would reach 66)
     with pytest.raises(treespec.CacheCapacityError, match="needs 65 positions but the limit is 64"):
         treespec.generate(model, prompt + [5], heads, max_new_tokens=20)
 

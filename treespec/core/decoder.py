@@ -215,6 +215,9 @@ class Decoder:
     """Tree-speculative decoding of B sequences at once (B = 1: one) over one preallocated cache."""
 
     position_limit: int | None = None  # the most positions a sequence takes (set by `prefill`)
+    cache: TreeKVCache | None = None  # allocated by `prefill`
+    hidden: torch.Tensor | None = None  # [A, H] at each live row's last committed token
+    roots: torch.Tensor | None = None  # [A] each live row's next root token
 
     def __init__(
         self,
@@ -275,11 +278,12 @@ class Decoder:
         if own_scorer is not None and self.feature_layers:
             raise ValueError("a drafter that reads the target's features cannot bring its own scorer")
         self.scorer = own_scorer or default_scorer
+        self.plain_scorer = default_scorer  # a step that verifies the root alone (nothing drafted for it)
         # a kept prefix needs nothing from its tokens but their K/V: not so for a drafter that reads the
         # target's features at every prompt token, or one that verifies through its own scorer
         self.reuse_prefix = reuse_prefix and own_scorer is None and not self.feature_layers
         if self.feature_layers:
-            self.scorer = partial(self.scorer, feature_layers=self.feature_layers)
+            self.scorer = self.plain_scorer = partial(self.scorer, feature_layers=self.feature_layers)
         self.plain_above, self.pricer = plain_above, None
         if plain_above == "auto" and self.tree.num_nodes > 1 and not self.drafter.prices_steps:
             key = (type(self.drafter).__name__, self.tree, self.kernel, compile, linears)
@@ -287,10 +291,7 @@ class Decoder:
         self.clock = clock or synchronized_clock(self.device if self.pricer else torch.device("cpu"))
         seed = self.sampling.seed if seed is None else seed
         self.generator = None if seed is None else torch.Generator(self.device).manual_seed(seed)
-        self.cache: TreeKVCache | None = None
         self.live: list[int] = []  # cache rows still decoding, in the drafter's row order
-        self.hidden: torch.Tensor | None = None  # [A, H] at each live row's last committed token
-        self.roots: torch.Tensor | None = None  # [A] each live row's next root token
         self.stats: list[GenerationStats] = []  # per cache row
         # per cache row: the tokens whose K/V its cache holds, in order (kept with `reuse_prefix` only)
         self.held: list[list[int]] = []
@@ -486,7 +487,8 @@ class Decoder:
             tree = proposal.tree or (self.tree if speculate else self.root_tree)
             plan, children, depth = self.layout(tree)
             t1 = self.clock()
-            hidden_tree, features = self._forward(rows, proposal.tokens, plan, depth)  # [A, N, H]
+            scorer = self.scorer if speculate else self.plain_scorer
+            hidden_tree, features = self._forward(rows, proposal.tokens, plan, depth, scorer)  # [A, N, H]
             logits, best = self.verified_logits(hidden_tree)  # [A, N, V], [A, N] or None
             tokens = proposal.tokens.tolist()
             verified = verify_rows(
@@ -531,12 +533,14 @@ class Decoder:
         lm_head when it runs, else the model's)."""
         return self.native.logits(hidden) if self.native is not None else output_logits(self.model, hidden)
 
-    def _forward(self, rows: list[int], tokens: torch.Tensor, plan: AttentionPlan, depth: torch.Tensor):
-        """The scorer over tokens [A, N] at each row's committed end: (hidden [A, N, H], features
-        [A, N, F] or None); the nodes' K/V stay pending in the cache."""
+    def _forward(
+        self, rows: list[int], tokens: torch.Tensor, plan: AttentionPlan, depth: torch.Tensor, scorer
+    ):
+        """`scorer` over tokens [A, N] at each row's committed end: (hidden [A, N, H], features [A, N, F] or
+        None); the nodes' K/V stay pending in the cache."""
         self.cache.begin(rows, tokens.shape[1])
         positions = self.cache.positions(depth)  # [A, N]
-        out = self.scorer(tokens, positions, self.cache, self.cache.attention_plan(plan))
+        out = scorer(tokens, positions, self.cache, self.cache.attention_plan(plan))
         return out if self.feature_layers else (out, None)
 
     def _accepted_features(self, features: torch.Tensor | None, paths: list[list[int]]):

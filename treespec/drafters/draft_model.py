@@ -161,6 +161,7 @@ class DraftModelDrafter(BaseDrafter):
             self.cache = SpeculativeKVCache.for_model(self.model, capacity, self.storage, self.gamma + 1)
         self.cache.reset()
         self.stats = DraftStats()
+        self.drafts = []
         self.todo = list(tokens[:-1])
         self._encode(self.todo)  # the prompt (the root is encoded by the first draft)
         self.cache.accept(len(self.todo))
@@ -206,13 +207,19 @@ class DraftModelDrafter(BaseDrafter):
         return Proposal(torch.tensor([tokens], device=hidden.device))  # [1, N]
 
     def observe(self, committed: list[list[int]], features: torch.Tensor | None = None) -> None:
-        """Tokens the last step committed: the accepted drafts, then the bonus token."""
+        """Tokens the last step committed: the accepted drafts, then the bonus token. After a step that
+        verified the root alone (no propose: the decoder near the model's position limit) nothing of it is
+        in the draft cache: its token joins the ones the next draft encodes."""
         tokens = committed[0]
+        if not self.drafts:
+            self.todo = self.todo + list(tokens)
+            return
         accepted = accepted_prefix(tokens, self.drafts)
         self.stats.accepted += accepted
         held = min(accepted, self.gamma - 1)  # accepted drafts already encoded
         self.cache.accept(len(self.todo) + held)  # the encoded todo tokens, then those drafts
         self.todo = list(tokens[held:])
+        self.drafts = []
 
     def report(self) -> DrafterReport:
         memory = {} if self.cache is None else self.cache.memory_bytes()

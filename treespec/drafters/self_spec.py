@@ -100,6 +100,7 @@ class SelfSpeculativeDrafter(BaseDrafter):
         """Start a sequence (after the target's prefill): draft into the target's cache."""
         self.target_cache, self.plan = sequence.cache, AttentionPlan(sequence.kernel)
         self.stats = DraftStats()
+        self.drafts = []
         hidden = self.embed.weight
         self.lower = hidden.new_empty(1, self.gamma + 1, hidden.shape[1])  # allocated once per generation
 
@@ -145,8 +146,10 @@ class SelfSpeculativeDrafter(BaseDrafter):
         return self.norm(h)  # [1, N, H]
 
     def observe(self, committed: list[list[int]], features: torch.Tensor | None = None) -> None:
-        """Tokens the last step committed: counts the accepted drafts (the cache is the target's)."""
+        """Tokens the last step committed: counts the accepted drafts (the cache is the target's; a step
+        that verified the root alone drafted nothing)."""
         self.stats.accepted += accepted_prefix(committed[0], self.drafts)
+        self.drafts = []
 
     def report(self) -> DrafterReport:
         return DrafterReport(self.stats.as_dict())
