@@ -52,6 +52,13 @@ from .tree import Tree
 # 1200 / 2000 / 4000 tokens against 1737-1815 / 3226-3469 / 9073-9492 through the HF forward
 # (benchmarks/log/2026-12-07-g-kv-bf16.md).
 NATIVE_PREFILL_CHUNK = 1024
+# In the other numerics, where the native step decodes, a prompt of at most this many new tokens (a short
+# question, a conversation's next message) prefills through it too, in one call; longer ones through the HF
+# forward, whose linears multiply through oneDNN copies of the weights' float32 values, faster from ~50 rows.
+# On the Zen 4 EPYC (benchmarks/log/2026-12-07-h-positions-prefill.md) the native step took 0.67x / 0.80x /
+# 0.95x the HF forward's time for 10 / 25 / 50 tokens in fast numerics (0.63x / 0.73x / 0.89x in bitwise),
+# and 1.26-1.5x it for 100-768 tokens.
+NATIVE_PREFILL_MAX = {"fast": 48, "bitwise": 48}
 
 
 @dataclass
@@ -430,19 +437,22 @@ class Decoder:
     ) -> tuple[torch.Tensor, int]:
         """One prompt into cache row `row`, whose cache holds its first `start` tokens already: (hidden [H]
         at its last token, its first token)."""
-        # int8: the native step, NATIVE_PREFILL_CHUNK tokens a call; otherwise the HF forward in one call, its
-        # linears in their fastest form per row count (plain and trees share it)
-        int8 = self.numerics == "int8"
-        chunk = NATIVE_PREFILL_CHUNK if int8 else len(prompt) - start
+        # the native step, NATIVE_PREFILL_CHUNK tokens a call (int8; other numerics up to NATIVE_PREFILL_MAX
+        # new tokens); otherwise the HF forward in one call, its linears in their fastest form per row count
+        # (plain and trees share it)
+        native = self.native is not None and (
+            self.numerics == "int8" or len(prompt) - start <= NATIVE_PREFILL_MAX.get(self.numerics, 0)
+        )
+        chunk = NATIVE_PREFILL_CHUNK if native else len(prompt) - start
         parts = []  # [1, n, F] per call, for a drafter that reads the target's features
-        with self.running(), contextlib.nullcontext() if int8 else shared_forward(self.model):
+        with self.running(), contextlib.nullcontext() if native else shared_forward(self.model):
             for begin in range(start, len(prompt), chunk):
                 end = min(len(prompt), begin + chunk)
                 ids = torch.tensor([prompt[begin:end]], device=self.device)  # [1, n]
                 positions = torch.arange(begin, end, device=self.device)[None]  # [1, n]
                 self.cache.begin([row], end - begin)
                 plan = self.cache.attention_plan(AttentionPlan(self.kernel))
-                if int8:
+                if native:
                     out = self.native(ids, positions, self.cache, plan, self.feature_layers, exact=False)
                 else:
                     out = full_forward(self.model, ids, positions, self.cache, plan, self.feature_layers)
@@ -452,7 +462,7 @@ class Decoder:
                 self.cache.check_written()
                 self.cache.commit_all()
             last = out[0, -1]  # out [1, n, H] -> [H]
-            logits = self.logits(last) if int8 else output_logits(self.model, last)  # [V]
+            logits = self.logits(last) if native else output_logits(self.model, last)  # [V]
         features = torch.cat(parts, dim=1) if parts else None  # [1, P - start, F]
         root = self.sampling.sample(logits, self.generator)
         rows = self.cache.num_rows
