@@ -122,7 +122,7 @@ def tree_attention_sdpa(
 
 def _causal_prefill(query, key, value, scaling):
     """Plain causal attention over a block that starts at position 0: treespec's CPU op (tiles of query
-    tokens per KV head; SDPA took 1.2-1.3x its time per layer at 256-4000 tokens on the Zen 4 EPYC in
+    tokens per KV head; SDPA took 1.18-1.34x its time per layer at 256-4000 tokens on the Zen 4 EPYC in
     float32), flash-attn (CUDA) or SDPA."""
     on_cpu_op = query.device.type == "cpu" and ops.unsupported_reason(query, key) is None
     if on_cpu_op and ops.available(query.device):
