@@ -124,15 +124,17 @@ def test_the_cache_goes_under_the_keyword_this_transformers_reads():
 
 
 def test_a_model_that_ignores_the_cache_is_refused(monkeypatch):
-    """A forward that writes no K/V into the cache (the cache went under a keyword the model does not
-    read) raises at the prefill instead of decoding from an empty cache."""
+    """An HF forward that writes no K/V into the cache (the cache went under a keyword the model does not
+    read) raises at the prefill instead of decoding from an empty cache. (The native step writes the cache
+    itself, so the HF forward is asked for here: a short prompt would prefill through the native step.)"""
     import treespec.core.forward as forward_module
     from treespec.core.cache import CacheNotWrittenError
 
     model = tiny_model("llama", dtype=torch.float32)
     monkeypatch.setattr(forward_module, "CACHE_KWARG", "not_a_cache_keyword")
+    hf_forward = treespec.DecodeOptions(step="hf")
     with pytest.raises(CacheNotWrittenError, match="did not write treespec's KV cache"):
-        treespec.generate(model, [1, 2, 3], None, max_new_tokens=4)
+        treespec.generate(model, [1, 2, 3], None, max_new_tokens=4, options=hf_forward)
     monkeypatch.undo()
     plain = treespec.generate(model, [1, 2, 3], None, max_new_tokens=4, eos_token_id=[])
     assert plain.token_ids == hf_greedy(model, [1, 2, 3], 4)
