@@ -15,7 +15,7 @@ for L in sizes:
     prompt = torch.randint(0, 49152, (L,), generator=g).tolist()
     res = {"hf": [], "native": []}
     def run(name):
-        D.NATIVE_PREFILL_MAX[num] = 0 if name == "hf" else 100000
+        D.NATIVE_PREFILL_MAX = 0 if name == "hf" else 100000
         t0 = time.perf_counter(); first = d.prefill(prompt, max_new_tokens=8); return time.perf_counter() - t0, first, d.hidden.clone()
     run("hf"); run("native")
     for r in range(5):

@@ -121,13 +121,7 @@ def tree_attention_sdpa(
 
 
 def _causal_prefill(query, key, value, scaling):
-    """Plain causal attention over a block that starts at position 0: treespec's CPU op (tiles of query
-    tokens per KV head; SDPA took 1.18-1.34x its time per layer at 256-4000 tokens on the Zen 4 EPYC in
-    float32), flash-attn (CUDA) or SDPA."""
-    on_cpu_op = query.device.type == "cpu" and ops.unsupported_reason(query, key) is None
-    if on_cpu_op and ops.available(query.device):
-        out = torch.ops.treespec.tree_attention(query, key, value, None, float(scaling))  # [B, n, H, D]
-        return out.transpose(1, 2)
+    """Plain causal attention over a block that starts at position 0: flash-attn (CUDA) or SDPA."""
     if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
         try:
             from flash_attn import flash_attn_func
@@ -156,8 +150,10 @@ def tree_attention_compiled(
     `treespec_attention` hands that buffer to transformers without a copy.
     """
     n, L = query.shape[2], key.shape[2]
-    if tree_mask is None and n == L and n > 1:
-        return _causal_prefill(query, key, value, scaling)  # prefill from an empty cache
+    # prefill from an empty cache: off the CPU flash-attn or SDPA; on the CPU the op below, whose query tiles
+    # keep every thread busy (SDPA took 1.18-1.34x its time per layer at 256-4000 tokens on the Zen 4 EPYC)
+    if tree_mask is None and n == L and n > 1 and query.device.type != "cpu":
+        return _causal_prefill(query, key, value, scaling)
     reason = ops.unsupported_reason(query, key)
     if reason is None and not ops.available(query.device):
         if not ops.build_info()["ok"]:  # ops.load warned once, with the cause

@@ -58,7 +58,7 @@ NATIVE_PREFILL_CHUNK = 1024
 # On the Zen 4 EPYC (benchmarks/log/2026-12-07-h-positions-prefill.md) the native step took 0.67x / 0.80x /
 # 0.95x the HF forward's time for 10 / 25 / 50 tokens in fast numerics (0.63x / 0.73x / 0.89x in bitwise),
 # and 1.26-1.5x it for 100-768 tokens.
-NATIVE_PREFILL_MAX = {"fast": 48, "bitwise": 48}
+NATIVE_PREFILL_MAX = 48
 
 
 @dataclass
@@ -441,7 +441,7 @@ class Decoder:
         # new tokens); otherwise the HF forward in one call, its linears in their fastest form per row count
         # (plain and trees share it)
         native = self.native is not None and (
-            self.numerics == "int8" or len(prompt) - start <= NATIVE_PREFILL_MAX.get(self.numerics, 0)
+            self.numerics == "int8" or len(prompt) - start <= NATIVE_PREFILL_MAX
         )
         chunk = NATIVE_PREFILL_CHUNK if native else len(prompt) - start
         parts = []  # [1, n, F] per call, for a drafter that reads the target's features
