@@ -294,3 +294,30 @@ def test_recipe_runners_decode_as_hf_and_auto_resolves_per_model(tmp_path, stead
     for name in methods:
         out = runners[name](prompt, 12)["token_ids"]
         assert out and out == want[: len(out)], name  # up to the model's end token
+
+
+@pytest.mark.integration
+def test_bench_with_a_repetition_penalty(tmp_path, smollm2):
+    """Every method decodes with HF's penalty: treespec's texts equal HF generate's with the penalty,
+    which differ from HF's texts without it."""
+    model, tokenizer = smollm2
+    out = tmp_path / "b.json"
+    argv = ["--num-prompts", "2", "--max-new-tokens", "24", "--dtype", "float32"]
+    argv += ["--repetition-penalty", "1.3", "--methods", "hf,plain,dynamic+suffix", "--numerics", "fast,int8"]
+    result = bench.main([*argv, "--out", str(out)])
+    assert result["config"]["repetition_penalty"] == 1.3
+    overall = result["summary"][-1]["methods"]
+    assert overall["plain"]["identical_to_hf"] == overall["dynamic+suffix"]["identical_to_hf"] == 2
+    assert overall["dynamic+suffix@int8"]["identical_to_plain"] == 2
+    questions = bench.select_prompts(bench.load_questions(default_data_file()), 2)
+    for q, record in zip(questions, result["prompts"], strict=True):
+        unpenalized = bench.hf_greedy(model, tokenizer, bench.prompt_ids(q, tokenizer), 24)
+        assert unpenalized != record["methods"]["hf"]["token_ids"]
+
+
+def test_a_repetition_penalty_refuses_llamacpp():
+    args = bench.parse_args(["--methods", "hf,llamacpp", "--repetition-penalty", "1.2"])
+    with pytest.raises(ValueError, match="repeat_penalty counts only the last 64 tokens it generated"):
+        bench.check_options(args)
+    with pytest.raises(ValueError, match="repetition_penalty must be > 0"):
+        bench.check_options(bench.parse_args(["--methods", "hf", "--repetition-penalty", "0"]))

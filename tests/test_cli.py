@@ -168,6 +168,10 @@ def bad_case(tmp_path, trace_file, case: str) -> tuple[list, str]:
         return ["generate", "hi", "--draft-model", tmp_path / "no-draft"], "--draft-model"
     if case == "generate exit head":
         return ["generate", "hi", "--exit-head", tmp_path / "no-exit"], "no-exit"
+    if case == "generate penalty":  # fails before loading the model
+        return ["generate", "hi", "--repetition-penalty", "-1"], "repetition_penalty must be > 0"
+    if case == "chat penalty":
+        return ["chat", "--repetition-penalty", "0"], "repetition_penalty must be > 0"
     if case == "tune data":
         return ["tune", "--exit-head", tmp_path, "--data", tmp_path / "no-data"], "no-data"
     raise AssertionError(case)
@@ -188,6 +192,8 @@ def bad_case(tmp_path, trace_file, case: str) -> tuple[list, str]:
         "generate heads",
         "generate draft model",
         "generate exit head",
+        "generate penalty",
+        "chat penalty",
         "tune data",
     ],
 )

@@ -41,14 +41,16 @@ def draw_device(generator: torch.Generator | None) -> torch.device:
 class SamplingConfig:
     """How tokens are chosen (as in HF generate): the base model's next-token distribution (temperature,
     top-k, top-p; temperature 0 is greedy), the rule that accepts drafted tokens (`RULES`: "sampling" is
-    lossless, and greedy when temperature is 0; "typical" is Medusa's, not lossless; "greedy") and the
-    seed of the random draws (None: torch's default generator)."""
+    lossless, and greedy when temperature is 0; "typical" is Medusa's, not lossless; "greedy"), the
+    seed of the random draws (None: torch's default generator) and HF's `repetition_penalty` (1.0: off;
+    applied to the logits before the rest, `core.penalty`)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     acceptance: str = "sampling"
     seed: int | None = None
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         if self.acceptance not in RULES:
@@ -59,6 +61,11 @@ class SamplingConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(
+                f"repetition_penalty must be > 0 (1.0 = off; above 1 a seen token is less likely), "
+                f"got {self.repetition_penalty}"
+            )
 
     @property
     def greedy(self) -> bool:

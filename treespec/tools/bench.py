@@ -264,6 +264,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help=f"comma list from {','.join(METHODS)}: recipes (treespec.recipes; auto: the best shipped one "
         "for the model), chain drafters, HF and peers",
     )
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="HF's repetition_penalty for every method (default 1.0: off): HF generate, treespec and vLLM "
+        "apply the same rule (llama.cpp's penalty skips the prompt, so its methods are refused with one)",
+    )
     p.add_argument("--draft-model", default=None, help="HF draft model folder (draft_model*, hf_assisted)")
     p.add_argument(
         "--exit-head", default=None, help="exit head folder (self_spec; train_heads.py --exit-layer)"
@@ -365,6 +372,14 @@ def check_options(args) -> None:
         options.existing_folder(args.draft_model, "--draft-model")
     if args.exit_head:
         options.existing_folder(args.exit_head, "--exit-head")
+    treespec.SamplingConfig(repetition_penalty=args.repetition_penalty)  # a bad value fails here
+    llamacpp = [m for m in args.methods if m in LLAMACPP_METHODS]
+    if args.repetition_penalty != 1.0 and llamacpp:
+        raise ValueError(
+            f"--repetition-penalty with {', '.join(llamacpp)}: llama.cpp's repeat_penalty counts only the "
+            "last 64 tokens it generated, not the prompt (HF's rule counts the prompt and every new token), "
+            "so its text is another one; leave the llamacpp methods out (vLLM applies HF's rule)"
+        )
 
 
 def load_heads_and_tree(args, model) -> tuple[MedusaHeads, Tree, str, str]:
@@ -443,16 +458,29 @@ def result_record(res) -> dict:
 
 
 def treespec_runner(
-    model, tokenizer, make_drafter, compile: bool = False, kernel: str = "auto", numerics: str = "fast"
+    model,
+    tokenizer,
+    make_drafter,
+    compile: bool = False,
+    kernel: str = "auto",
+    numerics: str = "fast",
+    penalty: float = 1.0,
 ):
     """run(ids, max_new_tokens) through `treespec.generate` with a drafter from make_drafter() (None:
-    plain decoding) for every call."""
+    plain decoding) for every call; penalty: the repetition penalty."""
     numerics, kv_dtype = split_numerics(numerics)
     options = treespec.DecodeOptions(kernel=kernel, compile=compile, numerics=numerics, kv_dtype=kv_dtype)
+    sampling = treespec.SamplingConfig(repetition_penalty=penalty)
 
     def run(ids, max_new_tokens):
         result = treespec.generate(
-            model, ids, make_drafter(), tokenizer, max_new_tokens=max_new_tokens, options=options
+            model,
+            ids,
+            make_drafter(),
+            tokenizer,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            options=options,
         )
         return result_record(result)
 
@@ -473,20 +501,25 @@ def make_runners(
     numerics: str = "fast",
     new_suffix_cache=None,
     kernel: str = "auto",
+    penalty: float = 1.0,
 ) -> dict:
     """name -> run(ids, max_new_tokens) -> dict(token_ids, steps, accepted, library_seconds).
     compile: every treespec method verifies through torch.compile (`Decoder(compile=True)`); numerics: how
     every treespec method computes (`DecodeOptions.numerics`); kernel: its tree-attention kernel. lookup:
     the lookup chain of the recipes that have one (None: theirs). new_suffix_cache(): a fresh global
     suffix cache per suffix recipe (None: the recipe's own, warm from the model's shipped answers).
+    penalty: HF's repetition_penalty, for HF and treespec alike.
 
     chains: from `load_chain_drafters` (the draft-model methods and hf_assisted need "draft_model",
     self_spec needs "exit_head", the EAGLE recipes "eagle" unless the default model's ships)."""
     chains = chains or {}
-    ours = partial(treespec_runner, model, tokenizer, compile=compile, numerics=numerics, kernel=kernel)
+    ours = partial(
+        treespec_runner, model, tokenizer, compile=compile, numerics=numerics, kernel=kernel, penalty=penalty
+    )
+    penalized = {"repetition_penalty": penalty} if penalty != 1.0 else {}
 
     def hf(ids, max_new_tokens, **extra):
-        return {"token_ids": hf_greedy(model, tokenizer, ids, max_new_tokens, **extra)}
+        return {"token_ids": hf_greedy(model, tokenizer, ids, max_new_tokens, **penalized, **extra)}
 
     runners = {
         "hf": hf,
@@ -588,12 +621,14 @@ def start_peers(args, model, tokenizer=None, prompts=()) -> dict:
     return peers
 
 
-def peer_runner(peer):
+def peer_runner(peer, penalty: float = 1.0):
     """A bench runner over a peer engine: the tokens it returns (each engine stops at the model's end
-    tokens itself) and the engine's own time for them (`library_seconds`)."""
+    tokens itself) and the engine's own time for them (`library_seconds`); penalty: the repetition
+    penalty (vLLM only: `check_options` refuses llama.cpp with one)."""
+    penalized = {"repetition_penalty": penalty} if penalty != 1.0 else {}
 
     def run(ids, m):
-        out = peer.run(ids, m)
+        out = peer.run(ids, m, **penalized)
         return {"token_ids": out["token_ids"], "library_seconds": out.get("seconds")}
 
     return run
@@ -755,6 +790,7 @@ HEADER_KEYS = (
     "exit_head",
     "threads",
     "max_new_tokens",
+    "repetition_penalty",
     "num_prompts",
     "workload",
     "numerics",
@@ -885,6 +921,7 @@ def describe_run(
         "tree_choices": [list(c) for c in tree.choices] if tree is not None else None,
         "threads": torch.get_num_threads(),
         "max_new_tokens": args.max_new_tokens,
+        "repetition_penalty": args.repetition_penalty,
         "lookup": (args.lookup or recipes.LOOKUP) if uses("lookup", args.methods) else None,
         "recipes": {
             m: recipes.RECIPES[method_recipe(m)].description for m in args.methods if method_recipe(m)
@@ -982,12 +1019,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
                 numerics,
                 new_suffix_cache,
                 kernel,
+                args.repetition_penalty,
             )
             names = run_names(list(made), [numerics], [kernel])
             runners |= {n: run for n, run in zip(names, made.values(), strict=True) if n not in runners}
     methods = run_names(args.methods, args.numerics, args.kernels)
     peers = start_peers(args, model, tokenizer, prompts)
-    runners |= {name: peer_runner(peer) for name, peer in peers.items()}
+    runners |= {name: peer_runner(peer, args.repetition_penalty) for name, peer in peers.items()}
 
     config = describe_run(args, command, model, (heads_desc, tree_desc, tree), chains, peers, prompts, data)
     t_start = time.perf_counter()

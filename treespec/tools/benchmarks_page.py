@@ -412,12 +412,14 @@ def _settings(entry: dict, data: dict, kind: str) -> str:
     """One line: machine, device, dtype, threads, sizes, tree, versions, date."""
     get = data["config"].get
     prompts = len(data["prompts"]) if kind == "bench" else get("num_prompts", "?")
+    penalty = get("repetition_penalty", 1.0)
     parts = [
         f"Machine: {entry['machine']}" if entry.get("machine") else f"Platform: {get('platform', '?')}",
         ", ".join(str(x) for x in (get("device"), get("dtype", "?")) if x)
         + f", {get('threads', '?')} threads",
         f"{prompts} {WORKLOAD_NAMES.get(get('workload') or 'spec-bench', get('workload'))} prompts, "
-        f"{get('max_new_tokens', '?')} new tokens, greedy",
+        f"{get('max_new_tokens', '?')} new tokens, greedy"
+        + (f" with repetition penalty {penalty}" if penalty != 1.0 else ""),
         "compiled steps" if get("compile") else "eager steps",
     ]
     if get("tree_choices"):

@@ -241,11 +241,28 @@ def _add_generate(commands) -> None:
     p.set_defaults(run=cmd_generate)
 
 
+def sampling_config(args) -> treespec.SamplingConfig:
+    """The sampling options of `generate` and `chat` (checked before the model loads)."""
+    return treespec.SamplingConfig(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        repetition_penalty=args.repetition_penalty,
+    )
+
+
 def _add_sampling_and_model_arguments(p) -> None:
     """Options `generate` and `chat` share: sampling, the model's dtype and device, the numerics."""
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="HF's repetition_penalty (default 1.0: off; e.g. 1.2 makes tokens already in the text less "
+        "likely); greedy output still equals HF greedy with the same penalty",
+    )
     p.add_argument(
         "--dtype",
         default="auto",
@@ -414,11 +431,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if name is not None and args.heads:
         options.heads_folder(args.heads, args.model)
     tree_choice = None if args.tree is None else options.parse_tree(args.tree)
+    sampling = sampling_config(args)
     model, tokenizer = treespec.load_model(args.model, dtype=args.dtype, device=args.device)
     drafter, parts = generate_drafter(args, model, name, tree_choice)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if args.stream else None
     want_trace = args.show_tree or args.trace is not None
-    sampling = treespec.SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     result = treespec.generate(
         model,
         args.prompt,
@@ -479,9 +496,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     from transformers import TextStreamer
 
+    sampling = sampling_config(args)
     model, tokenizer = treespec.load_model(args.model, dtype=args.dtype, device=args.device)
     drafter = None if args.drafter == "none" else args.drafter
-    sampling = treespec.SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     options = treespec.DecodeOptions(numerics=args.numerics, kv_dtype=args.kv_dtype)
     interactive = sys.stdin.isatty()
     with treespec.Chat(

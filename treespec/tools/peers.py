@@ -181,8 +181,12 @@ class VllmPeer(WorkerPeer):
         name = f"vllm {self.info.get('vllm', '?')}"
         return f"{name}, sampling seeded per engine, not per shard" if temperature > 0 else name
 
-    def run(self, ids: list[int], max_new_tokens: int) -> dict:
-        return self._ask({"ids": list(ids), "max_new_tokens": max_new_tokens})
+    def run(self, ids: list[int], max_new_tokens: int, repetition_penalty: float = 1.0) -> dict:
+        """Greedy answer to one prompt (with HF's repetition_penalty rule where it is not 1.0)."""
+        request = {"ids": list(ids), "max_new_tokens": max_new_tokens}
+        if repetition_penalty != 1.0:
+            request["repetition_penalty"] = repetition_penalty
+        return self._ask(request)
 
     def run_batch(
         self, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int | None, stop_ids

@@ -99,7 +99,11 @@ def serve(llm, reply) -> None:
         if "batch" in request:
             reply(answer_batch(llm, request))
             continue
-        params = SamplingParams(temperature=0.0, max_tokens=int(request["max_new_tokens"]))
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=int(request["max_new_tokens"]),
+            repetition_penalty=float(request.get("repetition_penalty", 1.0)),  # HF's rule
+        )
         t0 = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=request["ids"])], params, use_tqdm=False)
         seconds = time.perf_counter() - t0
