@@ -23,6 +23,7 @@ The sampling rule's child-by-child loop reads single probabilities, so it runs o
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,8 +43,10 @@ class SamplingConfig:
     """How tokens are chosen (as in HF generate): the base model's next-token distribution (temperature,
     top-k, top-p; temperature 0 is greedy), the rule that accepts drafted tokens (`RULES`: "sampling" is
     lossless, and greedy when temperature is 0; "typical" is Medusa's, not lossless; "greedy"), the
-    seed of the random draws (None: torch's default generator) and HF's `repetition_penalty` (1.0: off;
-    applied to the logits before the rest, `core.penalty`)."""
+    seed of the random draws (None: torch's default generator), HF's `repetition_penalty` (1.0: off) and
+    `logits_processor`: HF `LogitsProcessor`s (or callables `(input_ids [n, L], scores [n, V]) -> scores`)
+    applied in order after the penalty and before temperature / top-k / top-p, each tree node at its own
+    sequence (`core.processing`)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -51,6 +54,7 @@ class SamplingConfig:
     acceptance: str = "sampling"
     seed: int | None = None
     repetition_penalty: float = 1.0
+    logits_processor: Sequence[Callable] | None = None
 
     def __post_init__(self):
         if self.acceptance not in RULES:
@@ -61,6 +65,14 @@ class SamplingConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        processors = tuple(self.logits_processor or ())
+        for p in processors:
+            if not callable(p):
+                raise TypeError(
+                    f"logits_processor takes callables (input_ids, scores) -> scores, such as HF's "
+                    f"LogitsProcessor; got {type(p).__name__}"
+                )
+        object.__setattr__(self, "logits_processor", processors or None)  # a tuple: the config stays hashable
         if not self.repetition_penalty > 0:
             raise ValueError(
                 f"repetition_penalty must be > 0 (1.0 = off; above 1 a seen token is less likely), "

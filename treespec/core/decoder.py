@@ -39,8 +39,8 @@ from .native import STEPS, NativeStep, int8_reason
 from .native import unsupported_reason as native_unsupported
 from .packed import MODES as LINEAR_MODES
 from .packed import packed_linears, shared_forward, weights_key
-from .penalty import RepetitionPenalty
 from .pricing import StepPricer
+from .processing import TreeLogitsProcessing
 from .stats import GenerationStats
 from .tree import Tree
 
@@ -226,7 +226,7 @@ class Decoder:
     cache: TreeKVCache | None = None  # allocated by `prefill`
     hidden: torch.Tensor | None = None  # [A, H] at each live row's last committed token
     roots: torch.Tensor | None = None  # [A] each live row's next root token
-    penalty: RepetitionPenalty | None = None  # the rows' seen tokens (a repetition penalty only; `prefill`)
+    processing: TreeLogitsProcessing | None = None  # a repetition penalty / logits processors (`prefill`)
 
     def __init__(
         self,
@@ -373,8 +373,7 @@ class Decoder:
             for p, name in zip(prompts, names, strict=True)
         )
         self.position_limit = position_limit(self.model, max_length)
-        penalty = self.sampling.repetition_penalty
-        self.penalty = RepetitionPenalty(penalty) if penalty != 1.0 else None
+        self.processing = TreeLogitsProcessing.of(self.sampling)  # None unless asked for
         weights = weights_key(self.model) if self.reuse_prefix else None
         kept = self._kept_prefix(prompts, weights)
         if self.cache is None or self.cache.max_len < needed or self.cache.num_rows != B:
@@ -468,12 +467,12 @@ class Decoder:
             last = out[0, -1]  # out [1, n, H] -> [H]
             logits = self.logits(last) if native else output_logits(self.model, last)  # [V]
         features = torch.cat(parts, dim=1) if parts else None  # [1, P - start, F]
-        if self.penalty is not None:  # the prompt's tokens
-            self.penalty.start(row, prompt)
-            logits = self.penalty.apply(logits[None, None], [row], [[prompt[-1]]], [-1])[0, 0]  # [V]
+        if self.processing is not None:  # at the prompt's tokens
+            self.processing.start(row, prompt)
+            logits = self.processing.apply(logits[None, None], [row], [[prompt[-1]]], [-1])[0, 0]  # [V]
         root = self.sampling.sample(logits, self.generator)
-        if self.penalty is not None:
-            self.penalty.extend(row, [root])
+        if self.processing is not None:
+            self.processing.extend(row, [root])
         rows = self.cache.num_rows
         self.drafter.start(
             SequenceStart(list(prompt) + [root], capacity, self.cache, self.kernel, features, row, rows)
@@ -510,8 +509,8 @@ class Decoder:
             hidden_tree, features = self._forward(rows, proposal.tokens, plan, depth, scorer)  # [A, N, H]
             logits, best = self.verified_logits(hidden_tree)  # [A, N, V], [A, N] or None
             tokens = proposal.tokens.tolist()
-            if self.penalty is not None:  # each node's logits at its own sequence's tokens
-                logits = self.penalty.apply(logits, rows, tokens, tree.parents.tolist())  # [A, N, V]
+            if self.processing is not None:  # each node's logits at its own sequence
+                logits = self.processing.apply(logits, rows, tokens, tree.parents.tolist())  # [A, N, V]
             verified = verify_rows(
                 self.acceptance, tokens, children, logits, self.sampling, self.generator, best
             )
@@ -525,9 +524,9 @@ class Decoder:
             self.roots = torch.tensor(bonuses, device=self.device)  # [A]
             t3 = self.clock()
         committed = [[tokens[a][i] for i in p[1:]] + [bonuses[a]] for a, p in enumerate(paths)]
-        if self.penalty is not None:
+        if self.processing is not None:
             for row, row_committed in zip(rows, committed, strict=True):
-                self.penalty.extend(row, row_committed)
+                self.processing.extend(row, row_committed)
         self.drafter.observe(committed, self._accepted_features(features, paths))
         if speculate and self.drafter.target_topk > 0:  # what the target said after every verified node
             self.drafter.verified(proposal.tokens, logits.topk(self.drafter.target_topk, dim=-1).indices)
@@ -547,8 +546,9 @@ class Decoder:
 
     def verified_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A verification's logits [A, N, V] (every step's pass here) and, when the native lm_head takes
-        it (greedy acceptance, no repetition penalty), their argmax [A, N] (else None)."""
-        if self.native is not None and greedy_rule(self.acceptance, self.sampling) and self.penalty is None:
+        it (greedy acceptance, no logits processing), their argmax [A, N] (else None)."""
+        greedy = greedy_rule(self.acceptance, self.sampling)
+        if self.native is not None and greedy and self.processing is None:
             return self.native.logits_argmax(hidden)
         return self.logits(hidden), None
 

@@ -1,5 +1,6 @@
-"""Repetition penalty (HF's `repetition_penalty`): every verified node's logits equal the logits HF's
-processor gives a one-token step at that node's own sequence, and decoding with a penalty gives HF's text."""
+"""Logits processing over a tree (HF's `repetition_penalty`, HF logits processors): every verified node's
+logits equal the logits HF's processors give a one-token step at that node's own sequence, and decoding
+with them gives HF's text."""
 
 from __future__ import annotations
 
@@ -9,10 +10,15 @@ from collections import Counter
 import pytest
 import torch
 from conftest import random_heads, tiny_model, total_variation
-from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+from transformers import LogitsProcessorList
+from transformers.generation.logits_process import (
+    MinNewTokensLengthLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+)
 
 import treespec
-from treespec.core.penalty import RepetitionPenalty
+from treespec.core.processing import TreeLogitsProcessing
 from treespec.drafters.lookup import PromptLookup
 
 
@@ -52,7 +58,7 @@ def test_every_node_is_penalized_as_a_one_token_step_at_its_sequence(seed):
     # so that branches repeat tokens, seen and unseen
     tokens = [[h[-1]] + [rng.randrange(12) for _ in range(tree.num_nodes - 1)] for h in histories]
     logits = torch.randn(rows, tree.num_nodes, vocab, generator=torch.Generator().manual_seed(seed))
-    state = RepetitionPenalty(penalty)
+    state = TreeLogitsProcessing(penalty)
     cache_rows = [2, 0, 5]
     for row, history in zip(cache_rows, histories, strict=True):
         state.start(row, history[:-1])
@@ -166,3 +172,71 @@ def test_sampling_with_a_penalty_keeps_the_penalized_distribution():
 def test_a_penalty_must_be_positive():
     with pytest.raises(ValueError, match="repetition_penalty must be > 0"):
         treespec.SamplingConfig(repetition_penalty=0.0)
+
+
+class PositionBias:
+    """A processor that reads the sequence's length and last token: + length / 10 at token (last + 1)."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.clone()
+        rows = torch.arange(scores.shape[0])
+        scores[rows, (input_ids[:, -1] + 1) % scores.shape[1]] += input_ids.shape[1] / 10
+        return scores
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_processors_see_every_node_at_its_own_sequence(seed):
+    rng = random.Random(seed)
+    vocab = 30
+    tree = random_tree(rng, rng.randrange(1, 24))
+    history = [rng.randrange(vocab) for _ in range(rng.randrange(2, 20))]
+    tokens = [[history[-1]] + [rng.randrange(8) for _ in range(tree.num_nodes - 1)]]
+    logits = torch.randn(1, tree.num_nodes, vocab, generator=torch.Generator().manual_seed(seed))
+    processors = [NoRepeatNGramLogitsProcessor(2), PositionBias()]
+    state = TreeLogitsProcessing(1.2, processors)
+    state.start(7, history[:-1])
+    state.extend(7, history[-1:])
+    got = state.apply(logits, [7], tokens, tree.parents.tolist())
+    for node in range(tree.num_nodes):
+        sequence = torch.tensor([history + [tokens[0][i] for i in tree.path_to(node)[1:]]])
+        want = RepetitionPenaltyLogitsProcessor(1.2)(sequence, logits[0, node][None].clone())
+        for processor in processors:
+            want = processor(sequence, want)
+        assert torch.equal(got[0, node], want[0]), node
+
+
+def test_greedy_with_logits_processors_equals_hf_greedy_with_them():
+    """No repeated 3-grams, no end token before 12 new tokens, a position-dependent bias: every drafter's
+    text equals HF generate's with the same processors."""
+    model = small_model()
+    prompt = [5, 9, 14, 2, 33, 61, 5, 9, 14]
+    eos = hf_greedy_penalized(model, prompt, 6, 1.0)[2]  # HF's 3rd token: an end token that stops early
+    processors = [
+        NoRepeatNGramLogitsProcessor(3),
+        MinNewTokensLengthLogitsProcessor(len(prompt), 12, eos),
+        PositionBias(),
+    ]
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=40,
+        do_sample=False,
+        logits_processor=LogitsProcessorList(processors),
+        eos_token_id=eos,
+        pad_token_id=0,
+    )
+    want = out[0, len(prompt) :].tolist()
+    assert len(want) >= 12 and want != hf_greedy_penalized(model, prompt, len(want), 1.0)
+    sampling = treespec.SamplingConfig(logits_processor=LogitsProcessorList(processors))
+    for name, drafter in drafters(model).items():
+        for numerics in ("fast", "bitwise"):
+            options = treespec.DecodeOptions(numerics=numerics)
+            settings = dict(max_new_tokens=40, eos_token_id=eos, sampling=sampling, options=options)
+            got = treespec.generate(model, prompt, drafter, **settings)
+            assert got.token_ids == want, (name, numerics)
+
+
+def test_a_logits_processor_must_be_callable():
+    with pytest.raises(TypeError, match="logits_processor takes callables"):
+        treespec.SamplingConfig(logits_processor=[3])
