@@ -240,3 +240,30 @@ def test_greedy_with_logits_processors_equals_hf_greedy_with_them():
 def test_a_logits_processor_must_be_callable():
     with pytest.raises(TypeError, match="logits_processor takes callables"):
         treespec.SamplingConfig(logits_processor=[3])
+
+
+def test_sampling_from_a_generation_config_follows_hf():
+    from transformers import GenerationConfig
+
+    shipped = GenerationConfig(do_sample=True, temperature=0.7, top_p=0.8, repetition_penalty=1.05)
+    config = treespec.SamplingConfig.from_generation_config(shipped, seed=3)
+    assert (config.temperature, config.top_k, config.top_p) == (0.7, 50, 0.8)  # HF's top-k default: 50
+    assert config.repetition_penalty == 1.05 and config.seed == 3 and config.logits_processor is None
+    greedy = treespec.SamplingConfig.from_generation_config(GenerationConfig(temperature=0.7))
+    assert greedy.greedy and greedy.top_k == 0 and greedy.top_p == 1.0
+    with pytest.raises(ValueError, match="min_p, bad_words_ids"):
+        treespec.SamplingConfig.from_generation_config(GenerationConfig(min_p=0.1, bad_words_ids=[[3]]))
+    # greedy with a penalty and no repeated 2-grams (each changes the text): HF generate's text with them
+    model = small_model()
+    prompt = [5, 9, 14, 2, 33, 61, 5, 9, 14]
+    fixed = dict(max_new_tokens=30, eos_token_id=None, pad_token_id=0)
+    settings = GenerationConfig(repetition_penalty=1.05, no_repeat_ngram_size=2, **fixed)
+    ids, mask = torch.tensor([prompt]), torch.ones(1, len(prompt), dtype=torch.long)
+    want = model.generate(ids, attention_mask=mask, generation_config=settings)
+    for alone in (dict(repetition_penalty=1.05), dict(no_repeat_ngram_size=2)):
+        alone = GenerationConfig(**alone, **fixed)
+        assert not torch.equal(model.generate(ids, attention_mask=mask, generation_config=alone), want)
+    sampling = treespec.SamplingConfig.from_generation_config(settings)
+    for name, drafter in drafters(model).items():
+        got = treespec.generate(model, prompt, drafter, max_new_tokens=30, eos_token_id=[], sampling=sampling)
+        assert got.token_ids == want[0, len(prompt) :].tolist(), name

@@ -38,6 +38,31 @@ def draw_device(generator: torch.Generator | None) -> torch.device:
     return torch.device("cpu") if generator is None else generator.device
 
 
+# generation settings `SamplingConfig.from_generation_config` refuses unless unset or at this (no-op) value
+UNFOLLOWED = {
+    "num_beams": 1,
+    "min_p": 0.0,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "top_h": None,
+    "min_new_tokens": 0,
+    "min_length": 0,
+    "bad_words_ids": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "sequence_bias": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "exponential_decay_length_penalty": None,
+    "encoder_repetition_penalty": 1.0,
+    "guidance_scale": None,
+    "watermarking_config": None,
+    "renormalize_logits": False,
+    "dola_layers": None,
+}
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How tokens are chosen (as in HF generate): the base model's next-token distribution (temperature,
@@ -82,6 +107,35 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @classmethod
+    def from_generation_config(cls, config, **overrides) -> SamplingConfig:
+        """What HF `generate` would do with a `GenerationConfig` (e.g. `model.generation_config`, where a
+        model ships its sampling settings): do_sample with temperature / top-k / top-p (HF's defaults 1.0 /
+        50 / 1.0 where unset), else greedy; repetition_penalty; no_repeat_ngram_size as HF's processor.
+        overrides: fields set on top (e.g. seed). A setting treespec does not follow is refused, by name."""
+
+        def get(name):
+            return getattr(config, name, None)
+
+        unsupported = [name for name, value in UNFOLLOWED.items() if get(name) not in (None, value)]
+        if unsupported:
+            raise ValueError(
+                f"treespec does not follow these generation settings: {', '.join(unsupported)}; "
+                "leave them unset (or decode with HF generate)"
+            )
+        sample = bool(get("do_sample") or False)
+        fields = {
+            "temperature": float(get("temperature") or 1.0) if sample else 0.0,
+            "top_k": int(50 if get("top_k") is None else get("top_k")) if sample else 0,  # HF's default: 50
+            "top_p": float(get("top_p") or 1.0) if sample else 1.0,
+            "repetition_penalty": float(get("repetition_penalty") or 1.0),
+        }
+        if get("no_repeat_ngram_size"):
+            from transformers import NoRepeatNGramLogitsProcessor
+
+            fields["logits_processor"] = (NoRepeatNGramLogitsProcessor(int(get("no_repeat_ngram_size"))),)
+        return cls(**(fields | overrides))
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Next-token distribution(s): logits [..., V] -> probabilities [..., V] in float32."""
