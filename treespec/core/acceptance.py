@@ -115,8 +115,9 @@ class SamplingConfig:
         50 / 1.0 where unset), else greedy; repetition_penalty; no_repeat_ngram_size as HF's processor.
         overrides: fields set on top (e.g. seed). A setting treespec does not follow is refused, by name."""
 
-        def get(name):
-            return getattr(config, name, None)
+        def get(name, default=None):
+            value = getattr(config, name, None)
+            return default if value is None else value
 
         unsupported = [name for name, value in UNFOLLOWED.items() if get(name) not in (None, value)]
         if unsupported:
@@ -124,12 +125,12 @@ class SamplingConfig:
                 f"treespec does not follow these generation settings: {', '.join(unsupported)}; "
                 "leave them unset (or decode with HF generate)"
             )
-        sample = bool(get("do_sample") or False)
-        fields = {
-            "temperature": float(get("temperature") or 1.0) if sample else 0.0,
-            "top_k": int(50 if get("top_k") is None else get("top_k")) if sample else 0,  # HF's default: 50
-            "top_p": float(get("top_p") or 1.0) if sample else 1.0,
-            "repetition_penalty": float(get("repetition_penalty") or 1.0),
+        sample = bool(get("do_sample", False))
+        fields = {  # where unset, HF's defaults
+            "temperature": float(get("temperature", 1.0)) if sample else 0.0,
+            "top_k": int(get("top_k", 50)) if sample else 0,
+            "top_p": float(get("top_p", 1.0)) if sample else 1.0,
+            "repetition_penalty": float(get("repetition_penalty", 1.0)),
         }
         if get("no_repeat_ngram_size"):
             from transformers import NoRepeatNGramLogitsProcessor
