@@ -76,3 +76,30 @@ def test_a_conversation_longer_than_the_model_says_to_start_again(tokenizer):
     with pytest.raises(treespec.CacheCapacityError, match=r"chat\.reset\(\)"):
         chat.send("Tell me everything about the sea, the mountains, the rivers and the sky. " * 3)
     assert [m["role"] for m in chat.messages] == ["user", "assistant"]  # the failed turn left no trace
+
+
+def test_a_repetition_penalty_counts_the_whole_conversation(tokenizer):
+    """A later turn prefills only its new tokens, but the penalty counts every token of the conversation:
+    each reply equals HF generate's with the penalty on the whole rendered conversation (a penalty below 1
+    favours seen tokens, so the replies copy from the history: one that forgot it fails here)."""
+    model = tiny_llama_over(tokenizer, dtype=torch.float32, eos_token_id=2)
+    drafter = treespec.make_drafter(random_heads(model, seed=3), treespec.default_tree(8, 4), model)
+    sampling = treespec.SamplingConfig(repetition_penalty=0.3)
+    history: list[dict] = []
+    with treespec.Chat(model, tokenizer, drafter, max_new_tokens=10, sampling=sampling) as chat:
+        for message in ("Write a haiku about the sea.", "Again, about the sea."):
+            reply = chat.send(message)
+            history.append({"role": "user", "content": message})
+            prompt = torch.tensor([chat_ids(tokenizer, history)])
+            out = model.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=10,
+                do_sample=False,
+                repetition_penalty=0.3,
+                eos_token_id=2,
+                pad_token_id=2,
+            )
+            assert reply.token_ids == out[0, prompt.shape[1] :].tolist()
+            history.append({"role": "assistant", "content": reply.text})
+        assert reply.stats.prompt_reused > 0
