@@ -159,8 +159,9 @@ def random_eagle(model, seed: int = 0, draft_size: int = 0, std: float = 0.3, la
     return draft
 
 
-def hf_greedy(model, input_ids: list[int], max_new_tokens: int, eos_token_id=None) -> list[int]:
-    """Reference: transformers' own greedy generate (sdpa attention, DynamicCache)."""
+def hf_greedy(model, input_ids: list[int], max_new_tokens: int, eos_token_id=None, **settings) -> list[int]:
+    """Reference: transformers' own greedy generate (sdpa attention, DynamicCache); settings: more generate
+    arguments (e.g. repetition_penalty)."""
     ids = torch.tensor([input_ids])
     out = model.generate(
         ids,
@@ -169,6 +170,7 @@ def hf_greedy(model, input_ids: list[int], max_new_tokens: int, eos_token_id=Non
         do_sample=False,
         eos_token_id=eos_token_id,
         pad_token_id=0,
+        **settings,
     )
     return out[0, len(input_ids) :].tolist()
 

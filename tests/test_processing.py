@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import random_heads, tiny_model, total_variation
+from conftest import hf_greedy, random_heads, tiny_model, total_variation
 from transformers import LogitsProcessorList
 from transformers.generation.logits_process import (
     MinNewTokensLengthLogitsProcessor,
@@ -23,17 +23,7 @@ from treespec.drafters.lookup import PromptLookup
 
 
 def hf_greedy_penalized(model, prompt: list[int], max_new_tokens: int, penalty: float) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        repetition_penalty=penalty,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
+    return hf_greedy(model, prompt, max_new_tokens, repetition_penalty=penalty)
 
 
 def random_tree(rng: random.Random, nodes: int) -> treespec.Tree:
