@@ -227,9 +227,17 @@ def test_greedy_with_logits_processors_equals_hf_greedy_with_them():
             assert got.token_ids == want, (name, numerics)
 
 
-def test_a_logits_processor_must_be_callable():
+def test_a_logits_processor_must_be_callable_and_return_the_scores():
     with pytest.raises(TypeError, match="logits_processor takes callables"):
         treespec.SamplingConfig(logits_processor=[3])
+
+    def forgetful(input_ids, scores):
+        scores[:, 0] = 0.0  # changes them in place, returns nothing
+
+    model = small_model()
+    sampling = treespec.SamplingConfig(logits_processor=[forgetful])
+    with pytest.raises(TypeError, match="logits processor function returned NoneType"):
+        treespec.generate(model, [1, 2, 3], None, max_new_tokens=4, sampling=sampling)
 
 
 def test_sampling_from_a_generation_config_follows_hf():

@@ -100,7 +100,14 @@ class TreeLogitsProcessing:
             index = torch.tensor(nodes, device=scores.device)
             processed = scores[index]  # [n, V]
             for processor in self.processors:
-                processed = processor(ids, processed)
+                out = processor(ids, processed)
+                if not isinstance(out, torch.Tensor) or out.shape != processed.shape:
+                    got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                    raise TypeError(
+                        f"logits processor {type(processor).__name__} returned {got} for scores of shape "
+                        f"{tuple(processed.shape)}: a processor returns the scores, processed, in their shape"
+                    )
+                processed = out
             scores[index] = processed.to(scores.dtype)
 
 
