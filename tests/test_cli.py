@@ -170,6 +170,8 @@ def bad_case(tmp_path, trace_file, case: str) -> tuple[list, str]:
         return ["generate", "hi", "--exit-head", tmp_path / "no-exit"], "no-exit"
     if case == "generate penalty":  # fails before loading the model
         return ["generate", "hi", "--repetition-penalty", "-1"], "repetition_penalty must be > 0"
+    if case == "generate min-p":
+        return ["generate", "hi", "--temperature", "1", "--min-p", "2"], "min_p must be in [0, 1]"
     if case == "chat penalty":
         return ["chat", "--repetition-penalty", "0"], "repetition_penalty must be > 0"
     if case == "tune data":
@@ -193,6 +195,7 @@ def bad_case(tmp_path, trace_file, case: str) -> tuple[list, str]:
         "generate draft model",
         "generate exit head",
         "generate penalty",
+        "generate min-p",
         "chat penalty",
         "tune data",
     ],

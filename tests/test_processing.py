@@ -249,8 +249,10 @@ def test_sampling_from_a_generation_config_follows_hf():
     assert config.repetition_penalty == 1.05 and config.seed == 3 and config.logits_processor is None
     greedy = treespec.SamplingConfig.from_generation_config(GenerationConfig(temperature=0.7))
     assert greedy.greedy and greedy.top_k == 0 and greedy.top_p == 1.0
-    with pytest.raises(ValueError, match="min_p, bad_words_ids"):
-        treespec.SamplingConfig.from_generation_config(GenerationConfig(min_p=0.1, bad_words_ids=[[3]]))
+    with pytest.raises(ValueError, match="typical_p, bad_words_ids"):
+        treespec.SamplingConfig.from_generation_config(GenerationConfig(typical_p=0.5, bad_words_ids=[[3]]))
+    min_p = treespec.SamplingConfig.from_generation_config(GenerationConfig(do_sample=True, min_p=0.05))
+    assert min_p.min_p == 0.05 and min_p.temperature == 1.0
     # greedy with a penalty and no repeated 2-grams (each changes the text): HF generate's text with them
     model = small_model()
     prompt = [5, 9, 14, 2, 33, 61, 5, 9, 14]

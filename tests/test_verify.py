@@ -58,7 +58,13 @@ def _wrong_rule_no_renormalise(tokens, children, logits, config, generator):
 
 
 @pytest.mark.parametrize(
-    "config", [SamplingConfig(1.0), SamplingConfig(0.7, top_k=5), SamplingConfig(1.3, top_p=0.8)]
+    "config",
+    [
+        SamplingConfig(1.0),
+        SamplingConfig(0.7, top_k=5),
+        SamplingConfig(1.3, top_p=0.8),
+        SamplingConfig(1.0, min_p=0.2),
+    ],
 )
 def test_sampling_rule_is_lossless(config):
     logits, tokens, children = _setup()
@@ -113,18 +119,24 @@ def test_typical_rule_takes_the_deepest_plausible_branch():
     )
 
 
-def test_top_k_and_top_p_warp_like_hf():
-    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+def test_top_k_top_p_and_min_p_warp_like_hf():
+    from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(2))
-    for k, p in [(5, 1.0), (0, 0.7), (10, 0.5)]:
-        ours = SamplingConfig(0.8, top_k=k, top_p=p).probs(logits)
+    for k, p, min_p in [(5, 1.0, 0.0), (0, 0.7, 0.0), (10, 0.5, 0.0), (0, 1.0, 0.2), (20, 0.9, 0.1)]:
+        ours = SamplingConfig(0.8, top_k=k, top_p=p, min_p=min_p).probs(logits)
         scores = logits / 0.8
         if k:
             scores = TopKLogitsWarper(k)(None, scores)
         if p < 1:
             scores = TopPLogitsWarper(p)(None, scores)
+        if min_p:
+            kept = (scores > float("-inf")).sum()
+            scores = MinPLogitsWarper(min_p)(None, scores)
+            assert (scores > float("-inf")).sum() < kept  # min-p removed tokens here
         torch.testing.assert_close(ours, scores.softmax(-1))
+    with pytest.raises(ValueError, match="min_p must be in"):
+        SamplingConfig(1.0, min_p=1.5)
 
 
 def test_end_to_end_sampling_matches_the_base_model():

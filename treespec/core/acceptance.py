@@ -41,7 +41,6 @@ def draw_device(generator: torch.Generator | None) -> torch.device:
 # generation settings `SamplingConfig.from_generation_config` refuses unless unset or at this (no-op) value
 UNFOLLOWED = {
     "num_beams": 1,
-    "min_p": 0.0,
     "typical_p": 1.0,
     "epsilon_cutoff": 0.0,
     "eta_cutoff": 0.0,
@@ -66,12 +65,12 @@ UNFOLLOWED = {
 @dataclass(frozen=True)
 class SamplingConfig:
     """How tokens are chosen (as in HF generate): the base model's next-token distribution (temperature,
-    top-k, top-p; temperature 0 is greedy), the rule that accepts drafted tokens (`RULES`: "sampling" is
-    lossless, and greedy when temperature is 0; "typical" is Medusa's, not lossless; "greedy"), the
-    seed of the random draws (None: torch's default generator), HF's `repetition_penalty` (1.0: off) and
-    `logits_processor`: HF `LogitsProcessor`s (or callables `(input_ids [n, L], scores [n, V]) -> scores`)
-    applied in order after the penalty and before temperature / top-k / top-p, each tree node at its own
-    sequence (`core.processing`)."""
+    top-k, top-p, min-p: HF's warpers in HF's order; temperature 0 is greedy), the rule that accepts drafted
+    tokens (`RULES`: "sampling" is lossless, and greedy when temperature is 0; "typical" is Medusa's, not
+    lossless; "greedy"), the seed of the random draws (None: torch's default generator), HF's
+    `repetition_penalty` (1.0: off) and `logits_processor`: HF `LogitsProcessor`s (or callables
+    `(input_ids [n, L], scores [n, V]) -> scores`) applied in order after the penalty and before temperature /
+    top-k / top-p / min-p, each tree node at its own sequence (`core.processing`)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -80,6 +79,7 @@ class SamplingConfig:
     seed: int | None = None
     repetition_penalty: float = 1.0
     logits_processor: Sequence[Callable] | None = None
+    min_p: float = 0.0
 
     def __post_init__(self):
         if self.acceptance not in RULES:
@@ -90,6 +90,8 @@ class SamplingConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
         processors = tuple(self.logits_processor or ())
         for p in processors:
             if not callable(p):
@@ -111,9 +113,10 @@ class SamplingConfig:
     @classmethod
     def from_generation_config(cls, config, **overrides) -> SamplingConfig:
         """What HF `generate` would do with a `GenerationConfig` (e.g. `model.generation_config`, where a
-        model ships its sampling settings): do_sample with temperature / top-k / top-p (HF's defaults 1.0 /
-        50 / 1.0 where unset), else greedy; repetition_penalty; no_repeat_ngram_size as HF's processor.
-        overrides: fields set on top (e.g. seed). A setting treespec does not follow is refused, by name."""
+        model ships its sampling settings): do_sample with temperature / top-k / top-p / min-p (HF's
+        defaults 1.0 / 50 / 1.0 / 0 where unset), else greedy; repetition_penalty; no_repeat_ngram_size as
+        HF's processor. overrides: fields set on top (e.g. seed). A setting treespec does not follow is
+        refused, by name."""
 
         def get(name, default=None):
             value = getattr(config, name, None)
@@ -130,6 +133,7 @@ class SamplingConfig:
             "temperature": float(get("temperature", 1.0)) if sample else 0.0,
             "top_k": int(get("top_k", 50)) if sample else 0,
             "top_p": float(get("top_p", 1.0)) if sample else 1.0,
+            "min_p": float(get("min_p", 0.0)) if sample else 0.0,
             "repetition_penalty": float(get("repetition_penalty", 1.0)),
         }
         if get("no_repeat_ngram_size"):
@@ -151,6 +155,10 @@ class SamplingConfig:
             drop_sorted[..., -1] = False  # always keep the most likely token
             drop = drop_sorted.scatter(-1, order, drop_sorted)
             logits = logits.masked_fill(drop, float("-inf"))
+        if self.min_p > 0:  # tokens below min_p x the most likely one's probability (which always stays)
+            probs = logits.softmax(dim=-1)
+            cut = self.min_p * probs.amax(dim=-1, keepdim=True)  # [..., 1]
+            logits = logits.masked_fill(probs < cut, float("-inf"))
         return logits.softmax(dim=-1)
 
     def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> int:

@@ -246,6 +246,7 @@ def sampling_config(args) -> treespec.SamplingConfig:
     return treespec.SamplingConfig(
         temperature=args.temperature,
         top_p=args.top_p,
+        min_p=args.min_p,
         seed=args.seed,
         repetition_penalty=args.repetition_penalty,
     )
@@ -255,6 +256,13 @@ def _add_sampling_and_model_arguments(p) -> None:
     """Options `generate` and `chat` share: sampling, the model's dtype and device, the numerics."""
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0)")
+    p.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="sampling keeps the tokens of at least this fraction of the most likely one's probability "
+        "(default 0: off)",
+    )
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument(
         "--repetition-penalty",
