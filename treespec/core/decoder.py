@@ -482,9 +482,10 @@ class Decoder:
     def _speculate(self, rows: int) -> bool:
         """Whether the next step over `rows` live rows verifies a tree (else the root alone). Near the
         position limit the root alone: a tree node never takes a position the model does not have."""
-        longest = max(self.cache.lengths[row] for row in self.live)
-        if self.position_limit is not None and longest + self.tree.max_depth >= self.position_limit:
-            return False
+        if self.position_limit is not None:
+            longest = max(self.cache.lengths[row] for row in self.live)
+            if longest + self.tree.max_depth >= self.position_limit:
+                return False
         if self.pricer is not None and self.cache.num_rows > 1:
             return self.pricer.speculate(rows)
         return not isinstance(self.plain_above, int) or rows <= self.plain_above

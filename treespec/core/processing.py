@@ -37,7 +37,7 @@ class TreeLogitsProcessing:
         self.penalty, self.processors = penalty, list(processors)
         self.tokens: dict[int, list[int]] = {}  # cache row -> the tokens of its sequence so far
         self.seen: dict[int, set[int]] = {}  # cache row -> those tokens as a set
-        self._index: dict[int, torch.Tensor] = {}  # cache row -> its seen tokens as a tensor [U]
+        self._index: dict[int, torch.Tensor] = {}  # cache row -> its seen tokens below the vocabulary [U]
 
     @classmethod
     def of(cls, sampling) -> TreeLogitsProcessing | None:
@@ -79,9 +79,9 @@ class TreeLogitsProcessing:
         """The repetition penalty on one row's scores [N, V], in place."""
         vocab = scores.shape[-1]
         index = self._index.get(row)
-        if index is None or index.device != scores.device:
-            index = self._index[row] = torch.tensor(sorted(self.seen[row]), device=scores.device)
-        index = index[index < vocab]  # ids past the output layer cannot be generated
+        if index is None or index.device != scores.device:  # ids past the output layer cannot be generated
+            seen = sorted(t for t in self.seen[row] if t < vocab)
+            index = self._index[row] = torch.tensor(seen, dtype=torch.long, device=scores.device)
         if index.numel():
             scores[:, index] = penalize(scores[:, index], self.penalty)  # [N, U]
         nodes, ids = branch_tokens(tokens, parents, self.seen[row], vocab)
