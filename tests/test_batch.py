@@ -177,6 +177,7 @@ def test_a_row_that_hits_eos_first_stops_and_leaves_the_batch(step, monkeypatch)
     expected = [hf_greedy(model, p, 30, eos_token_id=eos) for p in prompts]
     assert len(expected[0]) < len(expected[1])  # the eos token stops row 0 early
 
+    treespec.core.support.check_logits(model)  # the model's one-time logits check, before the count
     widths = []  # rows in each forward (the prefills run the HF forward on both paths)
     hook = model.model.embed_tokens.register_forward_hook(
         lambda m, args, out: widths.append(args[0].shape[0])

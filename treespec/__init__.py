@@ -18,6 +18,7 @@ from .core.pricing import AcceptanceCalibration, StepPricer
 from .core.runtime import TargetRuntime
 from .core.spec_cache import SpeculativeKVCache
 from .core.stats import GenerationStats
+from .core.support import UnsupportedModelError
 from .core.tree import DEFAULT_TREE_SIZES, Tree, default_tree
 from .drafters.draft_model import DraftModelDrafter
 from .drafters.eagle import EagleDrafter
@@ -77,6 +78,7 @@ __all__ = [
     "Tree",
     "TreeKVCache",
     "TreePlanner",
+    "UnsupportedModelError",
     "default_tree",
     "encode_prompt",
     "generate",

@@ -22,6 +22,14 @@ no state is hung on the HF modules and two decoders on one model never see each 
 - `tree_attention_exact`: the row-invariant kernel of csrc/exact_attention_cpu.cpp ("bitwise" numerics):
   a node's output has the bits a one-token step at the same position gets, whatever the tree or batch.
   Causal prefill from an empty cache stays on SDPA (plain and speculative decoding share the prefill).
+- `attention_with_terms`: what some architectures add to softmax attention, passed by transformers as
+  keywords (`ScoreTerms`: Gemma 2's score soft-capping, gpt-oss's sinks, a sliding window once a query
+  is past it): explicit matmul + softmax in float32, as transformers' eager attention computes them (a
+  window alone: SDPA with it in the mask).
+
+A model whose decoder layers do not pass keywords on to their attention (Falcon) still gets the plan: the
+decoder runs each forward inside `attention_forward(plan)`, which also counts the attention calls, so a
+model that computes attention without this interface is found out (`core.support`).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +60,7 @@ class AttentionPlan:
     rows, prefix_lens: int64 [A] CPU tensors for a forward over some rows of a batch whose rows have
     their own committed lengths (`TreeKVCache`): query row a is cache row rows[a] and sees that row's
     keys [0, prefix_lens[a] + n) only. None: every row's prefix is L - n (one sequence).
+    depth: the tree's largest node depth (None: read off the mask when needed).
     """
 
     kernel: str = "sdpa"
@@ -58,6 +68,13 @@ class AttentionPlan:
     bits: torch.Tensor | None = None
     rows: torch.Tensor | None = None
     prefix_lens: torch.Tensor | None = None
+    depth: int | None = None
+
+    def deepest(self, n: int) -> int:
+        """The largest depth among the block's n tokens (a causal block: its last token's index)."""
+        if self.mask is None:
+            return n - 1
+        return self.depth if self.depth is not None else int(self.mask.sum(1).max()) - 1
 
     @classmethod
     def for_tree(cls, tree: Tree | None, kernel: str, device) -> AttentionPlan:
@@ -66,7 +83,7 @@ class AttentionPlan:
             raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {sorted(KERNELS)}")
         if tree is None or tree.num_nodes == 1:
             return cls(kernel)
-        return cls(kernel, tree.ancestor_mask.to(device), tree.ancestor_bits.to(device))
+        return cls(kernel, tree.ancestor_mask.to(device), tree.ancestor_bits.to(device), depth=tree.max_depth)
 
 
 def block_mask(tree_mask: torch.Tensor | None, n: int, kv_len: int, device) -> torch.Tensor:
@@ -75,6 +92,84 @@ def block_mask(tree_mask: torch.Tensor | None, n: int, kv_len: int, device) -> t
         tree_mask = torch.ones(n, n, dtype=torch.bool, device=device).tril_()  # a chain: causal
     prefix = torch.ones(n, kv_len - n, dtype=torch.bool, device=device)
     return torch.cat([prefix, tree_mask.to(device)], dim=1)  # [n, L]
+
+
+@dataclass(frozen=True, eq=False)
+class ScoreTerms:
+    """What an architecture adds to softmax attention (transformers passes each as a keyword):
+
+    softcap: scores -> softcap * tanh(scores / softcap) before the mask (Gemma 2's `softcap`);
+    sinks: [H] one more logit per query head in the softmax's denominator, with no value (gpt-oss's `s_aux`);
+    window: a query at position p sees keys at positions j with p - j < window (`sliding_window` layers).
+    """
+
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+    window: int | None = None
+
+    @classmethod
+    def of(cls, keywords: dict) -> ScoreTerms | None:
+        """The terms among an attention call's keywords; None when it has none."""
+        softcap, sinks, window = (
+            keywords.get("softcap"),
+            keywords.get("s_aux"),
+            keywords.get("sliding_window"),
+        )
+        if not softcap and sinks is None and not window:
+            return None
+        return cls(softcap or None, sinks, window or None)
+
+    def needed(self, last_position: int) -> bool:
+        """Whether these terms change anything for queries up to `last_position` (a window only matters
+        once a query is `window` positions past the first key)."""
+        return bool(self.softcap) or self.sinks is not None or last_position >= (self.window or 1 << 62)
+
+
+def block_positions(tree_mask: torch.Tensor | None, n: int, kv_len: int, device) -> torch.Tensor:
+    """Positions of keys [0, kv_len) whose last n are the new block (a tree's nodes at the committed length
+    plus their depth, a chain's tokens one after another): int64 [kv_len]."""
+    depth = torch.arange(n, device=device) if tree_mask is None else tree_mask.to(device).sum(1) - 1  # [n]
+    return torch.cat([torch.arange(kv_len - n, device=device), kv_len - n + depth])
+
+
+def attention_with_terms(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    tree_mask: torch.Tensor | None,
+    scaling: float,
+    terms: ScoreTerms,
+) -> torch.Tensor:
+    """Tree attention with an architecture's `ScoreTerms` (the contract of `tree_attention_reference`):
+    query [B, H, n, D], key/value [B, Hkv, L, D] -> [B, H, n, D]. A window alone runs as SDPA with the
+    window in its mask; soft-capping or sinks as explicit matmul + softmax in float32 (float64 models:
+    float64)."""
+    B, H, n, D = query.shape
+    Hkv, L = key.shape[1], key.shape[2]
+    G = H // Hkv
+    visible = block_mask(tree_mask, n, L, query.device)  # [n, L]
+    if terms.window is not None:
+        positions = block_positions(tree_mask, n, L, query.device)  # [L]
+        visible = visible & (positions[-n:, None] - positions[None, :] < terms.window)
+    if not terms.softcap and terms.sinks is None:  # a window alone: SDPA with the mask
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=visible, scale=scaling, enable_gqa=G > 1
+        )
+    wide = torch.promote_types(query.dtype, torch.float32)  # float32, or float64 for float64 models
+    q = query.to(wide).reshape(B, Hkv, G * n, D)  # query heads of one KV group side by side
+    scores = q @ key.to(wide).transpose(-1, -2) * scaling  # [B, Hkv, G*n, L]
+    if terms.softcap:
+        scores = torch.tanh(scores / terms.softcap) * terms.softcap
+    scores = scores.masked_fill(~visible.repeat(G, 1), float("-inf"))
+    if terms.sinks is not None:  # head h = kv head h // G, group member h % G
+        sinks = (
+            terms.sinks.to(wide).reshape(1, Hkv, G, 1, 1).expand(B, Hkv, G, n, 1).reshape(B, Hkv, G * n, 1)
+        )
+        probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]  # [B, Hkv, G*n, L]
+    else:
+        probs = torch.softmax(scores, dim=-1)  # [B, Hkv, G*n, L]
+    out = probs @ value.to(wide)  # [B, Hkv, G*n, D]
+    return out.reshape(B, H, n, D).to(query.dtype)
 
 
 def tree_attention_reference(
@@ -226,6 +321,30 @@ def auto_kernel(device: torch.device, dtype: torch.dtype) -> str:
     return "compiled" if ops.dtype_supported(device, dtype) and ops.available(device) else "sdpa"
 
 
+@dataclass(eq=False)
+class ForwardRecord:
+    """One forward's attention: the plan its layers follow, and how many attention calls it made."""
+
+    plan: AttentionPlan
+    calls: int = 0
+    planless: int = 0  # calls that came without the plan keyword (the layers did not pass it on)
+
+
+_FORWARD: ContextVar[ForwardRecord | None] = ContextVar("treespec_forward", default=None)
+
+
+@contextlib.contextmanager
+def attention_forward(plan: AttentionPlan) -> Iterator[ForwardRecord]:
+    """Run one forward of the model under `plan`: attention calls that arrive without the plan (decoder
+    layers that do not pass keywords on) take it from here, and the record counts every call."""
+    record = ForwardRecord(plan)
+    token = _FORWARD.set(record)
+    try:
+        yield record
+    finally:
+        _FORWARD.reset(token)
+
+
 def treespec_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -241,22 +360,42 @@ def treespec_attention(
 
     transformers calls it with q [B, H, n, D], k/v [B, Hkv, L, D] and expects [B, n, H, D]. It builds
     no HF mask for this implementation: visibility comes from the `tree_attention` plan only (no plan:
-    a causal block through SDPA), so padded batches are not supported here.
+    a causal block through SDPA), so padded batches are not supported here. kwargs: the architecture's
+    `ScoreTerms` (softcap, s_aux, sliding_window) are followed; others (position_ids, ...) change nothing.
     """
     if attention_mask is not None:
-        raise ValueError("treespec attention takes no HF attention mask: pass tree_attention= (or nothing)")
+        raise ValueError(
+            f"{type(module).__name__} passes an attention mask of its own to its attention function, which "
+            "treespec's tree attention cannot follow: this architecture is not supported"
+        )
+    record = None if torch.compiler.is_compiling() else _FORWARD.get()
+    if record is not None:
+        record.calls += 1
+        record.planless += tree_attention is None
+        tree_attention = tree_attention or record.plan
     plan = tree_attention or AttentionPlan()
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if key.dtype != query.dtype and plan.kernel != "exact":  # bf16 K/V under float32 queries: widened
         key, value = key.to(query.dtype), value.to(query.dtype)  # (the row-invariant op reads them as is)
+    terms = ScoreTerms.of(kwargs)
+    if terms is not None:
+        return _attention_with_terms(query, key, value, plan, scaling, terms), None
+    return _plan_attention(query, key, value, plan, scaling), None
+
+
+def _plan_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: AttentionPlan, scaling: float
+) -> torch.Tensor:
+    """Tree attention through the plan's kernel: query [A, H, n, D] over key/value [B, Hkv, L, D] (A = B
+    without per-row lengths) -> [A, n, H, D]."""
     if plan.rows is not None:
-        return _rows_attention(query, key, value, plan, scaling), None
+        return _rows_attention(query, key, value, plan, scaling)
     if plan.kernel in ("compiled", "exact"):
         out = KERNELS[plan.kernel](query, key, value, plan.mask, scaling, plan.bits)  # [B, H, n, D]
     else:
         out = KERNELS[plan.kernel](query, key, value, plan.mask, scaling)  # [B, H, n, D]
-    return out.transpose(1, 2).contiguous(), None  # no copy for "compiled": already [B, n, H, D]
+    return out.transpose(1, 2).contiguous()  # no copy for "compiled": already [B, n, H, D]
 
 
 def _rows_attention(
@@ -283,9 +422,34 @@ def _rows_attention(
     outs = []
     for a, (row, c) in enumerate(zip(plan.rows.tolist(), plan.prefix_lens.tolist(), strict=True)):
         k, v = key[row : row + 1, :, : c + n], value[row : row + 1, :, : c + n]  # [1, Hkv, c + n, D]
-        out, _ = treespec_attention(None, query[a : a + 1], k, v, None, scaling, tree_attention=one_row)
-        outs.append(out)  # [1, n, H, D]
+        outs.append(_plan_attention(query[a : a + 1], k, v, one_row, scaling))  # [1, n, H, D]
     return outs[0] if len(outs) == 1 else torch.cat(outs)  # [A, n, H, D]
+
+
+def _attention_with_terms(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: AttentionPlan, scaling: float, terms
+) -> torch.Tensor:
+    """A forward whose attention has `ScoreTerms`: `attention_with_terms` where they change anything (row
+    by row for rows with their own committed lengths), else the plan's kernel. Returns [A, n, H, D]."""
+    n = query.shape[2]
+    starts = [key.shape[2] - n] if plan.rows is None else plan.prefix_lens.tolist()
+    depth = plan.deepest(n)
+    if not any(terms.needed(c + depth) for c in starts):
+        return _plan_attention(query, key, value, plan, scaling)
+    if plan.kernel == "exact":
+        raise ValueError(
+            'numerics="bitwise" has no row-invariant kernel for attention with soft-capped scores, sinks or '
+            'a sliding window a sequence has passed; use numerics="fast" for this model'
+        )
+    if plan.rows is None:  # every row from one start
+        out = attention_with_terms(query, key, value, plan.mask, scaling, terms)  # [B, H, n, D]
+        return out.transpose(1, 2).contiguous()
+    outs = []
+    for a, (row, c) in enumerate(zip(plan.rows.tolist(), starts, strict=True)):
+        k, v = key[row : row + 1, :, : c + n], value[row : row + 1, :, : c + n]  # [1, Hkv, c + n, D]
+        out = attention_with_terms(query[a : a + 1], k, v, plan.mask, scaling, terms)  # [1, H, n, D]
+        outs.append(out.transpose(1, 2))
+    return torch.cat(outs)  # [A, n, H, D]
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, treespec_attention)

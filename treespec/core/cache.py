@@ -169,6 +169,13 @@ class TreeKVLayer(PreallocatedLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states, value_states: [A, Hkv, n, D] for the A rows of this forward
         owner = self.owner
+        (_, heads, _, dims), (_, want_heads, _, want_dims) = key_states.shape, self.keys.shape
+        if heads != want_heads or dims != want_dims:
+            raise ValueError(
+                f"the model's layers give {heads} K/V heads of {dims} dims, but its config describes "
+                f"{want_heads} of {want_dims} (num_key_value_heads, head_dim), which sized treespec's cache: "
+                "fix those config fields to match the model"
+            )
         if not owner.rows:  # a forward nobody began (a plain HF call): every row
             owner.begin(range(owner.num_rows), key_states.shape[2])
         owner.writes += 1

@@ -30,7 +30,14 @@ from functools import partial
 import torch
 
 from .acceptance import RULES, SamplingConfig, greedy_rule, verify_rows
-from .attention import KERNELS, AttentionPlan, auto_kernel, require_exact_ops, tree_attention_enabled
+from .attention import (
+    KERNELS,
+    AttentionPlan,
+    attention_forward,
+    auto_kernel,
+    require_exact_ops,
+    tree_attention_enabled,
+)
 from .cache import CacheCapacityError, TreeKVCache
 from .compiled import CompiledForward
 from .drafting import Drafter, Proposal, RootOnlyDrafter, SequenceStart
@@ -42,6 +49,7 @@ from .packed import packed_linears, shared_forward, weights_key
 from .pricing import StepPricer
 from .processing import TreeLogitsProcessing
 from .stats import GenerationStats
+from .support import check_attention_calls, check_layers, check_logits, window_of
 from .tree import Tree
 
 # In int8 numerics a prompt prefills through the native step (its linears, the fast attention kernel in
@@ -125,19 +133,12 @@ def positions_needed(
     model's position limit the decoder verifies the root alone, `Decoder._speculate`, so no node takes a
     position past it). Refuses a prompt + max_new_tokens the model cannot hold, as plain decoding would.
     prompt: how the error names the prompt ("the prompt", "prompt 3")."""
-    config = model.config
     limit = position_limit(model, max_length) or 1 << 30
     sequence = prompt_tokens + max_new_tokens
     if sequence > limit:
         raise CacheCapacityError(
             f"{prompt} has {prompt_tokens} tokens; with max_new_tokens={max_new_tokens} the sequence needs "
             f"{sequence} positions but the limit is {limit}: shorten {prompt} or lower max_new_tokens"
-        )
-    sliding = getattr(config, "sliding_window", None)
-    if sliding and getattr(config, "use_sliding_window", True) and sequence > sliding:
-        raise ValueError(
-            f"this model uses sliding-window attention ({sliding} tokens) and treespec attends to the "
-            f"whole prefix; keep prompt + max_new_tokens at most {sliding}"
         )
     return sequence + tree_nodes
 
@@ -276,23 +277,13 @@ class Decoder:
         self._layouts: dict[Tree, tuple] = {}  # tree -> (plan, children, depth [N]), bounded
         self.feature_layers = tuple(self.drafter.feature_layers)  # the target's states the drafter reads
         own_scorer = self.drafter.scorer()
-        self.native: NativeStep | None = None
-        self.step_kind = self._step_kind(step, model, linears, compile, own_scorer is not None)
-        if self.step_kind == "native":
-            default_scorer = self.native = NativeStep(
-                model, exact=self.kernel == "exact", int8=numerics == "int8"
-            )
-        else:
-            default_scorer = CompiledForward(model, linears) if compile else partial(full_forward, model)
         if own_scorer is not None and self.feature_layers:
             raise ValueError("a drafter that reads the target's features cannot bring its own scorer")
-        self.scorer = own_scorer or default_scorer
-        self.plain_scorer = default_scorer  # a step that verifies the root alone (nothing drafted for it)
+        self.step_requested, self.compile = step, compile
+        self._use_step(self._step_kind(step, model, linears, compile, own_scorer is not None), own_scorer)
         # a kept prefix needs nothing from its tokens but their K/V: not so for a drafter that reads the
         # target's features at every prompt token, or one that verifies through its own scorer
         self.reuse_prefix = reuse_prefix and own_scorer is None and not self.feature_layers
-        if self.feature_layers:
-            self.scorer = self.plain_scorer = partial(self.scorer, feature_layers=self.feature_layers)
         self.plain_above, self.pricer = plain_above, None
         if plain_above == "auto" and self.tree.num_nodes > 1 and not self.drafter.prices_steps:
             key = (type(self.drafter).__name__, self.tree, self.kernel, compile, linears)
@@ -306,6 +297,42 @@ class Decoder:
         self.held: list[list[int]] = []
         self._held_weights: tuple | None = None  # the weights those K/V came from (`weight_key`s)
         self._in_mode = False  # inside `running()` (a loop holds the mode over its steps)
+
+    def _use_step(self, kind: str, own_scorer) -> None:
+        """Run `kind` ("native" or "hf") steps: `scorer` verifies trees (the drafter's own scorer when it
+        brings one), `plain_scorer` the root alone."""
+        self.step_kind, self.native = kind, None
+        if kind == "native":
+            exact, int8 = self.kernel == "exact", self.numerics == "int8"
+            default = self.native = NativeStep(self.model, exact=exact, int8=int8)
+        elif self.compile:
+            default = CompiledForward(self.model, self.linears)
+        else:
+            default = partial(full_forward, self.model)
+        self.scorer, self.plain_scorer = own_scorer or default, default
+        if self.feature_layers:
+            self.scorer = self.plain_scorer = partial(self.scorer, feature_layers=self.feature_layers)
+
+    def _follow_window(self, sequence: int) -> None:
+        """A sequence of `sequence` positions past the model's sliding window: the native step, which sees
+        the whole prefix, gives way to transformers' forward (step="auto") or refuses; bitwise numerics
+        have no row-invariant kernel for a window and refuse."""
+        window = window_of(self.model)
+        if window is None or sequence <= window:
+            return
+        if self.numerics != "fast":
+            kind = f'numerics="{self.numerics}"'
+        elif self.native is not None and self.step_requested == "native":
+            kind = 'step="native"'
+        else:
+            if self.native is not None:
+                self._use_step("hf", None)
+            return
+        raise ValueError(
+            f"this model's sliding-window layers see only the last {window} positions, which {kind} does "
+            f'not follow: keep prompt + max_new_tokens at most {window}, or decode with numerics="fast" and '
+            'step="auto"'
+        )
 
     def _step_kind(self, step: str, model, linears: str, compile: bool, own_scorer: bool) -> str:
         """ "native" or "hf": what `step` means for this model and these settings (refuses an impossible
@@ -373,6 +400,9 @@ class Decoder:
             for p, name in zip(prompts, names, strict=True)
         )
         self.position_limit = position_limit(self.model, max_length)
+        check_layers(self.model)
+        check_logits(self.model)
+        self._follow_window(max(len(p) for p in prompts) + max_new_tokens)
         self.processing = TreeLogitsProcessing.of(self.sampling)  # None unless asked for
         weights = weights_key(self.model) if self.reuse_prefix else None
         kept = self._kept_prefix(prompts, weights)
@@ -458,11 +488,15 @@ class Decoder:
                 if native:
                     out = self.native(ids, positions, self.cache, plan, self.feature_layers, exact=False)
                 else:
-                    out = full_forward(self.model, ids, positions, self.cache, plan, self.feature_layers)
+                    with attention_forward(plan) as record:
+                        out = full_forward(self.model, ids, positions, self.cache, plan, self.feature_layers)
                 if self.feature_layers:
                     out, chunk_features = out
                     parts.append(chunk_features)
                 self.cache.check_written()
+                if not native:  # a model attending without treespec's attention verifies no tree
+                    speculating, writes = self.tree.num_nodes > 1, self.cache.writes
+                    check_attention_calls(self.model, record, writes, speculating, self.compile)
                 self.cache.commit_all()
             last = out[0, -1]  # out [1, n, H] -> [H]
             logits = self.logits(last) if native else output_logits(self.model, last)  # [V]
@@ -565,7 +599,9 @@ class Decoder:
         None); the nodes' K/V stay pending in the cache."""
         self.cache.begin(rows, tokens.shape[1])
         positions = self.cache.positions(depth)  # [A, N]
-        out = scorer(tokens, positions, self.cache, self.cache.attention_plan(plan))
+        plan = self.cache.attention_plan(plan)
+        with attention_forward(plan):  # the plan, for a model whose layers do not pass it on
+            out = scorer(tokens, positions, self.cache, plan)
         return out if self.feature_layers else (out, None)
 
     def _accepted_features(self, features: torch.Tensor | None, paths: list[list[int]]):

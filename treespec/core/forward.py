@@ -41,8 +41,16 @@ def full_forward(
 
 
 def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
-    """Base model logits of hidden states [..., H] -> [..., V] (with the model's logit soft-capping)."""
+    """Base model logits of hidden states [..., H] -> [..., V], with what the model's own forward does to its
+    lm_head's output: Cohere's `logit_scale` (x), Granite's `logits_scaling` (/), Gemma's soft-capping
+    (`support.check_logits` checks this against the model's forward once)."""
     logits = model.get_output_embeddings()(hidden)
+    scale = getattr(model, "logit_scale", None)
+    if isinstance(scale, (int, float)) and scale != 1:
+        logits = logits * scale
+    divisor = getattr(model.config, "logits_scaling", None)
+    if divisor and divisor != 1:
+        logits = logits / divisor
     cap = getattr(model.config, "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap

@@ -54,6 +54,7 @@ class TargetRuntime:
         # seconds spent building what is above for the first time (packing, native step): one-time work
         # that a call's statistics report apart (`GenerationStats.time_setup`)
         self.setup_seconds = 0.0
+        self.logits_checked = False  # `support.check_logits` found its logits the model's own
         self.closed = False
 
     @classmethod
