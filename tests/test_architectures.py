@@ -118,12 +118,12 @@ def test_architecture_decodes_as_hf_greedy(arch):
 @pytest.mark.parametrize("arch", sorted(SLIDING))
 def test_sliding_window_layers_past_the_window(arch):
     """Prompt 12 + 24 new tokens over a window of 8: one prompt, and a batch whose rows have their own
-    lengths (heads and prompt lookup drafting), each row as HF generates it alone."""
+    lengths (plain, heads and prompt lookup drafting), each row as HF generates it alone."""
     model = build(SLIDING[arch], sliding_window=8)
     assert_decodes_as_hf(model)
     prompts = [PROMPT, PROMPT[:5], PROMPT[3:] + PROMPT]
     want = [hf_greedy(model, p, 16) for p in prompts]
-    for drafter in (random_heads(model), treespec.PromptLookup(3)):
+    for drafter in (None, random_heads(model), treespec.PromptLookup(3)):
         got = treespec.generate(model, prompts, drafter, max_new_tokens=16, eos_token_id=[])
         assert [r.token_ids for r in got] == want
 

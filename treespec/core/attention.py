@@ -429,12 +429,11 @@ def _rows_attention(
 def _attention_with_terms(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: AttentionPlan, scaling: float, terms
 ) -> torch.Tensor:
-    """A forward whose attention has `ScoreTerms`: `attention_with_terms` where they change anything (row
-    by row for rows with their own committed lengths), else the plan's kernel. Returns [A, n, H, D]."""
+    """A forward whose attention has `ScoreTerms`: the terms where they change anything (row by row for rows
+    with their own committed lengths), else the plan's kernel. Returns [A, n, H, D]."""
     n = query.shape[2]
     starts = [key.shape[2] - n] if plan.rows is None else plan.prefix_lens.tolist()
-    depth = plan.deepest(n)
-    if not any(terms.needed(c + depth) for c in starts):
+    if not any(terms.needed(c + plan.deepest(n)) for c in starts):
         return _plan_attention(query, key, value, plan, scaling)
     if plan.kernel == "exact":
         raise ValueError(
@@ -442,14 +441,29 @@ def _attention_with_terms(
             'a sliding window a sequence has passed; use numerics="fast" for this model'
         )
     if plan.rows is None:  # every row from one start
-        out = attention_with_terms(query, key, value, plan.mask, scaling, terms)  # [B, H, n, D]
-        return out.transpose(1, 2).contiguous()
+        return _terms_from_one_start(query, key, value, plan, scaling, terms)
+    one_row = AttentionPlan(plan.kernel, plan.mask, plan.bits, depth=plan.depth)
     outs = []
     for a, (row, c) in enumerate(zip(plan.rows.tolist(), starts, strict=True)):
         k, v = key[row : row + 1, :, : c + n], value[row : row + 1, :, : c + n]  # [1, Hkv, c + n, D]
-        out = attention_with_terms(query[a : a + 1], k, v, plan.mask, scaling, terms)  # [1, H, n, D]
-        outs.append(out.transpose(1, 2))
+        outs.append(_terms_from_one_start(query[a : a + 1], k, v, one_row, scaling, terms))  # [1, n, H, D]
     return torch.cat(outs)  # [A, n, H, D]
+
+
+def _terms_from_one_start(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: AttentionPlan, scaling: float, terms
+) -> torch.Tensor:
+    """query [B, H, n, D] over key/value [B, Hkv, L, D] whose last n keys are the block -> [B, n, H, D]. The
+    keys before every query's window are left out first (the root's window starts at L - n - window + 1), so
+    a step past the window reads the window only; one query with a window alone then takes the plan's
+    kernel over exactly its window's keys."""
+    n, L = query.shape[2], key.shape[2]
+    first = 0 if terms.window is None else max(0, L - n - terms.window + 1)
+    key, value = key[:, :, first:], value[:, :, first:]  # [B, Hkv, L - first, D] views
+    if n == 1 and not terms.softcap and terms.sinks is None:
+        return _plan_attention(query, key, value, plan, scaling)
+    out = attention_with_terms(query, key, value, plan.mask, scaling, terms)  # [B, H, n, D]
+    return out.transpose(1, 2).contiguous()
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, treespec_attention)
