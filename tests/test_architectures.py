@@ -278,3 +278,13 @@ def test_layers_that_drop_keywords_refuse_a_compiled_step():
     options = treespec.DecodeOptions(compile=True)
     with pytest.raises(UnsupportedModelError, match="do not pass keyword arguments on"):
         treespec.generate(model, PROMPT, treespec.PromptLookup(3), max_new_tokens=4, options=options)
+
+
+def test_a_window_the_layers_do_not_name_is_refused_past_it():
+    """A stray sliding_window in a Llama config: transformers' own cache would apply it, Llama's layers do
+    not name it to their attention. Within the window nothing changes; past it, a refusal."""
+    model = build(("LlamaConfig", "LlamaForCausalLM", GQA), sliding_window=16)
+    short = treespec.generate(model, PROMPT[:4], None, max_new_tokens=12, eos_token_id=[])
+    assert short.token_ids == hf_greedy(model, PROMPT[:4], 12)
+    with pytest.raises(UnsupportedModelError, match="do not pass a window to their attention"):
+        treespec.generate(model, PROMPT, None, max_new_tokens=12, eos_token_id=[])

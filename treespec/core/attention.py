@@ -328,6 +328,7 @@ class ForwardRecord:
     plan: AttentionPlan
     calls: int = 0
     planless: int = 0  # calls that came without the plan keyword (the layers did not pass it on)
+    windowed: int = 0  # calls that named a sliding window
 
 
 _FORWARD: ContextVar[ForwardRecord | None] = ContextVar("treespec_forward", default=None)
@@ -379,6 +380,8 @@ def treespec_attention(
     if key.dtype != query.dtype and plan.kernel != "exact":  # bf16 K/V under float32 queries: widened
         key, value = key.to(query.dtype), value.to(query.dtype)  # (the row-invariant op reads them as is)
     terms = ScoreTerms.of(kwargs)
+    if record is not None and terms is not None and terms.window is not None:
+        record.windowed += 1
     if terms is not None:
         return _attention_with_terms(query, key, value, plan, scaling, terms), None
     return _plan_attention(query, key, value, plan, scaling), None

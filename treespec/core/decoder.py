@@ -318,7 +318,8 @@ class Decoder:
         the whole prefix, gives way to transformers' forward (step="auto") or refuses; bitwise numerics
         have no row-invariant kernel for a window and refuse."""
         window = window_of(self.model)
-        if window is None or sequence <= window:
+        self._windowed = window is not None and sequence > window  # the layers must apply the window
+        if not self._windowed:
             return
         if self.numerics != "fast":
             kind = f'numerics="{self.numerics}"'
@@ -496,7 +497,9 @@ class Decoder:
                 self.cache.check_written()
                 if not native:  # a model attending without treespec's attention verifies no tree
                     speculating, writes = self.tree.num_nodes > 1, self.cache.writes
-                    check_attention_calls(self.model, record, writes, speculating, self.compile)
+                    check_attention_calls(
+                        self.model, record, writes, speculating, self.compile, self._windowed
+                    )
                 self.cache.commit_all()
             last = out[0, -1]  # out [1, n, H] -> [H]
             logits = self.logits(last) if native else output_logits(self.model, last)  # [V]

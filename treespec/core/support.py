@@ -59,11 +59,20 @@ def window_of(model) -> int | None:
     return window if not kinds or "sliding_attention" in kinds else None
 
 
-def check_attention_calls(model, record, writes: int, speculating: bool, compiled: bool) -> None:
+def check_attention_calls(
+    model, record, writes: int, speculating: bool, compiled: bool, past_window: bool = False
+) -> None:
     """After a forward in which `writes` layers wrote treespec's cache, with `record` its attention calls
-    (`attention.ForwardRecord`): refuse tree verification when some layers attended on their own, and a
+    (`attention.ForwardRecord`): refuse tree verification when some layers attended on their own, a
     compiled step when the layers do not pass the plan on (a compiled graph cannot read it from the
-    context)."""
+    context), and a sequence past the config's sliding window when no layer named the window to its
+    attention (transformers would apply it through its own cache, which treespec replaces)."""
+    if past_window and record.windowed == 0:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}'s config sets sliding_window={window_of(model)} but its layers do not "
+            "pass a window to their attention, so treespec cannot follow it: keep prompt + max_new_tokens "
+            "within the window, or drop sliding_window from the config if the model was not trained with one"
+        )
     if speculating and record.calls < writes:
         raise UnsupportedModelError(
             f"{type(model).__name__} computes attention in {writes - record.calls} of its {writes} layers "
