@@ -104,8 +104,9 @@ struct NativeModel : torch::CustomClassHolder {
     return out;
   }
 
-  // dims: layers, hidden, heads, kv_heads, head_dim, intermediate, vocab[, eagle]; numbers: eps, scale;
-  // tensors: embed, final norm, then per layer: input norm, post norm, 7 linears x (w, d, m, bias) with
+  // dims: layers, hidden, heads, kv_heads, head_dim, intermediate, vocab[, eagle[, qk_norm]]; numbers: eps,
+  // scale; tensors: embed, final norm, then per layer: input norm, post norm[, qk_norm: q norm, k norm
+  // (Qwen3: [head_dim] each, applied to every q / k head before the rotary)], 7 linears x (w, d, m, bias) with
   // empty tensors where a slot is unused, then the lm_head's 4 slots[, eagle: the hidden norm]; kinds: 7
   // WeightKind values per layer, then the lm_head's. int8: int8 numerics (int8_linear.h): every linear must
   // come as Q4_1 / Q8_0 blocks; they are repacked into the int8 layout, which the model then holds instead
@@ -114,10 +115,12 @@ struct NativeModel : torch::CustomClassHolder {
   // caller passes the draft vocabulary's size there and the embedding's rows are read from the tensor).
   NativeModel(std::vector<int64_t> dims, std::vector<double> numbers, std::vector<at::Tensor> tensors,
               std::vector<int64_t> kinds, bool int8) {
-    TORCH_CHECK((dims.size() == 7 || dims.size() == 8) && numbers.size() == 2,
-                "treespec native step: 7 or 8 dims and 2 numbers expected");
+    TORCH_CHECK(dims.size() >= 7 && dims.size() <= 9 && numbers.size() == 2,
+                "treespec native step: 7 to 9 dims and 2 numbers expected");
     NativeModelDesc& m = desc;
-    m.eagle = dims.size() == 8 && dims[7] != 0;
+    m.eagle = dims.size() >= 8 && dims[7] != 0;
+    const bool qk_norm = dims.size() == 9 && dims[8] != 0;  // Qwen3: per layer a q norm and a k norm
+    TORCH_CHECK(!qk_norm || !m.eagle, "treespec native step: an EAGLE layer has no q / k norms");
     TORCH_CHECK(!m.eagle || (dims[0] == 1 && !int8), "treespec native step: an EAGLE layer is one layer, float numerics");
     m.layers = static_cast<int>(dims[0]);
     m.hidden = static_cast<int>(dims[1]);
@@ -136,7 +139,8 @@ struct NativeModel : torch::CustomClassHolder {
                 "treespec native step: heads ", m.heads, " / kv heads ", m.kv_heads, " / head_dim ", m.head_dim,
                 " not supported");
     const size_t expected =
-        2 + static_cast<size_t>(m.layers) * (2 + kLinearsPerLayer * kSlotsPerLinear) + kSlotsPerLinear + (m.eagle ? 1 : 0);
+        2 + static_cast<size_t>(m.layers) * ((qk_norm ? 4 : 2) + kLinearsPerLayer * kSlotsPerLinear) + kSlotsPerLinear +
+        (m.eagle ? 1 : 0);
     const size_t expected_kinds = static_cast<size_t>(m.layers) * kLinearsPerLayer + 1;
     TORCH_CHECK(tensors.size() == expected && kinds.size() == expected_kinds, "treespec native step: ", expected,
                 " tensors and ", expected_kinds, " kinds expected, got ", tensors.size(), " and ", kinds.size());
@@ -170,6 +174,13 @@ struct NativeModel : torch::CustomClassHolder {
       NativeLayer L;
       L.input_norm = float_pointer(tensors[at++], "a layer norm");
       L.post_norm = float_pointer(tensors[at++], "a layer norm");
+      if (qk_norm) {
+        for (const at::Tensor& t : {tensors[at], tensors[at + 1]})
+          TORCH_CHECK(t.numel() == m.head_dim, "treespec native step: a q / k norm must have head_dim (", m.head_dim,
+                      ") values, got ", t.numel());
+        L.q_norm = float_pointer(tensors[at++], "a q norm");
+        L.k_norm = float_pointer(tensors[at++], "a k norm");
+      }
       LinearWeights* linears[kLinearsPerLayer] = {&L.q, &L.k, &L.v, &L.o, &L.gate, &L.up, &L.down};
       for (int j = 0; j < kLinearsPerLayer; ++j) {
         *linears[j] = linear_from_slots(tensors, at, kinds[l * kLinearsPerLayer + j], shapes[j][0], shapes[j][1]);

@@ -37,6 +37,9 @@ namespace treespec {
 struct NativeLayer {
   const float* input_norm = nullptr;  // [hidden] float32
   const float* post_norm = nullptr;   // [hidden] float32
+  // Qwen3: RMSNorm over each q / k head vector before the rotary embedding ([head_dim] float32); else null
+  const float* q_norm = nullptr;
+  const float* k_norm = nullptr;
   LinearWeights q, k, v, o, gate, up, down;
   Int8Weights iq, ik, iv, io, igate, iup, idown;  // the same linears in the int8 form (int8 numerics only)
   void* keys = nullptr;    // cache [rows, kv_heads, max_len, head_dim] in the model's dtype (or bf16: kv_bf16)

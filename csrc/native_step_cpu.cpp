@@ -291,9 +291,10 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
   };
 
   // row r's q head `head`: rotary, then stored for attention
-  auto rotary_q = [&](int64_t r, int head) {
+  auto rotary_q = [&](const NativeLayer& L, int64_t r, int head) {
     const int64_t ai = r / n, i = r % n, pos = a.positions[r];
     float* qv = qkv + r * QKV + static_cast<int64_t>(head) * D;
+    if (L.q_norm) rms_norm(qv, L.q_norm, D, m.eps, bf16, qv);  // in place: each element read before written
     rotate(qv, a.cos + pos * D, a.sin + pos * D, D, bf16);
     store_row<T>(qv, qh + ((ai * Hq + head) * n + i) * D, D);
   };
@@ -312,6 +313,7 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
         a.rows[ai] * m.cache_stride_b + kvh * m.cache_stride_h + (a.starts[ai] + a.block_offset + i) * m.cache_stride_l;
     if (store_k) {
       float* kv = row + qw + static_cast<int64_t>(kvh) * D;
+      if (L.k_norm) rms_norm(kv, L.k_norm, D, m.eps, bf16, kv);
       rotate(kv, a.cos + pos * D, a.sin + pos * D, D, bf16);
       store_kv(kv, L.keys, slot);
     }
@@ -365,14 +367,14 @@ void step(const NativeModelDesc& m, const NativeStepArgs& a, NativeScratch& s) {
           for (int64_t r = 0; r < M; ++r)
             for (int head = static_cast<int>(n0 / D); head < n1 / D; ++head) {
               if (offset == 0)
-                rotary_q(r, head);
+                rotary_q(L, r, head);
               else
                 rotary_kv(L, r, head, offset == qw, offset != qw);
             }
         break;
       }
       case StageKind::kRotary: {  // row t: rotary on its q and k heads; k, v into the cache; q for attention
-        for (int head = 0; head < Hq; ++head) rotary_q(t, head);
+        for (int head = 0; head < Hq; ++head) rotary_q(L, t, head);
         for (int kvh = 0; kvh < Hkv; ++kvh) rotary_kv(L, t, kvh, true, true);
         break;
       }

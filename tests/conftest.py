@@ -21,6 +21,8 @@ from transformers import (
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 import treespec
@@ -48,6 +50,8 @@ ARCHS = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
 }
+# the native step's architectures: ARCHS and Qwen3 (its q / k head norms; tests/test_native.py, test_int8.py)
+NATIVE_ARCHS = {**ARCHS, "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
 
 
 def load_script(name: str):
@@ -60,7 +64,7 @@ def load_script(name: str):
 
 def tiny_model(arch: str = "llama", dtype=torch.float64, seed: int = 0, **overrides):
     """A tiny random model of the given architecture (eval mode, float64 by default)."""
-    config_cls, model_cls = ARCHS[arch]
+    config_cls, model_cls = NATIVE_ARCHS[arch]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**{**TINY, **overrides}))
     return model.to(dtype).eval()

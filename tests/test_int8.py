@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ARCHS, tiny_model
+from conftest import ARCHS, NATIVE_ARCHS, tiny_model
 from test_bitwise import speculative_text_equals_plain_text
 from test_native import _model as native_model
 from test_native import _random_tree, _verify, one_token_logits
@@ -154,7 +154,7 @@ def _model(arch: str, dtype, blocks: bool, seed: int):
     return native_model(arch, dtype, blocks, seed, **SHAPE)
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("arch", sorted(NATIVE_ARCHS))
 @pytest.mark.parametrize(
     "dtype,blocks", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)]
 )

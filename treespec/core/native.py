@@ -12,10 +12,10 @@ is read from a bfloat16 copy made once (`core.blocks.exact_bf16`): half the byte
 The rotary tables come from the model's own rotary module, once per cache size. Nothing of
 HF's Python forward runs per step: no module dispatch, no small aten ops.
 
-It covers Llama, Qwen2 and Mistral decoders (RMSNorm, rotary, grouped-query attention with optional
-q/k/v/o biases, SiLU-gated MLP) on the CPU in float32 or bfloat16; `unsupported_reason` says why any
-other model or setting runs the HF forward instead. The HF forward stays the reference: tests compare the
-two on fresh random models (tests/test_native.py).
+It covers Llama, Qwen2, Mistral and Qwen3 decoders (RMSNorm, rotary, grouped-query attention with
+optional q/k/v/o biases and Qwen3's RMSNorm of each q / k head, SiLU-gated MLP) on the CPU in float32 or
+bfloat16; `unsupported_reason` says why any other model or setting runs the HF forward instead. The HF
+forward stays the reference: tests compare the two on fresh random models (tests/test_native.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from .packed import weights_key
 from .pages import huge_page_copies
 from .runtime import TargetRuntime
 
-MODEL_TYPES = ("llama", "qwen2", "mistral")
+MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3")
 ROPE_TYPES = (
     "default",
     "linear",
@@ -56,6 +56,13 @@ def _layer_linears(layer) -> tuple[torch.nn.Module, ...]:
     """A decoder layer's seven linears in the native step's order: q, k, v, o, gate, up, down."""
     attn, mlp = layer.self_attn, layer.mlp
     return (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+
+
+def _head_norms(layer) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """A layer's RMSNorms of each q and k head (Qwen3's q_norm, k_norm), or None where it has none."""
+    attn = layer.self_attn
+    norms = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    return None if norms == (None, None) else norms
 
 
 def model_reason(model) -> str | None:
@@ -88,9 +95,14 @@ def model_reason(model) -> str | None:
     for layer in layers:
         if any(type(m) is not torch.nn.Linear for m in _layer_linears(layer)):
             return "linear layers that are not plain nn.Linear (adapters, quantized modules)"
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        norms = [layer.input_layernorm, layer.post_attention_layernorm, *(_head_norms(layer) or ())]
+        for norm in norms:
             if not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "variance_epsilon"):
                 return f"a {type(norm).__name__} norm"
+            if norm.variance_epsilon != layers[0].input_layernorm.variance_epsilon:
+                return "norms of different epsilons"
+        if (_head_norms(layer) is not None) != (config.model_type == "qwen3"):
+            return "q / k head norms where the model type has none (or none where it has them)"
     return None
 
 
@@ -217,10 +229,8 @@ class NativeStep:
         ]
         kinds = []
         for layer in layers:
-            tensors += [
-                layer.input_layernorm.weight.detach().float().contiguous(),
-                layer.post_attention_layernorm.weight.detach().float().contiguous(),
-            ]
+            norms = [layer.input_layernorm, layer.post_attention_layernorm, *(_head_norms(layer) or ())]
+            tensors += [norm.weight.detach().float().contiguous() for norm in norms]
             for module in _layer_linears(layer):
                 kind, slots = linear_slots(module, blocks.get(id(module)), self.int8)
                 kinds.append(kind)
@@ -237,6 +247,8 @@ class NativeStep:
             config.intermediate_size,
             inner.embed_tokens.weight.shape[0],
         ]
+        if _head_norms(layers[0]) is not None:
+            dims += [0, 1]  # not an EAGLE layer; q / k head norms
         eps = float(layers[0].input_layernorm.variance_epsilon)
         shared = {p.data_ptr() for p in model.parameters()}
         if packing is not None:
