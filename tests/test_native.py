@@ -1,10 +1,10 @@
 """The native step (core.native, csrc/native_step_cpu.cpp) against the HF forward it replaces.
 
-On fresh random tiny models (Llama, Qwen2, Mistral, Qwen3; float32 and bfloat16; dense and exact-block weights):
-random trees of 1-40 nodes over batches of 1-8 rows with their own prompt lengths must give the hidden
-states, the K/V written to the cache, the target features and the logits of the HF forward (to float
-rounding); greedy decoding through it equals transformers' greedy generate; bitwise numerics through it
-give every node the bits of a one-token step; and what it cannot run is refused with the reason.
+On fresh random tiny models (Llama, Qwen2, Mistral, Qwen3; float32 and bfloat16; dense and exact-block
+weights): random trees of 1-40 nodes over batches of 1-8 rows with their own prompt lengths must give the
+hidden states, the K/V written to the cache, the target features and the logits of the HF forward (to
+float rounding); greedy decoding through it equals transformers' greedy generate; bitwise numerics through
+it give every node the bits of a one-token step; and what it cannot run is refused with the reason.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ class DecodeOptions:
     (row-invariant kernels, CPU: speculative output equals the plain loop's output, bit for bit) or "int8"
     (bitwise with 8-bit activations in every linear of the native step: speculative output equals the
     int8 plain loop's, which can differ from the float model's; `core.decoder.numerics_settings`).
-    step: "auto" (the native step where it covers the model: Llama, Qwen2, Mistral on the CPU, no
+    step: "auto" (the native step where it covers the model: Llama, Qwen2, Mistral, Qwen3 on the CPU, no
     compile), "native" (refused with the reason where it cannot run) or "hf" (transformers' forward;
     `core.native`). kv_dtype: what the cache stores K/V in, "model" or "bfloat16" (a float32 model's cache
     in half the bytes, and attention reads half as much a step; its K/V rounded to bf16, so with
