@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 import transformers
-from conftest import hf_greedy, random_heads
+from conftest import TINY, hf_greedy, random_heads
 from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager
 from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager
 
@@ -23,18 +23,7 @@ from treespec.core.drafting import BaseDrafter, Proposal
 from treespec.core.support import UnsupportedModelError
 from treespec.core.tree import Tree
 
-GQA = dict(
-    vocab_size=96,
-    hidden_size=48,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=6,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=512,
-    initializer_range=0.2,
-    tie_word_embeddings=False,
-)
+GQA = {**TINY, "head_dim": 8}  # conftest's tiny shape (6 heads over 2 K/V heads), head_dim said outright
 MHA = {k: v for k, v in GQA.items() if k not in ("num_key_value_heads", "head_dim")}
 # (config class, model class, config): what a user's checkpoint of each family would bring, tiny
 ARCHITECTURES = {

@@ -20,23 +20,10 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from conftest import hf_greedy  # noqa: E402
-from test_architectures import KnownContinuation  # noqa: E402
+from test_architectures import GQA, MHA, KnownContinuation  # noqa: E402
 
 import treespec  # noqa: E402
 
-GQA = dict(
-    vocab_size=96,
-    hidden_size=48,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=6,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=512,
-    initializer_range=0.2,
-    tie_word_embeddings=False,
-)
-MHA = {k: v for k, v in GQA.items() if k not in ("num_key_value_heads", "head_dim")}
 OWN = {  # families whose configs name their sizes otherwise
     "Bloom": dict(vocab_size=96, hidden_size=48, n_layer=2, n_head=6),
     "GPT2": dict(vocab_size=96, n_embd=48, n_layer=2, n_head=6),
