@@ -18,6 +18,8 @@ logits some other way is refused instead of sampled from another distribution.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .forward import output_logits
@@ -93,6 +95,7 @@ def check_logits(model) -> None:
     runtime = TargetRuntime.of(model)
     if runtime.logits_checked:
         return
+    started = time.perf_counter()  # one-time work, reported as setup (`GenerationStats.time_setup`)
     device = next(model.parameters()).device
     ids = torch.arange(3, device=device)[None] % model.get_output_embeddings().weight.shape[0]  # [1, 3]
     training = model.training  # dropout off for the comparison
@@ -113,3 +116,4 @@ def check_logits(model) -> None:
             "soft-capping); decode this model with transformers' generate"
         )
     runtime.logits_checked = True
+    runtime.setup_seconds += time.perf_counter() - started
