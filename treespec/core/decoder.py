@@ -228,6 +228,8 @@ class Decoder:
     hidden: torch.Tensor | None = None  # [A, H] at each live row's last committed token
     roots: torch.Tensor | None = None  # [A] each live row's next root token
     processing: TreeLogitsProcessing | None = None  # a repetition penalty / logits processors (`prefill`)
+    native: NativeStep | None = None  # the native step's scorer when steps run natively (`_use_step`)
+    _windowed = False  # the sequence passes the model's sliding window (`_follow_window`)
 
     def __init__(
         self,
