@@ -44,10 +44,15 @@ from treespec.tools.models import MODEL_SHAPES, shape_config
 
 def shaped_model(shape: str) -> torch.nn.Module:
     """A float32 model of `shape` (`MODEL_SHAPES`) with random weights (normal, std 0.02)."""
+    model_type, sizes = shape_config(shape)
+    return random_model(model_type, **{"max_position_embeddings": 4096, **sizes})
+
+
+def random_model(model_type: str, **fields) -> torch.nn.Module:
+    """A float32 model of a transformers model type and config fields, random weights (normal, std 0.02)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type, sizes = shape_config(shape)
-    config = AutoConfig.for_model(model_type, max_position_embeddings=4096, **sizes)
+    config = AutoConfig.for_model(model_type, **fields)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():

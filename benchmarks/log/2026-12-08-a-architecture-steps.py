@@ -20,10 +20,9 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from step_profile import ChainDrafter  # noqa: E402
+from step_profile import ChainDrafter, random_model  # noqa: E402
 
 from treespec.core.decoder import Decoder  # noqa: E402
 
@@ -59,14 +58,7 @@ SHAPES = {
 
 def shaped(name: str):
     fields = dict(SHAPES[name])
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.02)
-    return model
+    return random_model(fields.pop("model_type"), **fields)
 
 
 def step_ms(model, prompt: list[int], n: int, steps: int) -> tuple[float, str]:

@@ -380,11 +380,11 @@ def treespec_attention(
     if key.dtype != query.dtype and plan.kernel != "exact":  # bf16 K/V under float32 queries: widened
         key, value = key.to(query.dtype), value.to(query.dtype)  # (the row-invariant op reads them as is)
     terms = ScoreTerms.of(kwargs)
-    if record is not None and terms is not None and terms.window is not None:
+    if terms is None:
+        return _plan_attention(query, key, value, plan, scaling), None
+    if record is not None and terms.window is not None:
         record.windowed += 1
-    if terms is not None:
-        return _attention_with_terms(query, key, value, plan, scaling, terms), None
-    return _plan_attention(query, key, value, plan, scaling), None
+    return _attention_with_terms(query, key, value, plan, scaling, terms), None
 
 
 def _plan_attention(

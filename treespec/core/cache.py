@@ -46,9 +46,14 @@ class CacheCapacityError(ValueError):
     """More tokens than the preallocated cache can hold."""
 
 
+def text_config(model):
+    """A transformers causal LM's text-decoder config (its own, or a multimodal model's text part)."""
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
 def kv_layout(model) -> tuple[int, int, int, torch.dtype, torch.device]:
     """(layers, KV heads, head dim, dtype, device) of a transformers causal LM's KV cache."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model)
     num_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads

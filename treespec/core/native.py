@@ -95,13 +95,13 @@ def model_reason(model) -> str | None:
     for layer in layers:
         if any(type(m) is not torch.nn.Linear for m in _layer_linears(layer)):
             return "linear layers that are not plain nn.Linear (adapters, quantized modules)"
-        norms = [layer.input_layernorm, layer.post_attention_layernorm, *(_head_norms(layer) or ())]
-        for norm in norms:
+        head_norms = _head_norms(layer)
+        for norm in [layer.input_layernorm, layer.post_attention_layernorm, *(head_norms or ())]:
             if not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "variance_epsilon"):
                 return f"a {type(norm).__name__} norm"
             if norm.variance_epsilon != layers[0].input_layernorm.variance_epsilon:
                 return "norms of different epsilons"
-        if (_head_norms(layer) is not None) != (config.model_type == "qwen3"):
+        if (head_norms is not None) != (config.model_type == "qwen3"):
             return "q / k head norms where the model type has none (or none where it has them)"
     return None
 

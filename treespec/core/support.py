@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from .cache import text_config
 from .forward import output_logits
 from .runtime import TargetRuntime
 
@@ -34,8 +35,7 @@ class UnsupportedModelError(ValueError):
 
 def layer_kinds(model) -> list[str]:
     """The kinds of the model's decoder layers as its config names them (empty when it names none)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return list(getattr(config, "layer_types", None) or ())
+    return list(getattr(text_config(model), "layer_types", None) or ())
 
 
 def check_layers(model) -> None:
@@ -53,7 +53,7 @@ def check_layers(model) -> None:
 def window_of(model) -> int | None:
     """The model's sliding window in tokens when some layers use one (None: every layer sees the whole
     prefix)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model)
     window = getattr(config, "sliding_window", None)
     if not window or not getattr(config, "use_sliding_window", True):
         return None

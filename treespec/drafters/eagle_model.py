@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from ..core.cache import text_config
 from ..io import atomic_write, atomic_write_text
 from .checkpoint_files import CONFIG_NAME, WEIGHTS_NAME, check_tensors, draft_vocab_problem, read_checkpoint
 from .heads import check_made_for, model_identity
@@ -161,7 +162,7 @@ class EagleDraftModel(nn.Module):
         """A drafter shaped like one of `model`'s decoder layers, initialised from its last layer's
         attention and MLP (q/k/v take the 2H input: the layer's weights on both halves, halved) and
         from its output rows for the draft vocabulary. draft_vocab: token ids [V'] (most frequent first)."""
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        config = text_config(model)
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         draft_vocab = torch.as_tensor(draft_vocab, dtype=torch.long)

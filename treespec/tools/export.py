@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..core.cache import text_config
 from ..drafters.eagle_model import EagleDraftModel
 from ..drafters.heads import MedusaHeads
 from ..io import atomic_write, atomic_write_text
@@ -91,7 +92,7 @@ def export_eagle3(
     draft: EagleDraftModel, model, out: str | Path, dtype: torch.dtype = torch.bfloat16
 ) -> Path:
     """The EAGLE-style drafter -> an EAGLE-3 folder for vLLM (--speculative-config method "eagle3")."""
-    target = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    target = text_config(model)
     if target.hidden_size != draft.hidden_size:
         raise ExportError(
             f"EAGLE-3 engines run the draft layer at the target's width; this drafter has hidden size "
